@@ -1,0 +1,71 @@
+"""Agent configuration: one dataclass, every field documented, environment overrides in one place."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+DISABLE_ENV = "TRAINVITALS_DISABLE"
+
+
+def disabled_by_env() -> bool:
+    """TRAINVITALS_DISABLE=1 (or true/yes) turns the agent into a no-op before it touches anything."""
+    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(kw_only=True, slots=True)
+class AgentConfig:
+    """How the agent samples, batches and delivers.
+
+    Usage::
+
+        cfg = AgentConfig(collector="http://collector:8000", send_interval_s=5.0)
+        agent = attach(model, optimizer, run="llama-7b-0412", config=cfg)
+    """
+
+    collector: str | None = None
+    """Collector base URL. None: $TRAINVITALS_COLLECTOR, else http://127.0.0.1:8000. "" sends nothing."""
+    token: str | None = None
+    """Bearer token for the collector (scope: ingest). None: $TRAINVITALS_TOKEN."""
+    send_interval_s: float = 2.0
+    """How often the background thread ships a batch."""
+    max_batch_records: int = 20_000
+    """Records per HTTP request at most; a backlog goes out as several batches."""
+    queue_max_records: int = 200_000
+    """In-memory bound; when full the oldest record is dropped and counted (never blocks training)."""
+    http_timeout_s: float = 5.0
+    """Per request; a hung collector costs the background thread at most this per attempt."""
+    retry_backoff_s: float = 2.0
+    """After a failed delivery, wait at least this long before trying the collector again."""
+    spill_dir: str | None = None
+    """Where undeliverable batches wait on disk. None: $TRAINVITALS_SPILL_DIR, else ./trainvitals-spool."""
+    spill_max_bytes: int = 512 * 1024 * 1024
+    """Per rank; past it new batches are dropped and counted rather than filling the disk."""
+    record_file: str | None = None
+    """Also append every batch (JSONL, wire format) to this file; '{rank}' is replaced."""
+    flush_timeout_s: float = 10.0
+    """close()/exit waits at most this long for delivery; the rest stays spilled for later."""
+    grad_groups: str = "block"
+    """Gradient-norm groups: 'block' (per numbered layer, e.g. layers.3), 'param' or 'none'."""
+    grad_ownership: str = "auto"
+    """Who counts a gradient once: 'auto' (DTensor placements, DDP, FSDP), 'replicated', 'sharded'."""
+    log_every_s: float = 60.0
+    """Rate limit for the agent's own warnings."""
+    tags: dict[str, str] = field(default_factory=dict)
+    """Free-form run tags sent with the registration."""
+
+    def __post_init__(self) -> None:
+        if self.send_interval_s <= 0:
+            raise ValueError("send_interval_s must be > 0")
+        if self.max_batch_records < 1 or self.queue_max_records < self.max_batch_records:
+            raise ValueError("need 1 <= max_batch_records <= queue_max_records")
+        if self.grad_groups not in ("block", "param", "none"):
+            raise ValueError("grad_groups must be 'block', 'param' or 'none'")
+        if self.grad_ownership not in ("auto", "replicated", "sharded"):
+            raise ValueError("grad_ownership must be 'auto', 'replicated' or 'sharded'")
+        if self.collector is None:
+            self.collector = os.environ.get("TRAINVITALS_COLLECTOR", "http://127.0.0.1:8000")
+        if self.token is None:
+            self.token = os.environ.get("TRAINVITALS_TOKEN") or None
+        if self.spill_dir is None:
+            self.spill_dir = os.environ.get("TRAINVITALS_SPILL_DIR", "trainvitals-spool")

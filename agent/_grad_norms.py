@@ -1,0 +1,142 @@
+"""Gradient sums of squares per parameter group, on device, with no collective.
+
+Each rank reports, per group, `local_sq` (every gradient element it holds) and `owned_sq` (only
+the elements this rank is responsible for, so that summing owned_sq over all ranks counts every
+element of the global gradient exactly once: shards summed once, replicas counted once). The
+collector takes sqrt(sum over ranks of owned_sq); replicas' local_sq must agree, which makes
+silent corruption of one replica visible.
+
+Ownership, per parameter, decided once:
+- DTensor gradients (FSDP2 `fully_shard`, TP): Shard dims are distinct data, so they count; along
+  every Replicate mesh dim only coordinate 0 counts.
+- Plain tensors under DDP: replicated over the DDP process group, so only its rank 0 counts.
+- FSDP1 flat parameters: every rank holds a distinct shard.
+- Single process: everything counts.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+GLOBAL_GROUP = "__global__"
+
+# Wrapper prefixes that are not part of the model's own names.
+_WRAPPER_PARTS = {"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_forward_module"}
+
+
+def clean_name(name: str) -> str:
+    return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
+
+
+def block_group(name: str) -> str:
+    """'layers.3.attn.q.weight' -> 'layers.3'; 'tok_emb.weight' -> 'tok_emb'."""
+    parts = clean_name(name).split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return parts[0] if len(parts) > 1 else re.sub(r"\.(weight|bias)$", "", parts[0])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # DTensor.to_local() is a view of this rank's shard; calling norm on the DTensor itself would
+    # launch a collective, which the agent must never do.
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def _owned(param: torch.Tensor, model: nn.Module, mode: str) -> bool:
+    if mode == "sharded":
+        return True
+    placements = getattr(param, "placements", None)
+    if placements is not None and mode == "auto":
+        coord = param.device_mesh.get_coordinate()  # type: ignore[attr-defined]
+        if coord is None:  # this rank is not in the mesh
+            return False
+        return all(c == 0 for c, p in zip(coord, placements, strict=True) if p.is_replicate())
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    if mode == "auto":
+        fsdp1 = getattr(getattr(dist, "fsdp", None), "FullyShardedDataParallel", None)
+        if fsdp1 is not None and isinstance(model, fsdp1):
+            return True
+        group = getattr(model, "process_group", None)  # DDP keeps its group here
+        return dist.get_rank(group) == 0
+    return dist.get_rank() == 0  # 'replicated': over the whole world
+
+
+class GradNormTracker:
+    """Computes a flat device vector [local_sq per group, owned_sq per group, nonfinite per group]
+    plus the three global totals, from the gradients present at optimizer.step time.
+
+    Usage::
+
+        tracker = GradNormTracker(model, groups="block", ownership="auto")
+        vec = tracker.compute()          # device tensor or None; no sync, no collective
+        records = tracker.records(step, vec.tolist())
+    """
+
+    def __init__(self, model: nn.Module, *, groups: str = "block", ownership: str = "auto") -> None:
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._params = [p for _, p in named]
+        if groups == "param":
+            names = [clean_name(n) for n, _ in named]
+        elif groups == "block":
+            names = [block_group(n) for n, _ in named]
+        else:
+            names = [GLOBAL_GROUP for _ in named]
+        self.group_names: list[str] = list(dict.fromkeys(names))
+        index = {g: i for i, g in enumerate(self.group_names)}
+        self._group_of = torch.tensor([index[n] for n in names], dtype=torch.long)
+        self._owned = torch.tensor([_owned(p, model, ownership) for p in self._params], dtype=torch.float32)
+        self._cache: dict[tuple[torch.device, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def width(self) -> int:
+        return 3 * len(self.group_names) + 3
+
+    def compute(self) -> torch.Tensor | None:
+        present = [i for i, p in enumerate(self._params) if p.grad is not None]
+        if not present:
+            return None
+        grads = [_local(self._params[i].grad) for i in present]  # type: ignore[arg-type]
+        norms = torch._foreach_norm(grads, 2.0)
+        device = norms[0].device
+        if any(n.device != device for n in norms):  # e.g. CPU-offloaded parameters
+            norms = [n.to(device, non_blocking=True) for n in norms]
+        sq = torch.stack(norms).float().square()
+        group_of, owned = self._indices(device, tuple(present))
+        n_groups = len(self.group_names)
+        nonfinite = (~torch.isfinite(sq)).float()
+        out = torch.zeros(self.width, dtype=torch.float32, device=device)
+        out[:n_groups].index_add_(0, group_of, sq)
+        out[n_groups : 2 * n_groups].index_add_(0, group_of, sq * owned)
+        out[2 * n_groups : 3 * n_groups].index_add_(0, group_of, nonfinite)
+        out[3 * n_groups :] = torch.stack([sq.sum(), (sq * owned).sum(), nonfinite.sum()])
+        return out
+
+    def _indices(self, device: torch.device, present: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (device, present)
+        cached = self._cache.get(key)
+        if cached is None:
+            sel = torch.tensor(present, dtype=torch.long)
+            cached = (self._group_of[sel].to(device), self._owned[sel].to(device))
+            self._cache = {key: cached}  # the set of present grads is stable after step 1
+        return cached
+
+    def records(self, step: int, values: Sequence[float]) -> list[dict[str, object]]:
+        """Wire-format grad records from a copied-back vector (runs off the training thread)."""
+        n = len(self.group_names)
+        out: list[dict[str, object]] = []
+        single = n == 1 and self.group_names[0] == GLOBAL_GROUP
+        if not single:
+            for i, name in enumerate(self.group_names):
+                out.append({"kind": "grad", "step": step, "group": name, "local_sq": values[i],
+                            "owned_sq": values[n + i], "nonfinite": int(values[2 * n + i])})
+        out.append({"kind": "grad", "step": step, "group": GLOBAL_GROUP, "local_sq": values[3 * n],
+                    "owned_sq": values[3 * n + 1], "nonfinite": int(values[3 * n + 2])})
+        return out

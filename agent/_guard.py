@@ -1,0 +1,49 @@
+"""The agent never raises into the job: every hook body runs under `guarded`, errors are counted
+and logged at most once per interval."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+logger = logging.getLogger("trainvitals.agent")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class ErrorBudget:
+    """Counts agent-internal errors and rate-limits their log lines."""
+
+    def __init__(self, log_every_s: float = 60.0) -> None:
+        self.errors = 0
+        self._log_every_s = log_every_s
+        self._last_log = -float("inf")
+
+    def record(self, where: str, exc: BaseException) -> None:
+        self.errors += 1
+        now = time.monotonic()
+        if now - self._last_log >= self._log_every_s:
+            self._last_log = now
+            logger.warning("trainvitals agent error in %s (%d so far; training continues): %r",
+                           where, self.errors, exc)
+
+
+def guarded(budget_attr: str = "_errors", default: object = None) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Method decorator: exceptions are recorded in `self.<budget_attr>` and swallowed."""
+
+    def wrap(fn: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(fn)
+        def inner(*args: P.args, **kwargs: P.kwargs) -> R:
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - the job must never see agent errors
+                getattr(args[0], budget_attr).record(fn.__qualname__, exc)
+                return default  # type: ignore[return-value]
+
+        return inner
+
+    return wrap

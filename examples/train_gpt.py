@@ -1,0 +1,204 @@
+"""A small GPT trained on synthetic tokens with DDP, with the trainvitals agent attached.
+
+    torchrun --nproc_per_node=4 -m trainvitals.examples.train_gpt --steps 200
+
+Fault-injection flags (for the detectors and the demo):
+  --slow-rank R --slow-from S --slow-seconds X    rank R sleeps X s per step from step S
+  --drift-layer L --drift-from S --drift-rate K   activations into block L grow by (1 + K)^(step - S)
+  --spike-steps 50,51 --spike-scale 30            loss (so every gradient) scaled at those steps
+  --crash-rank R --crash-at S                     rank R exits with an error at step S (once; run
+                                                  under torchrun --max-restarts=1 to see the restart)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import trainvitals.agent as tv
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.fc_out = nn.Linear(4 * d, d)
+        self.drift = 1.0  # fault injection: scales the MLP input
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc_out(F.gelu(self.fc(self.ln2(x) * self.drift)))
+
+
+class GPT(nn.Module):
+    def __init__(self, *, vocab: int, d: int, layers: int, heads: int, seq: int) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab, d)
+        self.pos_emb = nn.Embedding(seq, d)
+        self.layers = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.layers:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def model_dims(args: argparse.Namespace, model: GPT) -> dict[str, int]:
+    params = sum(p.numel() for p in model.parameters())
+    embedding = model.tok_emb.weight.numel() + model.pos_emb.weight.numel()
+    return {"layers": args.layers, "hidden": args.d, "heads": args.heads, "ffn_hidden": 4 * args.d,
+            "vocab": args.vocab, "seq_len": args.seq, "params": params, "non_embedding_params": params - embedding}
+
+
+def flops_per_token(dims: dict[str, int]) -> float:
+    """PaLM appendix B: 6N + 12 L H Q T (N non-embedding params, H*Q = d, T sequence length)."""
+    return 6 * dims["non_embedding_params"] + 12 * dims["layers"] * dims["hidden"] * dims["seq_len"]
+
+
+def synthetic_batch(gen: torch.Generator, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    # A learnable pattern (next token = token + 1 mod vocab, with noise) so the loss really falls.
+    start = torch.randint(0, args.vocab, (args.batch, 1), generator=gen)
+    seq = (start + torch.arange(args.seq + 1)) % args.vocab
+    noise = torch.randint(0, args.vocab, seq.shape, generator=gen)
+    seq = torch.where(torch.rand(seq.shape, generator=gen) < 0.1, noise, seq)
+    return seq[:, :-1], seq[:, 1:]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", default=os.environ.get("TRAINVITALS_RUN", "example-gpt"))
+    p.add_argument("--collector", default=None, help="default $TRAINVITALS_COLLECTOR or http://127.0.0.1:8000")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--max-seconds", type=float, default=None, help="stop after this long (all ranks agree)")
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--d", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ckpt-dir", default=None, help="save here every --ckpt-every steps; resume from it")
+    p.add_argument("--ckpt-every", type=int, default=25)
+    p.add_argument("--send-interval", type=float, default=1.0)
+    p.add_argument("--slow-rank", type=int, default=None)
+    p.add_argument("--slow-from", type=int, default=0)
+    p.add_argument("--slow-seconds", type=float, default=0.05)
+    p.add_argument("--drift-layer", type=int, default=None)
+    p.add_argument("--drift-from", type=int, default=0)
+    p.add_argument("--drift-rate", type=float, default=0.01)
+    p.add_argument("--spike-steps", default="", help="comma-separated steps whose loss is scaled")
+    p.add_argument("--spike-scale", type=float, default=30.0)
+    p.add_argument("--crash-rank", type=int, default=None)
+    p.add_argument("--crash-at", type=int, default=None)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)  # several ranks share a few CPU cores
+    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+    if distributed:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+
+    torch.manual_seed(args.seed)  # same initial weights on every rank
+    model = GPT(vocab=args.vocab, d=args.d, layers=args.layers, heads=args.heads, seq=args.seq)
+    dims = model_dims(args, model)
+    ddp: nn.Module = DistributedDataParallel(model) if distributed else model
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
+
+    start_step = 0
+    ckpt = Path(args.ckpt_dir) / "latest.pt" if args.ckpt_dir else None
+    if ckpt is not None and ckpt.exists():
+        state = torch.load(ckpt, weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start_step = int(state["step"]) + 1
+
+    tokens_per_step = args.batch * args.seq
+    agent = tv.attach(
+        ddp, optimizer, run=args.run, collector=args.collector,
+        config=tv.AgentConfig(collector=args.collector, send_interval_s=args.send_interval),
+        registration={
+            "model": dims,
+            "parallelism": {"world_size": world, "dp": world, "micro_batch": args.batch,
+                            "global_batch": args.batch * world},
+            "hardware": {"gpu_type": "cpu", "gpu_count": world},
+            "flops_convention": "6N+12LHQT per token (PaLM), no recompute",
+        },
+    )
+    if start_step:
+        agent.event("resume", step=start_step, detail=f"loaded {ckpt}")
+
+    spikes = {int(s) for s in args.spike_steps.split(",") if s}
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    deadline = time.time() + args.max_seconds if args.max_seconds else math.inf
+    stop = torch.zeros(1)
+    step = start_step
+    while step < args.steps:
+        if args.drift_layer is not None and step >= args.drift_from:
+            model.layers[args.drift_layer].drift = (1 + args.drift_rate) ** (step - args.drift_from)
+        x, y = synthetic_batch(gen, args)
+        logits = ddp(x)
+        loss = F.cross_entropy(logits.reshape(-1, args.vocab), y.reshape(-1))
+        (loss * (args.spike_scale if step in spikes else 1.0)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if rank == args.slow_rank and step >= args.slow_from:
+            time.sleep(args.slow_seconds)
+        if rank == args.crash_rank and step == args.crash_at and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0:
+            agent.event("failure", detail="injected crash", domains={"host": os.uname().nodename})
+            agent.close()
+            print(f"rank {rank}: injected crash at step {step}", file=sys.stderr)
+            os._exit(17)
+        agent.step(loss=loss, tokens=tokens_per_step, flops=tokens_per_step * flops_per_token(dims), step=step)
+        if ckpt is not None and step % args.ckpt_every == 0 and step > 0:
+            if rank == 0:
+                ckpt.parent.mkdir(parents=True, exist_ok=True)
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
+                           str(ckpt) + ".tmp")
+                os.replace(str(ckpt) + ".tmp", ckpt)
+            if distributed:
+                dist.barrier()
+        step += 1
+        if deadline < math.inf and step % 10 == 0:
+            # Every rank must stop at the same step or the others hang in the next all-reduce.
+            stop.fill_(1.0 if time.time() > deadline else 0.0)
+            if distributed:
+                dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+            if stop.item():
+                break
+    agent.close()
+    if rank == 0:
+        print(f"trained {step - start_step} steps on {world} ranks; final loss {loss.item():.3f}")
+    if distributed:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

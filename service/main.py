@@ -1,0 +1,64 @@
+"""The collector application: `create_app(settings)` wires store, routes and exposition."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from trainvitals.service.api.routes import health, ingest, runs
+from trainvitals.service.exposition import IngestCounters, TrainvitalsCollector, make_registry
+from trainvitals.service.settings import Settings
+from trainvitals.service.store import db
+from trainvitals.wire import WIRE_VERSION
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    if settings.migrate_on_start:
+        db.upgrade(settings.db)
+    engine = db.make_engine(settings.db)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        engine.dispose()
+
+    app = FastAPI(title="trainvitals collector", version=f"wire-v{WIRE_VERSION}", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.sessionmaker = db.make_sessionmaker(engine)
+    app.state.counters = IngestCounters()
+    app.state.registry = make_registry(TrainvitalsCollector(app.state.sessionmaker, settings, app.state.counters))
+    app.include_router(ingest.router)
+    app.include_router(runs.router)
+    app.include_router(health.router)
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+
+    @app.middleware("http")
+    async def _limit_body(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        length = request.headers.get("content-length")
+        if length is not None and int(length) > settings.max_body_bytes:
+            return JSONResponse(
+                {"detail": f"request body of {length} bytes exceeds the limit of {settings.max_body_bytes}"},
+                status_code=413,
+            )
+        return await call_next(request)
+
+    return app
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """422 whose message names every offending field by its path, e.g. records.3.step.loss."""
+    errors = exc.errors()
+    problems = []
+    for err in errors:
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        problems.append(f"{'.'.join(loc) or '<body>'}: {err.get('msg')}")
+    message = "invalid request, nothing stored: " + "; ".join(problems[:10])
+    if len(problems) > 10:
+        message += f"; and {len(problems) - 10} more"
+    detail = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in errors[:100]]
+    return JSONResponse({"message": message, "detail": detail}, status_code=422)

@@ -1,0 +1,19 @@
+"""Collector settings: one pydantic-settings object, from flags or TRAINVITALS_* variables."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from trainvitals.service.store.db import DEFAULT_SQLITE_URL
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TRAINVITALS_")
+
+    db: str = Field(DEFAULT_SQLITE_URL, description="SQLAlchemy URL; postgresql+psycopg://... for PostgreSQL")
+    host: str = Field("127.0.0.1", description="bind address; loopback unless you mean it")
+    port: int = 8000
+    migrate_on_start: bool = True
+    max_body_bytes: int = Field(32 * 1024 * 1024, description="larger requests get 413")
+    finished_run_grace_seconds: float = Field(300.0, description="finished runs stay in /metrics this long")
+    idle_run_seconds: float = Field(3600.0, description="runs silent this long leave /metrics")

@@ -1,0 +1,62 @@
+"""Engine, sessions and migrations. SQLite is the zero-setup default; PostgreSQL for production."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import trainvitals.migrations as _migrations
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+DEFAULT_SQLITE_URL = "sqlite:///trainvitals.db"
+
+
+def make_engine(url: str) -> Engine:
+    """An engine tuned for append-heavy ingest on either backend."""
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn: object, _record: object) -> None:
+            cur = dbapi_conn.cursor()  # type: ignore[attr-defined]
+            # WAL lets /metrics and queries read while ingest writes; NORMAL sync is durable
+            # across process crashes (the collector being killed), which is the failure we expect.
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+
+        return engine
+    return create_engine(url, pool_size=8, max_overflow=8, pool_pre_ping=True)
+
+
+def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+def alembic_config(url: str) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(Path(_migrations.__file__).parent))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str = "base") -> None:
+    command.downgrade(alembic_config(url), revision)
+
+
+def current_revision(url: str) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    finally:
+        engine.dispose()

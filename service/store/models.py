@@ -1,0 +1,159 @@
+"""SQLAlchemy 2 models: the whole schema in one place (docs/schema.md describes it).
+
+Every record table is keyed by run and step first, because every post-mortem question is "this
+run, these steps". Rows are append-only; idempotency lives in `batches` (one row per delivered
+(run, rank, incarnation, seq)), so record tables need no unique constraints and bulk inserts stay
+cheap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Boolean, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# SQLite only auto-increments an INTEGER PRIMARY KEY; PostgreSQL wants BIGINT for big tables.
+_BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    run_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    project: Mapped[str] = mapped_column(String(256), index=True)
+    registration: Mapped[dict[str, Any]] = mapped_column(JSON)
+    world_size: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16), default="running")  # running | finished
+    created_at: Mapped[float] = mapped_column(Float)
+    last_seen_at: Mapped[float] = mapped_column(Float)
+
+
+class DeliveredBatch(Base):
+    """One row per accepted batch: the primary key is the idempotency key."""
+
+    __tablename__ = "batches"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.run_id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    incarnation: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    received_at: Mapped[float] = mapped_column(Float)
+    records: Mapped[int] = mapped_column(Integer)
+
+
+class StepRow(Base):
+    __tablename__ = "steps"
+    __table_args__ = (Index("ix_steps_run_step_rank", "run_id", "step", "rank"),)
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(128))
+    rank: Mapped[int] = mapped_column(Integer)
+    incarnation: Mapped[int] = mapped_column(BigInteger)
+    step: Mapped[int] = mapped_column(BigInteger)
+    ts: Mapped[float] = mapped_column(Float)
+    step_seconds: Mapped[float] = mapped_column(Float)
+    compute_seconds: Mapped[float | None] = mapped_column(Float)
+    wait_seconds: Mapped[float | None] = mapped_column(Float)
+    data_seconds: Mapped[float | None] = mapped_column(Float)
+    loss: Mapped[float | None] = mapped_column(Float)
+    tokens: Mapped[int | None] = mapped_column(BigInteger)
+    flops: Mapped[float | None] = mapped_column(Float)
+    lr: Mapped[float | None] = mapped_column(Float)
+    grad_norm: Mapped[float | None] = mapped_column(Float)
+    pp_stage: Mapped[int | None] = mapped_column(Integer)
+    tp_rank: Mapped[int | None] = mapped_column(Integer)
+    dp_rank: Mapped[int | None] = mapped_column(Integer)
+    mem_allocated_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    mem_reserved_bytes: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class TensorStatRow(Base):
+    __tablename__ = "tensor_stats"
+    __table_args__ = (
+        Index("ix_tensor_stats_run_tensor_step", "run_id", "tensor", "role", "step"),
+        Index("ix_tensor_stats_run_step", "run_id", "step"),
+    )
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(128))
+    rank: Mapped[int] = mapped_column(Integer)
+    incarnation: Mapped[int] = mapped_column(BigInteger)
+    step: Mapped[int] = mapped_column(BigInteger)
+    tensor: Mapped[str] = mapped_column(String(256))
+    role: Mapped[str] = mapped_column(String(16))
+    format: Mapped[str] = mapped_column(String(8))
+    amax: Mapped[float] = mapped_column(Float)
+    scale: Mapped[float | None] = mapped_column(Float)
+    headroom_bits: Mapped[float | None] = mapped_column(Float)
+    lag_bits: Mapped[float | None] = mapped_column(Float)
+    staleness_steps: Mapped[int | None] = mapped_column(Integer)
+    sat_frac: Mapped[float | None] = mapped_column(Float)
+    underflow_frac: Mapped[float | None] = mapped_column(Float)
+    crest_bits: Mapped[float | None] = mapped_column(Float)
+    nonfinite: Mapped[int | None] = mapped_column(BigInteger)
+    shadow: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class GradStatRow(Base):
+    __tablename__ = "grad_stats"
+    __table_args__ = (Index("ix_grad_stats_run_step_group", "run_id", "step", "group_name"),)
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(128))
+    rank: Mapped[int] = mapped_column(Integer)
+    incarnation: Mapped[int] = mapped_column(BigInteger)
+    step: Mapped[int] = mapped_column(BigInteger)
+    group_name: Mapped[str] = mapped_column(String(256))
+    owned_sq: Mapped[float] = mapped_column(Float)
+    local_sq: Mapped[float] = mapped_column(Float)
+    nonfinite: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class CheckpointRow(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (Index("ix_checkpoints_run_generation", "run_id", "generation"),)
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(128))
+    rank: Mapped[int] = mapped_column(Integer)
+    incarnation: Mapped[int] = mapped_column(BigInteger)
+    step: Mapped[int] = mapped_column(BigInteger)
+    generation: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))
+    ts: Mapped[float] = mapped_column(Float)
+    path: Mapped[str | None] = mapped_column(Text)
+    bytes: Mapped[int | None] = mapped_column(BigInteger)
+    stall_seconds: Mapped[float | None] = mapped_column(Float)
+    persist_seconds: Mapped[float | None] = mapped_column(Float)
+    checksum: Mapped[str | None] = mapped_column(String(128))
+    error: Mapped[str | None] = mapped_column(Text)
+
+
+class EventRow(Base):
+    __tablename__ = "events"
+    __table_args__ = (Index("ix_events_run_ts", "run_id", "ts"),)
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(128))
+    rank: Mapped[int] = mapped_column(Integer)
+    incarnation: Mapped[int] = mapped_column(BigInteger)
+    ts: Mapped[float] = mapped_column(Float)
+    step: Mapped[int | None] = mapped_column(BigInteger)
+    event: Mapped[str] = mapped_column(String(32))
+    detail: Mapped[str | None] = mapped_column(Text)
+    domains: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
+
+
+# Which table each wire record kind lands in; the ingest path and replay share it.
+RECORD_TABLES = {
+    "step": StepRow.__table__,
+    "tensor": TensorStatRow.__table__,
+    "grad": GradStatRow.__table__,
+    "checkpoint": CheckpointRow.__table__,
+    "event": EventRow.__table__,
+}

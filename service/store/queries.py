@@ -1,0 +1,211 @@
+"""Read queries: keyword-only functions over a Session. Route handlers, the CLI, the exposition
+collector and the demo call these; none of them writes SQL of its own."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.orm import Session
+from trainvitals.service.store.models import (
+    CheckpointRow,
+    DeliveredBatch,
+    EventRow,
+    GradStatRow,
+    Run,
+    StepRow,
+    TensorStatRow,
+)
+
+GLOBAL_GROUP = "__global__"
+
+
+@dataclass(kw_only=True, slots=True)
+class RunLatest:
+    """The newest complete step of a run (every reporting rank has sent it), for /metrics."""
+
+    run_id: str
+    project: str
+    status: str
+    world_size: int
+    last_seen_at: float
+    latest_step: int | None = None
+    complete_step: int | None = None
+    ranks_reporting: int = 0
+    loss: float | None = None
+    grad_norm: float | None = None
+    step_seconds: list[float] = field(default_factory=list)
+    tokens: int | None = None
+
+
+def list_runs(session: Session, *, project: str | None = None) -> list[Run]:
+    query = select(Run).order_by(Run.created_at)
+    if project is not None:
+        query = query.where(Run.project == project)
+    return list(session.scalars(query))
+
+
+def live_runs(session: Session, *, now: float, finished_grace_seconds: float, idle_seconds: float) -> list[Run]:
+    """Runs that belong in /metrics: running and seen recently, or finished within the grace."""
+    horizon_running = now - idle_seconds
+    horizon_finished = now - finished_grace_seconds
+    query = select(Run).where(
+        ((Run.status == "running") & (Run.last_seen_at >= horizon_running))
+        | ((Run.status == "finished") & (Run.last_seen_at >= horizon_finished))
+    )
+    return list(session.scalars(query))
+
+
+def run_latest(session: Session, *, run: Run, lookback_steps: int = 64) -> RunLatest:
+    """Newest step that every reporting rank has delivered, with its cross-rank values."""
+    out = RunLatest(
+        run_id=run.run_id,
+        project=run.project,
+        status=run.status,
+        world_size=run.world_size,
+        last_seen_at=run.last_seen_at,
+    )
+    latest = session.scalar(select(func.max(StepRow.step)).where(StepRow.run_id == run.run_id))
+    if latest is None:
+        return out
+    out.latest_step = int(latest)
+    # Ranks send independently, so the newest steps are usually partial; take the newest step
+    # reported by as many ranks as any step in the lookback window.
+    counts = session.execute(
+        select(StepRow.step, func.count(func.distinct(StepRow.rank)))
+        .where(StepRow.run_id == run.run_id, StepRow.step > latest - lookback_steps)
+        .group_by(StepRow.step)
+    ).all()
+    out.ranks_reporting = max(n for _, n in counts)
+    step = max(s for s, n in counts if n == out.ranks_reporting)
+    out.complete_step = int(step)
+    rows = session.execute(
+        select(StepRow.rank, StepRow.incarnation, StepRow.step_seconds, StepRow.loss, StepRow.tokens,
+               StepRow.grad_norm)
+        .where(StepRow.run_id == run.run_id, StepRow.step == step)
+        .order_by(StepRow.rank, StepRow.incarnation)
+    ).all()
+    per_rank = {r.rank: r for r in rows}  # the newest incarnation wins after a restart
+    out.step_seconds = sorted(r.step_seconds for r in per_rank.values())
+    losses = [r.loss for r in per_rank.values() if r.loss is not None]
+    out.loss = sum(losses) / len(losses) if losses else None
+    tokens = [r.tokens for r in per_rank.values() if r.tokens is not None]
+    out.tokens = sum(tokens) if tokens else None
+    out.grad_norm = global_grad_norm(session, run_id=run.run_id, step=step)
+    if out.grad_norm is None:
+        norms = [r.grad_norm for r in per_rank.values() if r.grad_norm is not None]
+        out.grad_norm = norms[0] if norms else None
+    return out
+
+
+def global_grad_norm(session: Session, *, run_id: str, step: int) -> float | None:
+    """sqrt of the sum over ranks of owned sums of squares (shards once, replicas once)."""
+    total = session.scalar(
+        select(func.sum(GradStatRow.owned_sq)).where(
+            GradStatRow.run_id == run_id, GradStatRow.step == step, GradStatRow.group_name == GLOBAL_GROUP
+        )
+    )
+    return None if total is None else math.sqrt(total)
+
+
+@dataclass(kw_only=True, slots=True)
+class RunOverview:
+    """What the demo prints and `trainvitals query runs` shows."""
+
+    run_id: str
+    project: str
+    status: str
+    world_size: int
+    ranks: int
+    steps: int
+    step_records: int
+    first_step: int | None
+    last_step: int | None
+    step_seconds_p50: float | None
+    step_seconds_min_rank_mean: float | None
+    step_seconds_max_rank_mean: float | None
+    slowest_rank: int | None
+    tensor_records: int
+    grad_records: int
+    checkpoint_records: int
+    events: int
+
+
+def run_overview(session: Session, *, run_id: str) -> RunOverview | None:
+    run = session.get(Run, run_id)
+    if run is None:
+        return None
+    agg = session.execute(
+        select(
+            func.count(),
+            func.count(func.distinct(StepRow.rank)),
+            func.count(func.distinct(StepRow.step)),
+            func.min(StepRow.step),
+            func.max(StepRow.step),
+        ).where(StepRow.run_id == run_id)
+    ).one()
+    per_rank = session.execute(
+        select(StepRow.rank, func.avg(StepRow.step_seconds))
+        .where(StepRow.run_id == run_id)
+        .group_by(StepRow.rank)
+        .order_by(StepRow.rank)
+    ).all()
+    times = sorted(
+        session.scalars(select(StepRow.step_seconds).where(StepRow.run_id == run_id)).all()
+    )
+    slowest = max(per_rank, key=lambda r: r[1]) if per_rank else None
+
+    def _count(model: type) -> int:
+        return int(session.scalar(select(func.count()).select_from(model).where(model.run_id == run_id)) or 0)
+
+    return RunOverview(
+        run_id=run.run_id,
+        project=run.project,
+        status=run.status,
+        world_size=run.world_size,
+        ranks=agg[1],
+        steps=agg[2],
+        step_records=agg[0],
+        first_step=agg[3],
+        last_step=agg[4],
+        step_seconds_p50=times[len(times) // 2] if times else None,
+        step_seconds_min_rank_mean=min(r[1] for r in per_rank) if per_rank else None,
+        step_seconds_max_rank_mean=max(r[1] for r in per_rank) if per_rank else None,
+        slowest_rank=slowest[0] if slowest else None,
+        tensor_records=_count(TensorStatRow),
+        grad_records=_count(GradStatRow),
+        checkpoint_records=_count(CheckpointRow),
+        events=_count(EventRow),
+    )
+
+
+def step_keys(session: Session, *, run_id: str) -> set[tuple[int, int, int]]:
+    """(rank, incarnation, step) of every stored step record; used by exactly-once checks."""
+    rows = session.execute(
+        select(StepRow.rank, StepRow.incarnation, StepRow.step).where(StepRow.run_id == run_id)
+    ).all()
+    return {(r[0], r[1], r[2]) for r in rows}
+
+
+def count_step_rows(session: Session, *, run_id: str) -> int:
+    return int(session.scalar(select(func.count()).select_from(StepRow).where(StepRow.run_id == run_id)) or 0)
+
+
+def mark_finished(session: Session, *, run_id: str, now: float) -> None:
+    run = session.get(Run, run_id)
+    if run is not None:
+        run.status = "finished"
+        run.last_seen_at = now
+        session.commit()
+
+
+def delete_run(session: Session, *, run_id: str) -> bool:
+    """Delete a run and every record of it; returns False when there was no such run."""
+    if session.get(Run, run_id) is None:
+        return False
+    for model in (StepRow, TensorStatRow, GradStatRow, CheckpointRow, EventRow, DeliveredBatch):
+        session.execute(delete(model).where(model.run_id == run_id))
+    session.execute(delete(Run).where(Run.run_id == run_id))
+    session.commit()
+    return True

@@ -1,0 +1,214 @@
+"""Wire format v1: what the agent sends and the collector (and `trainvitals replay`) ingests.
+
+Two messages:
+
+- `RunRegistration` (POST /v1/runs): once per run, idempotent; describes the model, the
+  parallelism config, the hardware, the FP8 recipe and the checkpoint settings.
+- `Batch` (POST /v1/batches): per rank, identified by (run, rank, incarnation, seq) so a retried
+  batch is stored once. It carries records of five kinds: step, tensor, grad, checkpoint, event.
+
+Units are in the field names or descriptions: seconds, bytes, bits, FLOPs, tokens. Times are Unix
+epoch seconds (float). docs/wire-format.md renders this module as a table; change both together and
+bump WIRE_VERSION on any incompatible change.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+WIRE_VERSION = 1
+
+_Name = Annotated[str, Field(min_length=1, max_length=256)]
+_RunId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")]
+_NonNeg = Annotated[float, Field(ge=0)]
+_Count = Annotated[int, Field(ge=0)]
+_Step = Annotated[int, Field(ge=0)]
+
+
+class _Strict(BaseModel):
+    # Unknown fields are an error: a typo in a field name must not be silently dropped.
+    # NaN/Infinity travel as JSON constants: a non-finite loss is data, not a transport error.
+    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
+
+
+# --------------------------------------------------------------------------- run registration
+
+
+class ModelDims(_Strict):
+    layers: int | None = Field(None, ge=1, description="transformer blocks")
+    hidden: int | None = Field(None, ge=1, description="model width d")
+    heads: int | None = Field(None, ge=1, description="attention heads")
+    kv_heads: int | None = Field(None, ge=1, description="key/value heads (GQA)")
+    ffn_hidden: int | None = Field(None, ge=1, description="MLP inner width")
+    vocab: int | None = Field(None, ge=1, description="vocabulary size")
+    seq_len: int | None = Field(None, ge=1, description="tokens per sequence")
+    params: int | None = Field(None, ge=1, description="total parameters")
+    non_embedding_params: int | None = Field(None, ge=1, description="N in 6N + 12LHQT")
+
+
+class Parallelism(_Strict):
+    world_size: int = Field(1, ge=1, description="ranks in the job")
+    tp: int = Field(1, ge=1, description="tensor-parallel degree")
+    pp: int = Field(1, ge=1, description="pipeline-parallel degree")
+    dp: int | None = Field(None, ge=1, description="data-parallel degree (derived when absent)")
+    cp: int = Field(1, ge=1, description="context-parallel degree")
+    ep: int = Field(1, ge=1, description="expert-parallel degree")
+    zero_stage: int = Field(0, ge=0, le=3, description="ZeRO stage; 3 = FSDP full shard")
+    micro_batch: int | None = Field(None, ge=1, description="sequences per micro-batch per rank")
+    global_batch: int | None = Field(None, ge=1, description="sequences per optimizer step")
+    recompute: Literal["none", "selective", "full"] = "none"
+
+
+class Hardware(_Strict):
+    gpu_type: str | None = Field(None, max_length=64, description="e.g. H100-SXM; 'cpu' for CPU runs")
+    gpu_count: int | None = Field(None, ge=1)
+    gpus_per_node: int | None = Field(None, ge=1)
+    peak_flops: float | None = Field(None, gt=0, description="dense peak FLOP/s per device")
+
+
+class Fp8Recipe(_Strict):
+    enabled: bool = False
+    input_format: Literal["e4m3", "e5m2"] = "e4m3"
+    weight_format: Literal["e4m3", "e5m2"] = "e4m3"
+    grad_format: Literal["e4m3", "e5m2"] = "e5m2"
+    history_len: int = Field(1024, ge=1, description="amax history length L")
+    margin: int = Field(0, ge=0, description="margin in bits")
+    amax_algo: Literal["max", "most_recent"] = "max"
+
+
+class CheckpointSettings(_Strict):
+    interval_steps: int | None = Field(None, ge=1)
+    interval_seconds: float | None = Field(None, gt=0)
+    keep_last: int | None = Field(None, ge=1, description="generations retained")
+    async_save: bool = False
+
+
+class RunRegistration(_Strict):
+    """Sent once per run (by rank 0, or by every rank: registration is idempotent)."""
+
+    wire_version: Literal[1] = 1
+    run: _RunId
+    project: _Name = "default"
+    started_at: float | None = Field(None, description="Unix seconds")
+    model: ModelDims = ModelDims()
+    parallelism: Parallelism = Parallelism()
+    hardware: Hardware = Hardware()
+    fp8: Fp8Recipe = Fp8Recipe()
+    checkpoint: CheckpointSettings = CheckpointSettings()
+    flops_convention: str | None = Field(
+        None, max_length=128, description="how flops_per_step is counted, e.g. '6N+12LHQT, no recompute'"
+    )
+    tags: dict[str, str] = Field(default_factory=dict, max_length=64)
+
+
+# --------------------------------------------------------------------------- records
+
+
+class StepRecord(_Strict):
+    """One optimizer step on one rank."""
+
+    kind: Literal["step"] = "step"
+    step: _Step
+    ts: float = Field(description="Unix seconds at the end of the step")
+    step_seconds: _NonNeg = Field(description="wall time of this step on this rank")
+    compute_seconds: _NonNeg | None = Field(None, description="forward+backward+optimizer, excluding waits")
+    wait_seconds: _NonNeg | None = Field(None, description="time blocked in collectives")
+    data_seconds: _NonNeg | None = Field(None, description="time waiting for the input pipeline")
+    loss: float | None = Field(None, description="may be non-finite: that is a finding, not an error")
+    tokens: _Count | None = Field(None, description="tokens processed by this rank this step")
+    flops: _NonNeg | None = Field(None, description="model FLOPs of this rank this step")
+    lr: float | None = None
+    grad_norm: float | None = Field(None, description="global L2 norm as the job itself computed it")
+    pp_stage: int | None = Field(None, ge=0, description="pipeline stage of this rank")
+    tp_rank: int | None = Field(None, ge=0, description="position in the tensor-parallel group")
+    dp_rank: int | None = Field(None, ge=0, description="position in the data-parallel group")
+    mem_allocated_bytes: _Count | None = None
+    mem_reserved_bytes: _Count | None = None
+
+
+class TensorRecord(_Strict):
+    """FP8 statistics of one monitored tensor (module fqn + role) at one step on one rank."""
+
+    kind: Literal["tensor"] = "tensor"
+    step: _Step
+    tensor: _Name = Field(description="module fully-qualified name")
+    role: Literal["input", "weight", "grad_output"]
+    format: Literal["e4m3", "e5m2"]
+    amax: float = Field(description="max |x| of the high-precision tensor")
+    scale: float | None = Field(None, description="multiplier s applied before the cast")
+    headroom_bits: float | None = Field(None, description="log2(fp8_max / (amax * s))")
+    lag_bits: float | None = Field(None, description="log2(amax_t / A_{t-1})")
+    staleness_steps: _Count | None = Field(None, description="steps since the history max was set")
+    sat_frac: Annotated[float, Field(ge=0, le=1)] | None = None
+    underflow_frac: Annotated[float, Field(ge=0, le=1)] | None = None
+    crest_bits: float | None = Field(None, description="log2(amax / median |x|)")
+    nonfinite: _Count | None = Field(None, description="count of inf/NaN elements")
+    shadow: bool = Field(False, description="True: what a delayed-scaling recipe would see (bf16/fp32 run)")
+
+
+class GradRecord(_Strict):
+    """Gradient sums of squares for one parameter group at one step on one rank.
+
+    `owned_sq` counts every gradient element once across the whole job (shards summed once,
+    replicas counted once), so the global norm is sqrt(sum over ranks of owned_sq).
+    `local_sq` is everything this rank holds; replicas of it must agree across ranks.
+    """
+
+    kind: Literal["grad"] = "grad"
+    step: _Step
+    group: _Name = Field(description="parameter group, e.g. 'layers.3' or '__global__'")
+    # Plain floats: a NaN/inf sum of squares is exactly what the collector must see, not a 422.
+    owned_sq: float = Field(description="sum of squares of the gradient elements this rank owns")
+    local_sq: float = Field(description="sum of squares of every gradient element this rank holds")
+    nonfinite: _Count = 0
+
+
+class CheckpointRecord(_Strict):
+    kind: Literal["checkpoint"] = "checkpoint"
+    step: _Step
+    generation: _Count
+    status: Literal["started", "persisted", "failed", "verified"]
+    ts: float
+    path: str | None = Field(None, max_length=4096)
+    bytes: _Count | None = None
+    stall_seconds: _NonNeg | None = Field(None, description="training blocked by the save")
+    persist_seconds: _NonNeg | None = Field(None, description="until durable (async saves)")
+    checksum: str | None = Field(None, max_length=128)
+    error: str | None = Field(None, max_length=4096)
+
+
+class EventRecord(_Strict):
+    kind: Literal["event"] = "event"
+    ts: float
+    step: _Step | None = None
+    event: Literal[
+        "start", "restart", "resume", "failure", "node_replaced", "phase_change", "rollback", "stop", "note"
+    ]
+    detail: str | None = Field(None, max_length=4096)
+    domains: dict[str, str] = Field(default_factory=dict, max_length=16, description="failure-domain tags")
+
+
+Record = Annotated[
+    StepRecord | TensorRecord | GradRecord | CheckpointRecord | EventRecord, Field(discriminator="kind")
+]
+
+MAX_RECORDS_PER_BATCH = 200_000
+
+
+class Batch(_Strict):
+    """Records from one rank; (run, rank, incarnation, seq) makes delivery idempotent."""
+
+    wire_version: Literal[1] = 1
+    run: _RunId
+    rank: _Count
+    incarnation: _Count = Field(description="bumped by every restart of the rank")
+    seq: _Count = Field(description="per (run, rank, incarnation), starts at 0, no gaps")
+    sent_at: float | None = None
+    records: list[Record] = Field(max_length=MAX_RECORDS_PER_BATCH)
+
+
+class BatchAck(_Strict):
+    accepted: int = Field(description="records stored by this request")
+    duplicate: bool = Field(description="this batch had been stored before; nothing stored now")
