@@ -27,14 +27,21 @@ class _StepSample:
     objects per parameter group.
     """
 
-    __slots__ = ("step_fields", "values", "event", "loss_at", "grads", "grad_at")
+    __slots__ = ("step_fields", "values", "event", "scalar_fields", "grads", "grad_at")
 
-    def __init__(self, step_fields: dict[str, Any], values: torch.Tensor | None, event: Any,
-                 loss_at: int | None, grads: GradNormTracker | None, grad_at: int | None) -> None:
+    def __init__(
+        self,
+        step_fields: dict[str, Any],
+        values: torch.Tensor | None,
+        event: Any,
+        scalar_fields: tuple[str, ...],
+        grads: GradNormTracker | None,
+        grad_at: int | None,
+    ) -> None:
         self.step_fields = step_fields
         self.values = values
         self.event = event
-        self.loss_at = loss_at
+        self.scalar_fields = scalar_fields  # step fields stored at values[0], values[1], ...
         self.grads = grads
         self.grad_at = grad_at
 
@@ -45,8 +52,8 @@ class _StepSample:
         if self.event is not None:
             self.event.synchronize()  # waits in the exporter thread, not in training
         vals = self.values.tolist()
-        if self.loss_at is not None:
-            step["loss"] = vals[self.loss_at]
+        for i, name in enumerate(self.scalar_fields):
+            step[name] = vals[i]
         out = [step]
         if self.grads is not None and self.grad_at is not None:
             out.extend(self.grads.records(step["step"], vals[self.grad_at :]))
@@ -85,11 +92,19 @@ class Agent:
         # by hand (torchrun's restart count starts at 0 again), and ordered so "newest wins" works.
         self.incarnation = int(time.time() * 1000)
         self._errors = ErrorBudget(config.log_every_s)
-        self._exporter = Exporter(config=config, run=run, rank=info.rank, incarnation=self.incarnation,
-                                  registration=registration, transport=transport, errors=self._errors)
+        self._exporter = Exporter(
+            config=config,
+            run=run,
+            rank=info.rank,
+            incarnation=self.incarnation,
+            registration=registration,
+            transport=transport,
+            errors=self._errors,
+        )
         self._grads = (
             GradNormTracker(model, groups=config.grad_groups, ownership=config.grad_ownership)
-            if model is not None and optimizer is not None else None
+            if model is not None and optimizer is not None
+            else None
         )
         self._pending_grads: torch.Tensor | None = None
         self._hooks: list[Any] = []
@@ -119,12 +134,13 @@ class Agent:
         tokens: int | None = None,
         flops: float | None = None,
         lr: float | None = None,
-        grad_norm: float | None = None,
+        grad_norm: torch.Tensor | float | None = None,
         step: int | None = None,
     ) -> None:
         """Mark the end of one optimizer step. Never syncs the device, never raises, never blocks.
 
         loss: the step's loss (tensor or float); a tensor is copied back asynchronously.
+        grad_norm: the total norm the job computed itself (e.g. clip_grad_norm_'s result), if any.
         tokens / flops: processed by this rank this step. step: set the step number explicitly
         (e.g. after a resume); by default steps count up from 0.
         """
@@ -135,19 +151,26 @@ class Agent:
             if step < self._step:
                 self.event("resume", step=step, detail=f"step counter went from {self._step} down to {step}")
             self._step = step
-        fields: dict[str, Any] = {"kind": "step", "step": self._step, "ts": time.time(),
-                                  "step_seconds": now - self._last_step_end}
+        fields: dict[str, Any] = {
+            "kind": "step",
+            "step": self._step,
+            "ts": time.time(),
+            "step_seconds": now - self._last_step_end,
+        }
         self._last_step_end = now
-        for key, value in (("tokens", tokens), ("flops", flops), ("lr", lr), ("grad_norm", grad_norm)):
+        for key, value in (("tokens", tokens), ("flops", flops), ("lr", lr)):
             if value is not None:
                 fields[key] = value
         parts: list[torch.Tensor] = []
-        loss_at = grad_at = None
-        if isinstance(loss, torch.Tensor):
-            loss_at = 0
-            parts.append(loss.detach().reshape(-1)[:1].float())
-        elif loss is not None:
-            fields["loss"] = float(loss)
+        scalar_fields: list[str] = []
+        grad_at = None
+        for key, scalar in (("loss", loss), ("grad_norm", grad_norm)):
+            if isinstance(scalar, torch.Tensor):
+                scalar_fields.append(key)
+                t = scalar.detach().reshape(-1)[:1].float()
+                parts.append(t.to(parts[0].device) if parts else t)
+            elif scalar is not None:
+                fields[key] = float(scalar)
         grads, self._pending_grads = self._pending_grads, None
         if grads is not None:
             grad_at = len(parts)
@@ -164,18 +187,36 @@ class Agent:
                 event.record()
             else:
                 values = stacked if stacked.device.type == "cpu" else stacked.to("cpu")
-        self._exporter.emit(_StepSample(fields, values, event, loss_at,  # type: ignore[arg-type]
-                                        self._grads if grad_at is not None else None, grad_at))
+        self._exporter.emit(
+            _StepSample(
+                fields,
+                values,
+                event,
+                tuple(scalar_fields),
+                self._grads if grad_at is not None else None,
+                grad_at,
+            )
+        )
         self._step += 1
 
     # ------------------------------------------------------------------ events and lifecycle
 
     @guarded()
-    def event(self, kind: str, *, detail: str | None = None, step: int | None = None,
-              domains: dict[str, str] | None = None) -> None:
+    def event(
+        self,
+        kind: str,
+        *,
+        detail: str | None = None,
+        step: int | None = None,
+        domains: dict[str, str] | None = None,
+    ) -> None:
         """Record a run event: failure, restart, resume, phase_change, rollback, note ..."""
-        record: dict[str, Any] = {"kind": "event", "event": kind, "ts": time.time(),
-                                  "step": self._step if step is None else step}
+        record: dict[str, Any] = {
+            "kind": "event",
+            "event": kind,
+            "ts": time.time(),
+            "step": self._step if step is None else step,
+        }
         if detail is not None:
             record["detail"] = detail
         if domains:
@@ -207,10 +248,16 @@ class Agent:
 
     def stats(self) -> dict[str, int]:
         s = self._exporter.stats
-        return {"errors": self._errors.errors, "steps": self._step, "emitted_records": s.emitted_records,
-                "dropped_records": s.dropped_records, "delivered_batches": s.delivered_batches,
-                "failed_attempts": s.failed_attempts, "rejected_batches": s.rejected_batches,
-                "spool_dropped_batches": s.spool_dropped_batches}
+        return {
+            "errors": self._errors.errors,
+            "steps": self._step,
+            "emitted_records": s.emitted_records,
+            "dropped_records": s.dropped_records,
+            "delivered_batches": s.delivered_batches,
+            "failed_attempts": s.failed_attempts,
+            "rejected_batches": s.rejected_batches,
+            "spool_dropped_batches": s.spool_dropped_batches,
+        }
 
     @property
     def hooks(self) -> int:
@@ -281,8 +328,15 @@ def attach(
         body["parallelism"] = {"world_size": info.world_size, **body["parallelism"]}
         body["tags"] = {**config.tags, **body.get("tags", {})}
         reg = RunRegistration(run=run_id, project=project, started_at=time.time(), **body)
-        return Agent(model=model, optimizer=optimizer, run=run_id, registration=reg.model_dump(mode="json"),
-                     config=config, info=info, transport=transport)
+        return Agent(
+            model=model,
+            optimizer=optimizer,
+            run=run_id,
+            registration=reg.model_dump(mode="json"),
+            config=config,
+            info=info,
+            transport=transport,
+        )
     except Exception as exc:  # noqa: BLE001 - a monitoring problem must not stop training
         logging.getLogger("trainvitals.agent").error("trainvitals agent disabled: %s", exc)
         return NoopAgent()

@@ -294,7 +294,9 @@ class Exporter:
             rejected = self._spool.path.with_suffix(".rejected.jsonl")
             with open(rejected, "ab") as fh:
                 fh.write(line + b"\n")
-            self._errors.record("deliver", ValueError(f"collector rejected a message ({status}); kept in {rejected}"))
+            self._errors.record(
+                "deliver", ValueError(f"collector rejected a message ({status}); kept in {rejected}")
+            )
             return True
         self._errors.record("deliver", OSError(f"collector answered {status}"))
         return False

@@ -26,7 +26,13 @@ from torch import nn
 GLOBAL_GROUP = "__global__"
 
 # Wrapper prefixes that are not part of the model's own names.
-_WRAPPER_PARTS = {"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_forward_module"}
+_WRAPPER_PARTS = {
+    "module",
+    "_orig_mod",
+    "_fsdp_wrapped_module",
+    "_checkpoint_wrapped_module",
+    "_forward_module",
+}
 
 
 def clean_name(name: str) -> str:
@@ -135,8 +141,24 @@ class GradNormTracker:
         single = n == 1 and self.group_names[0] == GLOBAL_GROUP
         if not single:
             for i, name in enumerate(self.group_names):
-                out.append({"kind": "grad", "step": step, "group": name, "local_sq": values[i],
-                            "owned_sq": values[n + i], "nonfinite": int(values[2 * n + i])})
-        out.append({"kind": "grad", "step": step, "group": GLOBAL_GROUP, "local_sq": values[3 * n],
-                    "owned_sq": values[3 * n + 1], "nonfinite": int(values[3 * n + 2])})
+                out.append(
+                    {
+                        "kind": "grad",
+                        "step": step,
+                        "group": name,
+                        "local_sq": values[i],
+                        "owned_sq": values[n + i],
+                        "nonfinite": int(values[2 * n + i]),
+                    }
+                )
+        out.append(
+            {
+                "kind": "grad",
+                "step": step,
+                "group": GLOBAL_GROUP,
+                "local_sq": values[3 * n],
+                "owned_sq": values[3 * n + 1],
+                "nonfinite": int(values[3 * n + 2]),
+            }
+        )
         return out

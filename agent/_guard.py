@@ -28,11 +28,14 @@ class ErrorBudget:
         now = time.monotonic()
         if now - self._last_log >= self._log_every_s:
             self._last_log = now
-            logger.warning("trainvitals agent error in %s (%d so far; training continues): %r",
-                           where, self.errors, exc)
+            logger.warning(
+                "trainvitals agent error in %s (%d so far; training continues): %r", where, self.errors, exc
+            )
 
 
-def guarded(budget_attr: str = "_errors", default: object = None) -> Callable[[Callable[P, R]], Callable[P, R]]:
+def guarded(
+    budget_attr: str = "_errors", default: object = None
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Method decorator: exceptions are recorded in `self.<budget_attr>` and swallowed."""
 
     def wrap(fn: Callable[P, R]) -> Callable[P, R]:

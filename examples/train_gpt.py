@@ -68,8 +68,16 @@ class GPT(nn.Module):
 def model_dims(args: argparse.Namespace, model: GPT) -> dict[str, int]:
     params = sum(p.numel() for p in model.parameters())
     embedding = model.tok_emb.weight.numel() + model.pos_emb.weight.numel()
-    return {"layers": args.layers, "hidden": args.d, "heads": args.heads, "ffn_hidden": 4 * args.d,
-            "vocab": args.vocab, "seq_len": args.seq, "params": params, "non_embedding_params": params - embedding}
+    return {
+        "layers": args.layers,
+        "hidden": args.d,
+        "heads": args.heads,
+        "ffn_hidden": 4 * args.d,
+        "vocab": args.vocab,
+        "seq_len": args.seq,
+        "params": params,
+        "non_embedding_params": params - embedding,
+    }
 
 
 def flops_per_token(dims: dict[str, int]) -> float:
@@ -88,8 +96,10 @@ def synthetic_batch(gen: torch.Generator, args: argparse.Namespace) -> tuple[tor
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", default=os.environ.get("TRAINVITALS_RUN", "example-gpt"))
-    p.add_argument("--collector", default=None, help="default $TRAINVITALS_COLLECTOR or http://127.0.0.1:8000")
+    p.add_argument("--run-name", default=os.environ.get("TRAINVITALS_RUN", "example-gpt"))
+    p.add_argument(
+        "--collector", default=None, help="default $TRAINVITALS_COLLECTOR or http://127.0.0.1:8000"
+    )
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--max-seconds", type=float, default=None, help="stop after this long (all ranks agree)")
     p.add_argument("--vocab", type=int, default=256)
@@ -100,6 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--clip", type=float, default=1.0, help="gradient clipping max norm; 0: no clipping")
     p.add_argument("--ckpt-dir", default=None, help="save here every --ckpt-every steps; resume from it")
     p.add_argument("--ckpt-every", type=int, default=25)
     p.add_argument("--send-interval", type=float, default=1.0)
@@ -141,12 +152,19 @@ def main(argv: list[str] | None = None) -> int:
 
     tokens_per_step = args.batch * args.seq
     agent = tv.attach(
-        ddp, optimizer, run=args.run, collector=args.collector,
+        ddp,
+        optimizer,
+        run=args.run_name,
+        collector=args.collector,
         config=tv.AgentConfig(collector=args.collector, send_interval_s=args.send_interval),
         registration={
             "model": dims,
-            "parallelism": {"world_size": world, "dp": world, "micro_batch": args.batch,
-                            "global_batch": args.batch * world},
+            "parallelism": {
+                "world_size": world,
+                "dp": world,
+                "micro_batch": args.batch,
+                "global_batch": args.batch * world,
+            },
             "hardware": {"gpu_type": "cpu", "gpu_count": world},
             "flops_convention": "6N+12LHQT per token (PaLM), no recompute",
         },
@@ -166,21 +184,38 @@ def main(argv: list[str] | None = None) -> int:
         logits = ddp(x)
         loss = F.cross_entropy(logits.reshape(-1, args.vocab), y.reshape(-1))
         (loss * (args.spike_scale if step in spikes else 1.0)).backward()
+        # Clipping as most LLM recipes do (--clip 0: measure the total norm only). The agent sees the
+        # gradients at optimizer.step, after clipping; the pre-clip total goes along as grad_norm.
+        total_norm = torch.nn.utils.clip_grad_norm_(
+            ddp.parameters(), args.clip if args.clip > 0 else math.inf
+        )
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if rank == args.slow_rank and step >= args.slow_from:
             time.sleep(args.slow_seconds)
-        if rank == args.crash_rank and step == args.crash_at and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0:
+        if (
+            rank == args.crash_rank
+            and step == args.crash_at
+            and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0
+        ):
             agent.event("failure", detail="injected crash", domains={"host": os.uname().nodename})
             agent.close()
             print(f"rank {rank}: injected crash at step {step}", file=sys.stderr)
             os._exit(17)
-        agent.step(loss=loss, tokens=tokens_per_step, flops=tokens_per_step * flops_per_token(dims), step=step)
+        agent.step(
+            loss=loss,
+            grad_norm=total_norm,
+            tokens=tokens_per_step,
+            flops=tokens_per_step * flops_per_token(dims),
+            step=step,
+        )
         if ckpt is not None and step % args.ckpt_every == 0 and step > 0:
             if rank == 0:
                 ckpt.parent.mkdir(parents=True, exist_ok=True)
-                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
-                           str(ckpt) + ".tmp")
+                torch.save(
+                    {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
+                    str(ckpt) + ".tmp",
+                )
                 os.replace(str(ckpt) + ".tmp", ckpt)
             if distributed:
                 dist.barrier()

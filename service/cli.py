@@ -15,7 +15,9 @@ def _serve(args: argparse.Namespace) -> int:
     from trainvitals.service.main import create_app
     from trainvitals.service.settings import Settings
 
-    overrides = {k: v for k, v in {"db": args.db, "host": args.host, "port": args.port}.items() if v is not None}
+    overrides = {
+        k: v for k, v in {"db": args.db, "host": args.host, "port": args.port}.items() if v is not None
+    }
     settings = Settings(**overrides)
     if settings.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"trainvitals: listening on {settings.host}: reachable beyond this machine", file=sys.stderr)
@@ -41,8 +43,11 @@ def _query_runs(args: argparse.Namespace) -> int:
 
     engine = db.make_engine(args.db)
     with db.make_sessionmaker(engine)() as session:
-        out = [dataclasses.asdict(o) for r in queries.list_runs(session)
-               if (o := queries.run_overview(session, run_id=r.run_id)) is not None]
+        out = [
+            dataclasses.asdict(o)
+            for r in queries.list_runs(session)
+            if (o := queries.run_overview(session, run_id=r.run_id)) is not None
+        ]
     engine.dispose()
     print(json.dumps(out, indent=2))
     return 0
@@ -51,14 +56,22 @@ def _query_runs(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from trainvitals.service.demo import run_demo
 
-    return run_demo(ranks=args.ranks, seconds=args.seconds, port=args.port, workdir=args.workdir)
+    return run_demo(
+        ranks=args.ranks,
+        seconds=args.seconds,
+        port=args.port,
+        workdir=args.workdir,
+        keep_serving=args.keep_serving,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainvitals", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the collector (127.0.0.1:8000, SQLite in the working directory)")
+    serve = sub.add_parser(
+        "serve", help="run the collector (127.0.0.1:8000, SQLite in the working directory)"
+    )
     serve.add_argument("--db", help=f"SQLAlchemy URL (default {DEFAULT_SQLITE_URL}; env TRAINVITALS_DB)")
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
@@ -84,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seconds", type=float, default=60.0)
     demo.add_argument("--port", type=int, default=8000)
     demo.add_argument("--workdir", default="demo-out")
+    demo.add_argument("--keep-serving", action="store_true", help="leave the collector running afterwards")
     demo.set_defaults(func=_demo)
     return parser
 

@@ -1,7 +1,7 @@
 """Prometheus exposition: a custom Collector over a per-scrape snapshot of live runs.
 
 Series exist only for live runs (running, or finished within a grace period), so a finished or
-deleted run leaves no stale series. Labels are bounded: `run` (live runs), `quantile` (fixed set),
+deleted run leaves no stale series. Labels are bounded: `run` (live runs), `stat` (fixed set),
 `outcome` (fixed set). docs/metrics.md lists every family.
 """
 
@@ -17,7 +17,9 @@ from sqlalchemy.orm import Session
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import queries
 
-STEP_TIME_QUANTILES = (0.0, 0.5, 0.9, 0.99, 1.0)
+# Cross-rank statistics of the step time. Not a `quantile` label: promtool reserves that for
+# summaries, whose count/sum are cumulative, which a distribution over ranks is not.
+STEP_TIME_STATS = (("min", 0.0), ("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0))
 
 
 class IngestCounters:
@@ -86,26 +88,41 @@ class TrainvitalsCollector(Collector):
         yield from self._ingest_families({r.run_id for r in latest})
 
     def _run_families(self, latest: list[queries.RunLatest]) -> Iterator[Metric]:
-        info = GaugeMetricFamily("trainvitals_run_info", "Live runs (value 1) with their project and status",
-                                 labels=["run", "project", "status"])
-        world = GaugeMetricFamily("trainvitals_run_world_size_ranks", "Ranks declared at registration",
-                                  labels=["run"])
-        reporting = GaugeMetricFamily("trainvitals_run_ranks_reporting",
-                                      "Ranks that delivered the newest complete step", labels=["run"])
-        step = GaugeMetricFamily("trainvitals_run_latest_step", "Highest step delivered by any rank",
-                                 labels=["run"])
-        complete = GaugeMetricFamily("trainvitals_run_complete_step",
-                                     "Newest step delivered by every reporting rank (the values below)",
-                                     labels=["run"])
-        loss = GaugeMetricFamily("trainvitals_run_loss", "Mean training loss over ranks at the complete step",
-                                 labels=["run"])
-        grad = GaugeMetricFamily("trainvitals_run_grad_norm", "Global L2 gradient norm at the complete step",
-                                 labels=["run"])
-        step_time = GaugeMetricFamily("trainvitals_run_rank_step_seconds",
-                                      "Quantiles over ranks of the step time at the complete step",
-                                      labels=["run", "quantile"])
-        tokens = GaugeMetricFamily("trainvitals_run_tokens_per_second",
-                                   "Tokens per second of the whole job at the complete step", labels=["run"])
+        info = GaugeMetricFamily(
+            "trainvitals_run_info",
+            "Live runs (value 1) with their project and status",
+            labels=["run", "project", "status"],
+        )
+        world = GaugeMetricFamily(
+            "trainvitals_run_world_size_ranks", "Ranks declared at registration", labels=["run"]
+        )
+        reporting = GaugeMetricFamily(
+            "trainvitals_run_ranks_reporting", "Ranks that delivered the newest complete step", labels=["run"]
+        )
+        step = GaugeMetricFamily(
+            "trainvitals_run_latest_step", "Highest step delivered by any rank", labels=["run"]
+        )
+        complete = GaugeMetricFamily(
+            "trainvitals_run_complete_step",
+            "Newest step delivered by every reporting rank (the values below)",
+            labels=["run"],
+        )
+        loss = GaugeMetricFamily(
+            "trainvitals_run_loss", "Mean training loss over ranks at the complete step", labels=["run"]
+        )
+        grad = GaugeMetricFamily(
+            "trainvitals_run_grad_norm", "Global L2 gradient norm at the complete step", labels=["run"]
+        )
+        step_time = GaugeMetricFamily(
+            "trainvitals_run_rank_step_seconds",
+            "Step time across ranks at the complete step (stat: min p50 p90 p99 max)",
+            labels=["run", "stat"],
+        )
+        tokens = GaugeMetricFamily(
+            "trainvitals_run_tokens_per_second",
+            "Tokens per second of the whole job at the complete step",
+            labels=["run"],
+        )
         for r in latest:
             info.add_metric([r.run_id, r.project, r.status], 1.0)
             world.add_metric([r.run_id], r.world_size)
@@ -118,8 +135,8 @@ class TrainvitalsCollector(Collector):
                 loss.add_metric([r.run_id], r.loss)
             if r.grad_norm is not None:
                 grad.add_metric([r.run_id], r.grad_norm)
-            for q in STEP_TIME_QUANTILES:
-                step_time.add_metric([r.run_id, _fmt_q(q)], quantile(r.step_seconds, q))
+            for stat, q in STEP_TIME_STATS:
+                step_time.add_metric([r.run_id, stat], quantile(r.step_seconds, q))
             slowest = r.step_seconds[-1]
             if r.tokens is not None and slowest > 0:
                 # Synchronous data parallelism: the job moves at the pace of its slowest rank.
@@ -128,21 +145,23 @@ class TrainvitalsCollector(Collector):
 
     def _ingest_families(self, live: set[str]) -> Iterator[Metric]:
         records_by_run, batches = self._counters.snapshot()
-        records = CounterMetricFamily("trainvitals_ingest_records",
-                                      "Records stored by this collector process, per live run", labels=["run"])
+        records = CounterMetricFamily(
+            "trainvitals_ingest_records",
+            "Records stored by this collector process, per live run",
+            labels=["run"],
+        )
         for run, n in sorted(records_by_run.items()):
             if run in live:
                 records.add_metric([run], n)
-        outcome = CounterMetricFamily("trainvitals_ingest_batches",
-                                      "Batches received by this collector process, by outcome", labels=["outcome"])
+        outcome = CounterMetricFamily(
+            "trainvitals_ingest_batches",
+            "Batches received by this collector process, by outcome",
+            labels=["outcome"],
+        )
         for name, n in sorted(batches.items()):
             outcome.add_metric([name], n)
         yield records
         yield outcome
-
-
-def _fmt_q(q: float) -> str:
-    return f"{q:g}"
 
 
 def make_registry(collector: TrainvitalsCollector) -> CollectorRegistry:

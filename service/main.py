@@ -31,7 +31,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.sessionmaker = db.make_sessionmaker(engine)
     app.state.counters = IngestCounters()
-    app.state.registry = make_registry(TrainvitalsCollector(app.state.sessionmaker, settings, app.state.counters))
+    app.state.registry = make_registry(
+        TrainvitalsCollector(app.state.sessionmaker, settings, app.state.counters)
+    )
     app.include_router(ingest.router)
     app.include_router(runs.router)
     app.include_router(health.router)

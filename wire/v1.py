@@ -89,8 +89,8 @@ class RunRegistration(_Strict):
     """Sent once per run (by rank 0, or by every rank: registration is idempotent)."""
 
     wire_version: Literal[1] = 1
-    run: _RunId
-    project: _Name = "default"
+    run: _RunId = Field(description="run id shared by all ranks: letters, digits, . _ : -")
+    project: _Name = Field("default", description="tokens are scoped to a project")
     started_at: float | None = Field(None, description="Unix seconds")
     model: ModelDims = ModelDims()
     parallelism: Parallelism = Parallelism()
@@ -202,7 +202,7 @@ class Batch(_Strict):
 
     wire_version: Literal[1] = 1
     run: _RunId
-    rank: _Count
+    rank: _Count = Field(description="global rank of the sender")
     incarnation: _Count = Field(description="bumped by every restart of the rank")
     seq: _Count = Field(description="per (run, rank, incarnation), starts at 0, no gaps")
     sent_at: float | None = None

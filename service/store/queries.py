@@ -46,7 +46,9 @@ def list_runs(session: Session, *, project: str | None = None) -> list[Run]:
     return list(session.scalars(query))
 
 
-def live_runs(session: Session, *, now: float, finished_grace_seconds: float, idle_seconds: float) -> list[Run]:
+def live_runs(
+    session: Session, *, now: float, finished_grace_seconds: float, idle_seconds: float
+) -> list[Run]:
     """Runs that belong in /metrics: running and seen recently, or finished within the grace."""
     horizon_running = now - idle_seconds
     horizon_finished = now - finished_grace_seconds
@@ -81,8 +83,14 @@ def run_latest(session: Session, *, run: Run, lookback_steps: int = 64) -> RunLa
     step = max(s for s, n in counts if n == out.ranks_reporting)
     out.complete_step = int(step)
     rows = session.execute(
-        select(StepRow.rank, StepRow.incarnation, StepRow.step_seconds, StepRow.loss, StepRow.tokens,
-               StepRow.grad_norm)
+        select(
+            StepRow.rank,
+            StepRow.incarnation,
+            StepRow.step_seconds,
+            StepRow.loss,
+            StepRow.tokens,
+            StepRow.grad_norm,
+        )
         .where(StepRow.run_id == run.run_id, StepRow.step == step)
         .order_by(StepRow.rank, StepRow.incarnation)
     ).all()
@@ -151,9 +159,7 @@ def run_overview(session: Session, *, run_id: str) -> RunOverview | None:
         .group_by(StepRow.rank)
         .order_by(StepRow.rank)
     ).all()
-    times = sorted(
-        session.scalars(select(StepRow.step_seconds).where(StepRow.run_id == run_id)).all()
-    )
+    times = sorted(session.scalars(select(StepRow.step_seconds).where(StepRow.run_id == run_id)).all())
     slowest = max(per_rank, key=lambda r: r[1]) if per_rank else None
 
     def _count(model: type) -> int:
@@ -209,3 +215,25 @@ def delete_run(session: Session, *, run_id: str) -> bool:
     session.execute(delete(Run).where(Run.run_id == run_id))
     session.commit()
     return True
+
+
+def rank_step_seconds(session: Session, *, run_id: str) -> list[tuple[int, float, float, float]]:
+    """Per rank: (rank, mean, p50, p99) step seconds over the whole run."""
+    rows = session.execute(
+        select(StepRow.rank, StepRow.step_seconds).where(StepRow.run_id == run_id).order_by(StepRow.rank)
+    ).all()
+    by_rank: dict[int, list[float]] = {}
+    for rank, seconds in rows:
+        by_rank.setdefault(rank, []).append(seconds)
+    out = []
+    for rank, values in sorted(by_rank.items()):
+        values.sort()
+        out.append(
+            (
+                rank,
+                sum(values) / len(values),
+                values[len(values) // 2],
+                values[min(len(values) - 1, int(0.99 * len(values)))],
+            )
+        )
+    return out

@@ -28,5 +28,7 @@ def post_batch(batch: Batch, session: SessionDep, counters: CountersDep) -> Batc
     except ingest.UnknownRunError as exc:
         counters.count_batch(run=batch.run, outcome="rejected")
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
-    counters.count_batch(run=batch.run, outcome="duplicate" if ack.duplicate else "stored", records=ack.accepted)
+    counters.count_batch(
+        run=batch.run, outcome="duplicate" if ack.duplicate else "stored", records=ack.accepted
+    )
     return ack

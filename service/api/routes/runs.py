@@ -15,8 +15,14 @@ router = APIRouter(prefix="/v1/runs", tags=["runs"])
 @router.get("", summary="List runs")
 def list_runs(session: SessionDep, project: str | None = None) -> list[dict[str, Any]]:
     return [
-        {"run": r.run_id, "project": r.project, "status": r.status, "world_size": r.world_size,
-         "created_at": r.created_at, "last_seen_at": r.last_seen_at}
+        {
+            "run": r.run_id,
+            "project": r.project,
+            "status": r.status,
+            "world_size": r.world_size,
+            "created_at": r.created_at,
+            "last_seen_at": r.last_seen_at,
+        }
         for r in queries.list_runs(session, project=project)
     ]
 

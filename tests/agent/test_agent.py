@@ -1,0 +1,119 @@
+"""attach(): two lines, harmless, hooks removed on close, records in wire format."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import trainvitals.agent as tv
+from torch import nn
+from trainvitals.wire import Batch
+
+
+def _train(agent: object, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        agent.step(loss=loss, tokens=32)  # type: ignore[attr-defined]
+        losses.append(loss.item())
+    return losses
+
+
+def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def test_records_follow_the_wire_format_and_reach_the_collector(collector, tmp_path: Path) -> None:
+    model, opt = _model()
+    record = tmp_path / "rec-{rank}.jsonl"
+    agent = tv.attach(
+        model,
+        opt,
+        run="r1",
+        config=tv.AgentConfig(
+            collector=collector.url, spill_dir=str(tmp_path / "spool"), record_file=str(record)
+        ),
+    )
+    losses = _train(agent, model, opt, 5)
+    agent.close()
+    lines = (tmp_path / "rec-0.jsonl").read_bytes().splitlines()
+    records = [r for line in lines[1:] for r in Batch.model_validate_json(line).records]
+    steps = [r for r in records if r.kind == "step"]
+    assert [s.step for s in steps] == [0, 1, 2, 3, 4]
+    assert [s.loss for s in steps] == pytest.approx(losses)
+    assert {r.event for r in records if r.kind == "event"} == {"start", "stop"}
+    grads = [r for r in records if r.kind == "grad" and r.group == "__global__"]
+    assert len(grads) == 5 and all(g.owned_sq > 0 for g in grads)
+    with collector.app.state.sessionmaker() as session:
+        from trainvitals.service.store import queries
+
+        assert queries.count_step_rows(session, run_id="r1") == 5
+        assert queries.list_runs(session)[0].status == "finished"
+
+
+def test_hooks_are_removed_on_close_and_close_is_idempotent(tmp_path: Path) -> None:
+    model, opt = _model()
+    agent = tv.attach(model, opt, run="r1", config=tv.AgentConfig(collector="", spill_dir=str(tmp_path)))
+    assert agent.hooks == 1 and len(opt._optimizer_step_pre_hooks) == 1
+    agent.close()
+    agent.close()
+    assert agent.hooks == 0 and len(opt._optimizer_step_pre_hooks) == 0
+
+
+def test_agent_errors_never_reach_the_training_loop(tmp_path: Path) -> None:
+    model, opt = _model()
+    agent = tv.attach(model, opt, run="r1", config=tv.AgentConfig(collector="", spill_dir=str(tmp_path)))
+    agent.step(loss=object())  # type: ignore[arg-type] - nonsense input: counted, not raised
+    agent.step(loss="not a number")  # type: ignore[arg-type]
+    _train(agent, model, opt, 2)  # and the agent keeps working afterwards
+    assert agent.stats()["errors"] == 2
+    assert agent.stats()["steps"] == 2
+    agent.close()
+
+
+def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRAINVITALS_DISABLE", "1")
+    model, opt = _model()
+    agent = tv.attach(model, opt, run="r1")
+    assert isinstance(agent, tv.NoopAgent)
+    assert len(opt._optimizer_step_pre_hooks) == 0
+    _train(agent, model, opt, 1)
+
+
+def test_bad_setup_returns_a_noop_instead_of_raising() -> None:
+    agent = tv.attach(None, None, run="bad run id with spaces")
+    assert isinstance(agent, tv.NoopAgent)
+
+
+def test_collector_down_does_not_slow_the_step(tmp_path: Path) -> None:
+    model, opt = _model()
+    agent = tv.attach(
+        model,
+        opt,
+        run="r1",
+        config=tv.AgentConfig(collector="http://127.0.0.1:9", spill_dir=str(tmp_path), send_interval_s=0.05),
+    )
+    t0 = time.perf_counter()
+    _train(agent, model, opt, 50)
+    elapsed = time.perf_counter() - t0
+    agent.close(timeout=0.5)
+    # Generous bound: delivery failures happen on the background thread, never in step().
+    assert elapsed < 5.0
+    assert agent.stats()["failed_attempts"] >= 1
+
+
+def test_agent_imports_with_torch_and_pydantic_only() -> None:
+    code = (
+        "import sys, trainvitals.agent; "
+        "bad = [m for m in ('fastapi', 'sqlalchemy', 'prometheus_client', 'uvicorn', 'alembic')"
+        " if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -1,0 +1,163 @@
+"""Delivery: bounded queue, write-ahead spool, exactly-once across a collector outage.
+
+Uses the real collector (uvicorn in a thread, SQLite or PostgreSQL) and real sockets; the
+exporter's thread body (run_once) is driven synchronously so the tests are deterministic.
+"""
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+from sqlalchemy import select
+from trainvitals.agent import AgentConfig
+from trainvitals.agent._exporter import Exporter
+from trainvitals.service.store import db
+from trainvitals.service.store.models import StepRow
+from trainvitals.wire import Batch, RunRegistration
+
+REG = RunRegistration(run="r1", parallelism={"world_size": 1}).model_dump(mode="json")
+
+
+def _exporter(url: str, tmp_path: Path, **cfg: object) -> Exporter:
+    settings: dict = {"http_timeout_s": 2.0, "retry_backoff_s": 0.0, **cfg}
+    config = AgentConfig(collector=url, spill_dir=str(tmp_path / "spool"), **settings)
+    return Exporter(config=config, run="r1", rank=0, incarnation=1, registration=REG)
+
+
+def _step(i: int) -> dict:
+    return {"kind": "step", "step": i, "ts": 1.0, "step_seconds": 0.1}
+
+
+def _stored_steps(db_url: str) -> list[int]:
+    engine = db.make_engine(db_url)
+    with engine.connect() as conn:
+        steps = [r[0] for r in conn.execute(select(StepRow.step).order_by(StepRow.step))]
+    engine.dispose()
+    return steps
+
+
+def test_delivers_in_batches_and_empties_the_spool(collector, tmp_path: Path) -> None:
+    exp = _exporter(collector.url, tmp_path, max_batch_records=4, queue_max_records=100)
+    for i in range(10):
+        exp.emit(_step(i))
+    exp.run_once(deadline=time.monotonic() + 10)
+    assert _stored_steps(collector.db_url) == list(range(10))
+    assert exp.stats.delivered_batches == 3  # 4 + 4 + 2
+    assert not (tmp_path / "spool" / "r1.rank0.jsonl").exists()
+    exp.shutdown()
+
+
+def test_outage_spills_then_replays_exactly_once_in_order(collector, tmp_path: Path) -> None:
+    exp = _exporter(collector.url, tmp_path, max_batch_records=5)
+    for i in range(5):
+        exp.emit(_step(i))
+    exp.run_once(deadline=time.monotonic() + 10)
+    collector.stop()
+    for i in range(5, 20):
+        exp.emit(_step(i))
+        if i % 5 == 4:
+            exp.run_once(deadline=time.monotonic() + 10)  # fails: collector down
+    spool = tmp_path / "spool" / "r1.rank0.jsonl"
+    lines = spool.read_bytes().splitlines()
+    assert [json.loads(x)["seq"] for x in lines if b'"records"' in x] == [1, 2, 3]
+    assert exp.stats.failed_attempts >= 1
+    collector.start()
+    exp.run_once(deadline=time.monotonic() + 10)
+    assert _stored_steps(collector.db_url) == list(range(20))  # every record, once, in order
+    assert not spool.exists()
+    exp.shutdown()
+
+
+def test_spool_left_by_a_dead_process_is_delivered_by_the_next_one(collector, tmp_path: Path) -> None:
+    collector.stop()
+    first = _exporter(collector.url, tmp_path)
+    for i in range(6):
+        first.emit(_step(i))
+    first.shutdown(timeout=1.0)  # collector down: everything stays spooled
+    collector.start()
+    second = Exporter(
+        config=AgentConfig(collector=collector.url, spill_dir=str(tmp_path / "spool")),
+        run="r1",
+        rank=0,
+        incarnation=2,
+        registration=REG,
+    )
+    second.emit(_step(6))
+    second.run_once(deadline=time.monotonic() + 10)
+    assert _stored_steps(collector.db_url) == list(range(7))
+    second.shutdown()
+
+
+def test_full_queue_drops_oldest_and_counts() -> None:
+    exp = Exporter(
+        config=AgentConfig(collector="", queue_max_records=3, max_batch_records=3, spill_dir="/nonexistent"),
+        run="r1",
+        rank=0,
+        incarnation=1,
+        registration=REG,
+    )
+    for i in range(5):
+        exp.emit(_step(i))
+    assert exp.stats.dropped_records == 2
+    assert [r["step"] for r in exp._queue] == [2, 3, 4]
+
+
+def test_spool_file_is_a_replayable_wire_stream(tmp_path: Path) -> None:
+    exp = _exporter("http://127.0.0.1:9", tmp_path)  # nothing listens on port 9
+    for i in range(3):
+        exp.emit(_step(i))
+    exp.shutdown(timeout=0.5)
+    lines = (tmp_path / "spool" / "r1.rank0.jsonl").read_bytes().splitlines()
+    RunRegistration.model_validate_json(lines[0])
+    assert [r.step for r in Batch.model_validate_json(lines[1]).records] == [0, 1, 2]
+
+
+def test_hung_collector_costs_at_most_the_flush_timeout(tmp_path: Path) -> None:
+    # A real TCP server that accepts and never answers.
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    stop = threading.Event()
+    conns: list[socket.socket] = []
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conns.append(server.accept()[0])
+            except OSError:
+                pass
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    try:
+        exp = _exporter(
+            f"http://127.0.0.1:{server.getsockname()[1]}", tmp_path, http_timeout_s=30.0, flush_timeout_s=1.0
+        )
+        exp.start()
+        exp.emit(_step(0))
+        t0 = time.monotonic()
+        exp.shutdown()
+        assert time.monotonic() - t0 < 3.0
+        assert (tmp_path / "spool" / "r1.rank0.jsonl").exists()  # kept for the next attempt
+    finally:
+        stop.set()
+        t.join()
+        for c in conns:
+            c.close()
+        server.close()
+
+
+def test_rejected_batch_is_set_aside_not_retried_forever(collector, tmp_path: Path) -> None:
+    exp = _exporter(collector.url, tmp_path)
+    exp.emit({**_step(0), "step_seconds": -1.0})  # invalid: the collector answers 422
+    exp.emit(_step(1))
+    exp.run_once(deadline=time.monotonic() + 10)
+    assert exp.stats.rejected_batches == 1
+    assert (tmp_path / "spool" / "r1.rank0.rejected.jsonl").exists()
+    exp.emit(_step(2))
+    exp.run_once(deadline=time.monotonic() + 10)
+    assert _stored_steps(collector.db_url) == [2]
+    exp.shutdown()

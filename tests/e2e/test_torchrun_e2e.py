@@ -1,0 +1,122 @@
+"""End to end: the collector as a real process, the example as a real 4-rank torchrun DDP job."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+from trainvitals.service.store import db, queries
+from trainvitals.service.store.models import GradStatRow, StepRow
+
+BIN = Path(sys.executable).parent
+RANKS = 4
+STEPS = 30
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.read().decode()
+
+
+def start_collector(db_url: str, port: int, log: Path) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        [str(BIN / "trainvitals"), "serve", "--db", db_url, "--port", str(port)],
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
+    )  # noqa: SIM115
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            _get(f"http://127.0.0.1:{port}/healthz")
+            return proc
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(log.read_text()) from None
+            time.sleep(0.2)
+
+
+def stop_collector(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def torchrun(
+    args: list[str],
+    cwd: Path,
+    *,
+    ranks: int = RANKS,
+    env: dict[str, str] | None = None,
+    module: str = "trainvitals.examples.train_gpt",
+) -> subprocess.CompletedProcess[str]:
+    import os
+
+    cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={ranks}", "-m", module, *args]
+    result = subprocess.run(
+        cmd, env={**os.environ, **(env or {})}, cwd=cwd, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.slow
+def test_every_step_of_every_rank_is_stored_and_exposed(
+    db_url: str, tmp_path: Path, unused_port: int, promtool_check
+) -> None:
+    proc = start_collector(db_url, unused_port, tmp_path / "collector.log")
+    try:
+        torchrun(
+            [
+                "--run-name",
+                "e2e",
+                "--steps",
+                str(STEPS),
+                "--clip",
+                "0",
+                "--send-interval",
+                "0.5",
+                "--collector",
+                f"http://127.0.0.1:{unused_port}",
+            ],
+            tmp_path,
+        )
+        metrics = _get(f"http://127.0.0.1:{unused_port}/metrics")
+    finally:
+        stop_collector(proc)
+
+    engine = db.make_engine(db_url)
+    with db.make_sessionmaker(engine)() as session:
+        keys = queries.step_keys(session, run_id="e2e")
+        assert {(rank, step) for rank, _inc, step in keys} == {
+            (r, s) for r in range(RANKS) for s in range(STEPS)
+        }
+        assert len(keys) == RANKS * STEPS  # exactly once
+        # The collector's reduction (owned sums of squares over ranks) equals the job's own
+        # clip_grad_norm_ total on every step: DDP replicas are counted once.
+        job_norms = dict(
+            session.execute(select(StepRow.step, StepRow.grad_norm).where(StepRow.rank == 0)).all()
+        )
+        for step in range(STEPS):
+            ours = queries.global_grad_norm(session, run_id="e2e", step=step)
+            assert ours == pytest.approx(job_norms[step], rel=1e-5), step
+        groups = set(session.scalars(select(GradStatRow.group_name).distinct()))
+        assert {"layers.0", "layers.1", "tok_emb", "lm_head", "__global__"} <= groups
+        latest = queries.run_latest(session, run=queries.list_runs(session)[0])
+    engine.dispose()
+    assert latest.complete_step == STEPS - 1 and latest.ranks_reporting == RANKS
+    assert f'trainvitals_run_latest_step{{run="e2e"}} {STEPS - 1}.0' in metrics
+    assert f'trainvitals_run_ranks_reporting{{run="e2e"}} {RANKS}.0' in metrics
+    assert 'trainvitals_run_rank_step_seconds{run="e2e",stat="p99"}' in metrics
+    assert math.isfinite(float(metrics.split('trainvitals_run_loss{run="e2e"} ')[1].split()[0]))
+    check = promtool_check(metrics)
+    assert check.returncode == 0, check.stdout + check.stderr

@@ -1,0 +1,107 @@
+"""The custom Collector: values from a store snapshot, no stale series, valid exposition."""
+
+import pytest
+from prometheus_client import generate_latest
+from trainvitals.service import ingest
+from trainvitals.service.exposition import IngestCounters, TrainvitalsCollector, make_registry, quantile
+from trainvitals.service.settings import Settings
+from trainvitals.service.store import db, queries
+from trainvitals.wire import Batch, RunRegistration
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def setup(db_url: str):
+    engine = db.make_engine(db_url)
+    maker = db.make_sessionmaker(engine)
+    clock = Clock(1000.0)
+    counters = IngestCounters()
+    settings = Settings(db=db_url, finished_run_grace_seconds=60, idle_run_seconds=600)
+    registry = make_registry(TrainvitalsCollector(maker, settings, counters, clock=clock))
+    yield maker, clock, counters, registry
+    engine.dispose()
+
+
+def _store(maker, run: str, ranks: int, steps: int, *, stop: bool = False, now: float = 1000.0) -> None:
+    with maker() as session:
+        ingest.register_run(session, RunRegistration(run=run, parallelism={"world_size": ranks}), now=now)
+        for rank in range(ranks):
+            records = [
+                {
+                    "kind": "step",
+                    "step": s,
+                    "ts": 1.0,
+                    "step_seconds": 1.0 + rank,
+                    "loss": 5.0 - rank,
+                    "tokens": 100,
+                }
+                for s in range(steps)
+            ]
+            if stop:
+                records.append({"kind": "event", "event": "stop", "ts": 2.0})
+            ingest.store_batch(
+                session,
+                Batch.model_validate(
+                    {"run": run, "rank": rank, "incarnation": 1, "seq": 0, "records": records}
+                ),
+                now=now,
+            )
+
+
+def test_values_reduce_across_ranks(setup) -> None:
+    maker, _clock, counters, registry = setup
+    _store(maker, "a", ranks=4, steps=3)
+    counters.count_batch(run="a", outcome="stored", records=12)
+    sample = registry.get_sample_value
+    assert sample("trainvitals_run_latest_step", {"run": "a"}) == 2
+    assert sample("trainvitals_run_rank_step_seconds", {"run": "a", "stat": "max"}) == 4.0
+    assert sample("trainvitals_run_rank_step_seconds", {"run": "a", "stat": "p50"}) == 2.5
+    assert sample("trainvitals_run_loss", {"run": "a"}) == pytest.approx(3.5)
+    assert sample("trainvitals_run_tokens_per_second", {"run": "a"}) == pytest.approx(400 / 4.0)
+    assert sample("trainvitals_ingest_records_total", {"run": "a"}) == 12
+    assert sample("trainvitals_ingest_batches_total", {"outcome": "stored"}) == 1
+
+
+def test_finished_runs_leave_after_the_grace_and_idle_runs_after_the_timeout(setup) -> None:
+    maker, clock, _counters, registry = setup
+    _store(maker, "done", ranks=1, steps=2, stop=True)
+    _store(maker, "idle", ranks=1, steps=2)
+    assert (
+        registry.get_sample_value(
+            "trainvitals_run_info", {"run": "done", "project": "default", "status": "finished"}
+        )
+        == 1
+    )
+    clock.now += 61  # past the finished grace, within the idle timeout
+    text = generate_latest(registry).decode()
+    assert 'run="done"' not in text and 'run="idle"' in text
+    clock.now += 600
+    assert 'run="idle"' not in generate_latest(registry).decode()
+
+
+def test_deleted_run_disappears(setup) -> None:
+    maker, _clock, _counters, registry = setup
+    _store(maker, "gone", ranks=2, steps=2)
+    assert registry.get_sample_value("trainvitals_run_latest_step", {"run": "gone"}) == 1
+    with maker() as session:
+        queries.delete_run(session, run_id="gone")
+    assert 'run="gone"' not in generate_latest(registry).decode()
+
+
+def test_exposition_passes_promtool(setup, promtool_check) -> None:
+    maker, _clock, _counters, registry = setup
+    _store(maker, "a", ranks=3, steps=4)
+    result = promtool_check(generate_latest(registry).decode())
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(("q", "expected"), [(0.0, 1.0), (0.5, 2.5), (1.0, 4.0), (0.9, 3.7)])
+def test_quantile_interpolates_like_numpy(q: float, expected: float) -> None:
+    assert quantile([1.0, 2.0, 3.0, 4.0], q) == pytest.approx(expected)

@@ -1,0 +1,103 @@
+"""store_batch: atomic, idempotent, on SQLite and PostgreSQL."""
+
+import math
+
+import pytest
+from sqlalchemy import func, select
+from trainvitals.service import ingest
+from trainvitals.service.store import db, queries
+from trainvitals.service.store.models import DeliveredBatch, GradStatRow, StepRow
+from trainvitals.wire import Batch, RunRegistration
+
+
+def _steps(rank: int, steps: range, seq: int, incarnation: int = 1) -> Batch:
+    records = [
+        {
+            "kind": "step",
+            "step": s,
+            "ts": 100.0 + s,
+            "step_seconds": 0.1 * (rank + 1),
+            "loss": 2.0,
+            "tokens": 64,
+        }
+        for s in steps
+    ]
+    records += [
+        {
+            "kind": "grad",
+            "step": s,
+            "group": "__global__",
+            "owned_sq": 4.0 if rank == 0 else 0.0,
+            "local_sq": 4.0,
+        }
+        for s in steps
+    ]
+    return Batch.model_validate(
+        {"run": "r1", "rank": rank, "incarnation": incarnation, "seq": seq, "records": records}
+    )
+
+
+@pytest.fixture
+def session(db_url: str):
+    engine = db.make_engine(db_url)
+    with db.make_sessionmaker(engine)() as s:
+        yield s
+    engine.dispose()
+
+
+def test_batches_are_stored_once(session) -> None:
+    ingest.register_run(session, RunRegistration(run="r1", parallelism={"world_size": 2}))
+    first = ingest.store_batch(session, _steps(0, range(0, 10), seq=0))
+    again = ingest.store_batch(session, _steps(0, range(0, 10), seq=0))
+    ingest.store_batch(session, _steps(1, range(0, 10), seq=0))
+    assert (first.accepted, first.duplicate) == (20, False)
+    assert (again.accepted, again.duplicate) == (0, True)
+    assert queries.count_step_rows(session, run_id="r1") == 20
+    assert session.scalar(select(func.count()).select_from(DeliveredBatch)) == 2
+
+
+def test_new_incarnation_with_same_seq_is_not_a_duplicate(session) -> None:
+    ingest.register_run(session, RunRegistration(run="r1"))
+    ingest.store_batch(session, _steps(0, range(0, 5), seq=0, incarnation=1))
+    ack = ingest.store_batch(session, _steps(0, range(3, 8), seq=0, incarnation=2))
+    assert not ack.duplicate
+    assert {k[1] for k in queries.step_keys(session, run_id="r1")} == {1, 2}
+
+
+def test_unregistered_run_is_refused_and_stores_nothing(session) -> None:
+    with pytest.raises(ingest.UnknownRunError):
+        ingest.store_batch(session, _steps(0, range(3), seq=0))
+    session.rollback()
+    assert session.scalar(select(func.count()).select_from(StepRow)) == 0
+
+
+def test_registration_is_idempotent_and_project_bound(session) -> None:
+    assert ingest.register_run(session, RunRegistration(run="r1", project="a")) is True
+    assert ingest.register_run(session, RunRegistration(run="r1", project="a")) is False
+    with pytest.raises(ValueError, match="project"):
+        ingest.register_run(session, RunRegistration(run="r1", project="b"))
+
+
+def test_latest_complete_step_reduces_across_ranks(session) -> None:
+    ingest.register_run(session, RunRegistration(run="r1", parallelism={"world_size": 2}))
+    ingest.store_batch(session, _steps(0, range(0, 10), seq=0))
+    ingest.store_batch(session, _steps(1, range(0, 8), seq=0))  # rank 1 lags two steps behind
+    run = queries.list_runs(session)[0]
+    latest = queries.run_latest(session, run=run)
+    assert latest.latest_step == 9
+    assert latest.complete_step == 7
+    assert latest.ranks_reporting == 2
+    assert latest.step_seconds == pytest.approx([0.1, 0.2])
+    # Replicated DDP gradients: only rank 0 owns them, so the norm is sqrt(4), not sqrt(8).
+    assert latest.grad_norm == pytest.approx(2.0)
+    assert session.scalar(select(func.count()).select_from(GradStatRow)) == 18
+    assert math.isclose(latest.loss, 2.0)
+
+
+def test_delete_run_removes_every_record(session) -> None:
+    ingest.register_run(session, RunRegistration(run="r1"))
+    ingest.store_batch(session, _steps(0, range(0, 4), seq=0))
+    assert queries.delete_run(session, run_id="r1") is True
+    assert queries.count_step_rows(session, run_id="r1") == 0
+    assert queries.list_runs(session) == []
+    assert queries.delete_run(session, run_id="r1") is False
