@@ -12,6 +12,7 @@ from trainvitals.service.store.db import DEFAULT_SQLITE_URL
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
+
     from trainvitals.service.main import create_app
     from trainvitals.service.settings import Settings
 
@@ -99,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", default="demo-out")
     demo.add_argument("--keep-serving", action="store_true", help="leave the collector running afterwards")
     demo.set_defaults(func=_demo)
+
+    from trainvitals.service.advisors.cli import add_advise_parser, add_plan_parser
+
+    add_plan_parser(sub)
+    add_advise_parser(sub)
     return parser
 
 

@@ -1,0 +1,125 @@
+"""Per-GPU memory by tenant: parameters, gradients, optimizer state, activations, overhead.
+
+Byte rules (seed 001, "the memory wall"): bf16 working weights 2 B/param, bf16 gradients 2 B/param,
+AdamW fp32 master + two moments 12 B/param (16 B/param in all); activations 12 * L * B * S * d * b_a
+bytes with selective recomputation. Overhead (CUDA context, NCCL buffers, allocator fragmentation)
+is budgeted as a fixed share of HBM: seed 001 says plan for 75% of HBM, not 100%.
+
+Parallel layout rules (Megatron/ZeRO conventions; docs/advisors.md has the derivation):
+- TP and PP split weights; ZeRO stage z shards optimizer (z>=1), gradients (z>=2) and parameters
+  (z=3) across the data-parallel group.
+- At ZeRO-3/FSDP we also count the gathered bf16 weights of the whole stage, as seeds 000 and 002
+  do ("plus ~14 GB of bf16 weights gathered during compute"); this is FSDP without resharding
+  after forward, and an upper bound for per-layer resharding.
+- Activations are split by TP (sequence parallelism) and CP; 1F1B keeps min(m, pp) micro-batches in
+  flight on the first stage, so PP does not shrink activation memory there (Korthikanti et al. 2022).
+
+    >>> case_a = training_step_bytes(n_params=7e9, layers=32, hidden=4096, batch=1, seq=4096)
+    >>> round(case_a.total / 1e9, 1)
+    124.9
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from trainvitals.service.advisors.model_config import PlanInput
+
+ACTIVATION_K = 12
+"""Per-block activation multiplier under selective recomputation (seed 001)."""
+BYTES_PARAM, BYTES_GRAD, BYTES_OPTIM, BYTES_ACT = 2, 2, 12, 2
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class MemoryBreakdown:
+    """Bytes per GPU by tenant."""
+
+    params: float
+    """Working weights (and, at ZeRO-3, the gathered copy), bytes."""
+    grads: float
+    """Gradients, bytes."""
+    optimizer: float
+    """Optimizer state (fp32 master + Adam moments), bytes."""
+    activations: float
+    """Activations kept for backward (plus fp32 logits), bytes."""
+    overhead: float
+    """Reserve for CUDA context, NCCL buffers, fragmentation, bytes (0 for the single-GPU bill)."""
+    capacity: float
+    """HBM per GPU, bytes (0 when not tied to a GPU)."""
+
+    @property
+    def tenants(self) -> float:
+        """The four tenants without the overhead reserve."""
+        return self.params + self.grads + self.optimizer + self.activations
+
+    @property
+    def total(self) -> float:
+        return self.tenants + self.overhead
+
+    @property
+    def fits(self) -> bool:
+        return self.capacity > 0 and self.total <= self.capacity
+
+    def as_dict(self) -> dict[str, float | bool]:
+        gib = 1024**3
+        return {"params_gib": self.params / gib, "grads_gib": self.grads / gib,
+                "optimizer_gib": self.optimizer / gib, "activations_gib": self.activations / gib,
+                "overhead_gib": self.overhead / gib, "total_gib": self.total / gib,
+                "capacity_gib": self.capacity / gib, "fits": self.fits}
+
+
+def training_step_bytes(*, n_params: float, layers: int, hidden: int, batch: int, seq: int,
+                        param_bytes: float = BYTES_PARAM, grad_bytes: float = BYTES_GRAD,
+                        optim_bytes: float = BYTES_OPTIM, act_bytes: float = BYTES_ACT,
+                        k: float = ACTIVATION_K) -> MemoryBreakdown:
+    """Seed 001's single-GPU bill: N(b_p + b_g + b_o) + k L B S d b_a, no overhead."""
+    return MemoryBreakdown(params=n_params * param_bytes, grads=n_params * grad_bytes,
+                           optimizer=n_params * optim_bytes,
+                           activations=k * layers * batch * seq * hidden * act_bytes,
+                           overhead=0.0, capacity=0.0)
+
+
+def min_gpus_to_hold(total_bytes: float, gpu_bytes: float) -> int:
+    """Perfect-slicing floor: ceil(total / per-GPU memory) (seed 001's `-(-total // H100)`)."""
+    return max(1, math.ceil(total_bytes / gpu_bytes - 1e-12))
+
+
+def activation_bytes_per_layer(plan: PlanInput) -> float:
+    """Activation bytes one layer keeps for one micro-batch on one GPU."""
+    m, p = plan.model, plan.parallelism
+    b, s, h = p.micro_batch, m.seq_len, m.hidden
+    split = p.tp * p.cp
+    selective = ACTIVATION_K * BYTES_ACT * b * s * h / split
+    if p.recompute == "selective":
+        return selective
+    if p.recompute == "none":
+        # The attention score/softmax/dropout tensors selective recompute drops: 5 a s^2 b bytes.
+        return selective + 5 * m.heads * s * s * b / (p.tp * p.cp * p.cp)
+    # Full recompute keeps only each layer's bf16 input.
+    return BYTES_ACT * b * s * h / split
+
+
+def per_gpu_memory(plan: PlanInput) -> MemoryBreakdown:
+    """Peak memory on the most loaded GPU (first pipeline stage) for a parallel layout."""
+    m, p, hw = plan.model, plan.parallelism, plan.hardware
+    dense = m.params_total - m.expert_params
+    stage_params = dense / (p.tp * p.pp) + m.expert_params / (p.tp * p.pp * p.ep)
+    sharded = m.params_total / p.gpus  # ZeRO shards over dp*cp; ep only regroups experts
+    params = BYTES_PARAM * (sharded + stage_params if p.zero >= 3 else stage_params)
+    grads = BYTES_GRAD * (sharded if p.zero >= 2 else stage_params)
+    optimizer = BYTES_OPTIM * (sharded if p.zero >= 1 else stage_params)
+
+    layers_per_stage = m.layers / p.pp
+    in_flight = min(p.micro_batches, p.pp)
+    if p.vpp > 1 and p.pp > 1:
+        in_flight *= 1 + (p.pp - 1) / (p.pp * p.vpp)  # interleaving keeps extra warm-up chunks
+    acts = activation_bytes_per_layer(plan) * layers_per_stage * in_flight
+    if p.recompute == "full":
+        # During backward one layer is recomputed and its selective-level set is live.
+        acts += ACTIVATION_K * BYTES_ACT * p.micro_batch * m.seq_len * m.hidden / (p.tp * p.cp)
+    # fp32 logits of one micro-batch for the loss (vocab split by TP), on the last stage.
+    acts += 4 * p.micro_batch * m.seq_len * m.vocab / (p.tp * p.cp)
+    capacity = hw.gpu.hbm_bytes
+    return MemoryBreakdown(params=params, grads=grads, optimizer=optimizer, activations=acts,
+                           overhead=capacity * (1 - hw.usable_hbm_fraction), capacity=capacity)

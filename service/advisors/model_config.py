@@ -1,0 +1,371 @@
+"""The planner's input: model shape, parallelism and hardware, parsed and validated from a dict.
+
+The dict is what `trainvitals plan --config FILE` loads from JSON/YAML, and also the `model`,
+`parallelism` and `hardware` sections of a run registration (wire format v1). Every error is a
+ValueError that names the offending key, e.g. "parallelism.tp: 3 does not divide model.heads=32".
+
+    >>> plan_input = parse_plan_input({
+    ...     "model": {"layers": 32, "hidden": 4096, "heads": 32, "vocab": 32000, "seq_len": 4096},
+    ...     "parallelism": {"gpus": 8},
+    ...     "hardware": {"gpu": "H100-SXM"},
+    ... })
+    >>> plan_input.parallelism.dp
+    8
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from trainvitals.service.advisors.hardware import GpuSpec, gpu_spec
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+# Registration payloads written by other tools use other names for the same fields.
+_MODEL_ALIASES = {"num_layers": "layers", "n_layers": "layers", "hidden_size": "hidden", "dim": "hidden",
+                  "num_heads": "heads", "n_heads": "heads", "num_kv_heads": "kv_heads",
+                  "n_kv_heads": "kv_heads", "ffn_hidden_size": "ffn_hidden", "ffn_dim": "ffn_hidden",
+                  "vocab_size": "vocab", "seq_length": "seq_len", "num_experts": "experts",
+                  "top_k": "active_experts"}
+_PAR_ALIASES = {"world_size": "gpus", "zero_stage": "zero", "micro_batch_size": "micro_batch",
+                "global_batch_size": "global_batch", "virtual_stages": "vpp"}
+_HW_ALIASES = {"gpu_type": "gpu", "count": "gpus", "peak_tflops_per_gpu": "peak_tflops"}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ModelConfig:
+    """A decoder-only transformer (Llama-style: RMSNorm, RoPE, optional GQA, optional gated MLP)."""
+
+    layers: int
+    """Transformer blocks."""
+    hidden: int
+    """Model width d."""
+    heads: int
+    """Attention (query) heads."""
+    kv_heads: int
+    """Key/value heads (GQA); equal to heads for multi-head attention."""
+    ffn_hidden: int
+    """MLP inner width (per expert for MoE)."""
+    gated_mlp: bool
+    """SwiGLU-style MLP with three matrices instead of two."""
+    vocab: int
+    """Vocabulary size."""
+    seq_len: int
+    """Training sequence length, tokens."""
+    params_override: float | None = None
+    """Total parameter count when given explicitly; architecture counts are scaled to it."""
+    experts: int = 1
+    """MLP experts per layer (1 = dense)."""
+    active_experts: int = 1
+    """Experts each token is routed to (top-k)."""
+    tied_embeddings: bool = False
+    """Input embedding and output head share one matrix."""
+
+    def __post_init__(self) -> None:
+        if self.hidden % self.heads:
+            raise ValueError(f"model.hidden: {self.hidden} is not divisible by model.heads={self.heads}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"model.kv_heads: {self.kv_heads} does not divide model.heads={self.heads}")
+        if self.active_experts > self.experts:
+            raise ValueError(f"model.active_experts: {self.active_experts} exceeds "
+                             f"model.experts={self.experts}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def attention_params_per_layer(self) -> int:
+        q_and_o = 2 * self.hidden * self.heads * self.head_dim
+        k_and_v = 2 * self.hidden * self.kv_heads * self.head_dim
+        return q_and_o + k_and_v
+
+    @property
+    def mlp_params_per_expert(self) -> int:
+        return (3 if self.gated_mlp else 2) * self.hidden * self.ffn_hidden
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+
+    @property
+    def _scale(self) -> float:
+        # An explicit params count rescales every architecture-derived count proportionally.
+        counted = self.layers * (self.attention_params_per_layer
+                                 + self.experts * self.mlp_params_per_expert) + self.embedding_params
+        return 1.0 if self.params_override is None else self.params_override / counted
+
+    @property
+    def expert_params(self) -> float:
+        """Parameters that expert parallelism shards (all experts' MLPs); 0 for a dense model."""
+        if self.experts == 1:
+            return 0.0
+        return self._scale * self.layers * self.experts * self.mlp_params_per_expert
+
+    @property
+    def params_total(self) -> float:
+        """All parameters, embeddings included (what memory holds)."""
+        return self._scale * (self.layers * (self.attention_params_per_layer
+                                             + self.experts * self.mlp_params_per_expert)
+                              + self.embedding_params)
+
+    @property
+    def params_active(self) -> float:
+        """Parameters one token touches (top-k experts only): what 6N counts."""
+        return self._scale * (self.layers * (self.attention_params_per_layer
+                                             + self.active_experts * self.mlp_params_per_expert)
+                              + self.embedding_params)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ParallelismConfig:
+    """How the job is laid out; gpus = tp * cp * pp * dp, and ep is carved out of dp."""
+
+    gpus: int
+    """World size."""
+    tp: int = 1
+    """Tensor-parallel degree (with sequence parallelism for activations)."""
+    pp: int = 1
+    """Pipeline stages."""
+    dp: int = 1
+    """Data-parallel degree (derived when not given)."""
+    cp: int = 1
+    """Context-parallel degree (sequence split across ranks)."""
+    ep: int = 1
+    """Expert-parallel degree; must divide dp."""
+    vpp: int = 1
+    """Virtual pipeline stages per rank (interleaved 1F1B)."""
+    zero: int = 3
+    """ZeRO stage: 0 replicated, 1 optimizer sharded, 2 + gradients, 3 (= FSDP) + parameters."""
+    micro_batch: int = 1
+    """Sequences per micro-batch per data-parallel rank."""
+    global_batch: int = 1
+    """Sequences per optimizer step across the job."""
+    recompute: str = "selective"
+    """Activation recomputation: "none", "selective" or "full"."""
+
+    def __post_init__(self) -> None:
+        if self.tp * self.cp * self.pp * self.dp != self.gpus:
+            raise ValueError(f"parallelism.gpus: {self.gpus} != tp*cp*pp*dp = "
+                             f"{self.tp}*{self.cp}*{self.pp}*{self.dp}")
+        if self.dp % self.ep:
+            raise ValueError(f"parallelism.ep: {self.ep} does not divide parallelism.dp={self.dp}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"parallelism.zero: must be 0-3 or 'fsdp', got {self.zero!r}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"parallelism.recompute: must be one of {RECOMPUTE_MODES}, "
+                             f"got {self.recompute!r}")
+        if self.global_batch % (self.micro_batch * self.dp):
+            raise ValueError(f"parallelism.global_batch: {self.global_batch} is not a multiple of "
+                             f"micro_batch*dp = {self.micro_batch}*{self.dp}")
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches each pipeline runs per optimizer step (m)."""
+        return self.global_batch // (self.micro_batch * self.dp)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class HardwareConfig:
+    """The GPUs and how they are grouped into nodes."""
+
+    gpu: GpuSpec
+    """Resolved GPU spec (table entry with any explicit overrides applied)."""
+    gpus_per_node: int
+    """GPUs per NVLink domain."""
+    precision: str = "bf16"
+    """Matmul precision whose peak is the MFU denominator: "bf16" or "fp8"."""
+    usable_hbm_fraction: float = 0.75
+    """Share of HBM the four tenants may use; seed 001 budgets 75% (CUDA context, NCCL, fragmentation)."""
+
+    def __post_init__(self) -> None:
+        if self.precision not in ("bf16", "fp8"):
+            raise ValueError(f"hardware.precision: must be 'bf16' or 'fp8', got {self.precision!r}")
+        if not 0 < self.usable_hbm_fraction <= 1:
+            raise ValueError(f"hardware.usable_hbm_fraction: must be in (0, 1], "
+                             f"got {self.usable_hbm_fraction!r}")
+
+    @property
+    def peak_flops(self) -> float:
+        """Peak FLOP/s per GPU for the configured precision."""
+        return self.gpu.peak_tflops(self.precision) * 1e12
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class PlanInput:
+    """Everything `plan` needs."""
+
+    model: ModelConfig
+    """Model shape."""
+    parallelism: ParallelismConfig
+    """Layout of the job."""
+    hardware: HardwareConfig
+    """GPU type and node size."""
+
+
+def _section(data: Mapping[str, Any], name: str, aliases: Mapping[str, str],
+             known: set[str], strict: bool) -> dict[str, Any]:
+    raw = data.get(name)
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{name}: missing or not a mapping")
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        canonical = aliases.get(key, key)
+        if canonical not in known:
+            if strict:
+                raise ValueError(f"{name}.{key}: unknown key (known: {', '.join(sorted(known))})")
+            continue
+        out[canonical] = value
+    return out
+
+
+def _int(section: dict[str, Any], prefix: str, key: str, default: int | None = None,
+         minimum: int = 1) -> int:
+    if key not in section or section[key] is None:
+        if default is None:
+            raise ValueError(f"{prefix}.{key}: required")
+        return default
+    value = section[key]
+    if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
+        raise ValueError(f"{prefix}.{key}: must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{prefix}.{key}: must be >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _float(section: dict[str, Any], prefix: str, key: str) -> float | None:
+    value = section.get(key)
+    if value is None:
+        return None
+    if isinstance(value, str):  # YAML 1.1 reads "7.0e10" (no exponent sign) as a string
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{prefix}.{key}: must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _bool(section: dict[str, Any], prefix: str, key: str, default: bool) -> bool:
+    value = section.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{prefix}.{key}: must be true or false, got {value!r}")
+    return value
+
+
+def default_ffn_hidden(hidden: int, gated: bool) -> int:
+    """Llama rule for gated MLPs (8/3 d rounded up to 256), GPT rule (4 d) otherwise."""
+    if not gated:
+        return 4 * hidden
+    return 256 * -(-int(8 * hidden / 3) // 256)
+
+
+def parse_model(data: Mapping[str, Any], *, strict: bool = True) -> ModelConfig:
+    known = {"layers", "hidden", "heads", "kv_heads", "ffn_hidden", "gated_mlp", "vocab", "seq_len",
+             "params", "experts", "active_experts", "tied_embeddings"}
+    sec = _section(data, "model", _MODEL_ALIASES, known, strict)
+    heads = _int(sec, "model", "heads")
+    gated = _bool(sec, "model", "gated_mlp", True)
+    hidden = _int(sec, "model", "hidden")
+    experts = _int(sec, "model", "experts", 1)
+    return ModelConfig(
+        layers=_int(sec, "model", "layers"), hidden=hidden, heads=heads,
+        kv_heads=_int(sec, "model", "kv_heads", heads),
+        ffn_hidden=_int(sec, "model", "ffn_hidden", default_ffn_hidden(hidden, gated)),
+        gated_mlp=gated, vocab=_int(sec, "model", "vocab"), seq_len=_int(sec, "model", "seq_len"),
+        params_override=_float(sec, "model", "params"), experts=experts,
+        active_experts=_int(sec, "model", "active_experts", min(2, experts)),
+        tied_embeddings=_bool(sec, "model", "tied_embeddings", False),
+    )
+
+
+def parse_hardware(data: Mapping[str, Any], *, strict: bool = True) -> HardwareConfig:
+    known = {"gpu", "gpus", "gpus_per_node", "peak_tflops", "peak_fp8_tflops", "hbm_gib",
+             "intra_node_gbps", "inter_node_gbps", "precision", "usable_hbm_fraction", "peak_flops"}
+    sec = _section(data, "hardware", _HW_ALIASES, known, strict)
+    explicit = {"peak_bf16_tflops": _float(sec, "hardware", "peak_tflops"),
+                "peak_fp8_tflops": _float(sec, "hardware", "peak_fp8_tflops"),
+                "hbm_gib": _float(sec, "hardware", "hbm_gib"),
+                "intra_node_gbps": _float(sec, "hardware", "intra_node_gbps"),
+                "inter_node_gbps": _float(sec, "hardware", "inter_node_gbps")}
+    peak_flops = _float(sec, "hardware", "peak_flops")
+    if peak_flops is not None and explicit["peak_bf16_tflops"] is None:
+        explicit["peak_bf16_tflops"] = peak_flops / 1e12
+    name = sec.get("gpu")
+    if name is not None and not isinstance(name, str):
+        raise ValueError(f"hardware.gpu: must be a string, got {name!r}")
+    if name is not None:
+        spec = gpu_spec(name)
+        spec = dataclasses.replace(spec, **{k: v for k, v in explicit.items() if v is not None})
+    else:
+        missing = [k for k in ("peak_bf16_tflops", "hbm_gib", "intra_node_gbps", "inter_node_gbps")
+                   if explicit[k] is None]
+        if missing:
+            raise ValueError("hardware.gpu: required unless peak_tflops, hbm_gib, intra_node_gbps and "
+                             "inter_node_gbps are all given")
+        spec = GpuSpec(name="custom", gpus_per_node=8, **{k: v for k, v in explicit.items()})  # type: ignore[arg-type]
+    per_node = _int(sec, "hardware", "gpus_per_node", spec.gpus_per_node)
+    fraction = sec.get("usable_hbm_fraction", 0.75)
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float):
+        raise ValueError(f"hardware.usable_hbm_fraction: must be a number, got {fraction!r}")
+    return HardwareConfig(gpu=dataclasses.replace(spec, gpus_per_node=per_node), gpus_per_node=per_node,
+                          precision=str(sec.get("precision", "bf16")), usable_hbm_fraction=float(fraction))
+
+
+def _zero(sec: dict[str, Any]) -> int:
+    value = sec.get("zero", 3)
+    if isinstance(value, str) and value.lower() == "fsdp":
+        return 3
+    if isinstance(value, bool) or not isinstance(value, int) or value not in (0, 1, 2, 3):
+        raise ValueError(f"parallelism.zero: must be 0, 1, 2, 3 or 'fsdp', got {value!r}")
+    return value
+
+
+def parse_parallelism(data: Mapping[str, Any], model: ModelConfig, *, strict: bool = True,
+                      gpus_fallback: int | None = None) -> ParallelismConfig:
+    known = {"gpus", "tp", "pp", "dp", "cp", "ep", "vpp", "zero", "micro_batch", "global_batch",
+             "recompute"}
+    sec = _section(data, "parallelism", _PAR_ALIASES, known, strict)
+    p = "parallelism"
+    gpus = _int(sec, p, "gpus", gpus_fallback)
+    tp, pp, cp = _int(sec, p, "tp", 1), _int(sec, p, "pp", 1), _int(sec, p, "cp", 1)
+    if gpus % (tp * pp * cp):
+        raise ValueError(f"parallelism.gpus: {gpus} is not divisible by tp*pp*cp = {tp * pp * cp}")
+    dp = _int(sec, p, "dp", gpus // (tp * pp * cp))
+    ep, vpp = _int(sec, p, "ep", 1), _int(sec, p, "vpp", 1)
+    if model.heads % tp:
+        raise ValueError(f"parallelism.tp: {tp} does not divide model.heads={model.heads}")
+    if pp * vpp > model.layers:
+        raise ValueError(f"parallelism.pp: pp*vpp = {pp * vpp} exceeds model.layers={model.layers}")
+    if model.experts % ep:
+        raise ValueError(f"parallelism.ep: {ep} does not divide model.experts={model.experts}")
+    if model.seq_len % cp:
+        raise ValueError(f"parallelism.cp: {cp} does not divide model.seq_len={model.seq_len}")
+    micro = _int(sec, p, "micro_batch", 1)
+    recompute = sec.get("recompute", "selective")
+    if not isinstance(recompute, str):
+        raise ValueError(f"parallelism.recompute: must be a string, got {recompute!r}")
+    return ParallelismConfig(gpus=gpus, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=vpp, zero=_zero(sec),
+                             micro_batch=micro, global_batch=_int(sec, p, "global_batch", micro * dp),
+                             recompute=recompute)
+
+
+def parse_plan_input(data: Mapping[str, Any], *, strict: bool = True) -> PlanInput:
+    """Validate a plan dict (JSON/YAML or run registration). strict=False ignores unknown keys."""
+    if not isinstance(data, Mapping):
+        raise ValueError("config: top level must be a mapping with model, parallelism, hardware")
+    if strict:
+        extra = set(data) - {"model", "parallelism", "hardware"}
+        if extra:
+            raise ValueError(f"{sorted(extra)[0]}: unknown top-level key "
+                             "(known: model, parallelism, hardware)")
+    model = parse_model(data, strict=strict)
+    hardware = parse_hardware(data, strict=strict)
+    hw_gpus = data["hardware"].get("gpus", data["hardware"].get("count"))
+    parallelism = parse_parallelism(data, model, strict=strict,
+                                    gpus_fallback=hw_gpus if isinstance(hw_gpus, int) else None)
+    return PlanInput(model=model, parallelism=parallelism, hardware=hardware)

@@ -1,0 +1,88 @@
+"""Plan-input parsing: defaults, aliases, and errors that name the bad key."""
+
+import pytest
+
+from trainvitals.service.advisors.hardware import GPU_TABLE, gpu_spec
+from trainvitals.service.advisors.model_config import default_ffn_hidden, parse_plan_input
+
+
+def _cfg(**par: object) -> dict:
+    return {"model": {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "vocab": 128256,
+                      "seq_len": 4096, "ffn_hidden": 14336},
+            "parallelism": {"gpus": 16, **par}, "hardware": {"gpu": "H100-SXM"}}
+
+
+def test_gpu_table_peaks_match_reference() -> None:
+    peaks = {name: (s.peak_bf16_tflops, s.peak_fp8_tflops) for name, s in GPU_TABLE.items()}
+    assert peaks == {"A100": (312.0, None), "H100-SXM": (989.0, 1979.0), "H100-PCIe": (756.0, 1513.0),
+                     "H200": (989.0, 1979.0), "B200": (2250.0, 4500.0), "GB200": (2500.0, 5000.0)}
+    assert gpu_spec("h100").name == "H100-SXM"
+    assert gpu_spec("A100").peak_tflops("fp8") == 312.0  # no fp8 tensor cores: bf16 peak
+
+
+def test_unknown_gpu_names_key() -> None:
+    with pytest.raises(ValueError, match=r"hardware\.gpu: unknown GPU 'V100'"):
+        gpu_spec("V100")
+
+
+def test_derived_dp_and_defaults() -> None:
+    p = parse_plan_input(_cfg(tp=2, pp=2))
+    assert (p.parallelism.dp, p.parallelism.zero, p.parallelism.recompute) == (4, 3, "selective")
+    assert p.parallelism.global_batch == 4  # one micro-batch per data-parallel rank
+    assert round(p.model.params_total / 1e9, 2) == 8.03  # Llama-3 8B shape
+    assert p.hardware.gpus_per_node == 8
+
+
+def test_llama_ffn_rule() -> None:
+    assert default_ffn_hidden(4096, gated=True) == 11008
+    assert default_ffn_hidden(4096, gated=False) == 16384
+
+
+@pytest.mark.parametrize(("par", "message"), [
+    ({"tp": 3}, r"parallelism\.gpus: 16 is not divisible by tp\*pp\*cp = 3"),
+    ({"tp": 16}, None),
+    ({"zero": "zero4"}, r"parallelism\.zero"),
+    ({"recompute": "some"}, r"parallelism\.recompute"),
+    ({"ep": 2}, r"parallelism\.ep: 2 does not divide model\.experts=1"),
+    ({"global_batch": 17}, r"parallelism\.global_batch: 17 is not a multiple"),
+    ({"tp": "two"}, r"parallelism\.tp: must be an integer"),
+    ({"bogus": 1}, r"parallelism\.bogus: unknown key"),
+])
+def test_bad_parallelism_names_key(par: dict, message: str | None) -> None:
+    if message is None:  # tp=16 does not divide 32 heads? it does; it is allowed
+        assert parse_plan_input(_cfg(**par)).parallelism.tp == 16
+        return
+    with pytest.raises(ValueError, match=message):
+        parse_plan_input(_cfg(**par))
+
+
+def test_missing_model_key() -> None:
+    cfg = _cfg()
+    del cfg["model"]["vocab"]
+    with pytest.raises(ValueError, match=r"model\.vocab: required"):
+        parse_plan_input(cfg)
+
+
+def test_registration_aliases_and_lenient_mode() -> None:
+    registration = {
+        "model": {"num_layers": 32, "hidden_size": 4096, "num_heads": 32, "vocab_size": 32000,
+                  "seq_length": 2048, "fp8_recipe": {"format": "e4m3"}},
+        "parallelism": {"world_size": 8, "zero_stage": 1, "micro_batch_size": 2},
+        "hardware": {"gpu_type": "A100", "count": 8},
+        "checkpoint": {"interval_steps": 500},
+    }
+    with pytest.raises(ValueError, match="checkpoint: unknown top-level key"):
+        parse_plan_input(registration)
+    p = parse_plan_input(registration, strict=False)
+    assert (p.model.layers, p.parallelism.gpus, p.parallelism.zero, p.hardware.gpu.name) == (32, 8, 1, "A100")
+
+
+def test_explicit_hardware_overrides_table() -> None:
+    cfg = _cfg()
+    cfg["hardware"] = {"peak_tflops": 500, "hbm_gib": 64, "intra_node_gbps": 400, "inter_node_gbps": 25,
+                       "gpus_per_node": 4}
+    p = parse_plan_input(cfg)
+    assert (p.hardware.peak_flops, p.hardware.gpu.hbm_gib, p.hardware.gpus_per_node) == (500e12, 64, 4)
+    del cfg["hardware"]["hbm_gib"]
+    with pytest.raises(ValueError, match=r"hardware\.gpu: required unless"):
+        parse_plan_input(cfg)
