@@ -7,43 +7,46 @@ import atexit
 import logging
 import time
 import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
+
+from trainvitals.agent._checkpoints import CheckpointHandle, CheckpointRecorder
 from trainvitals.agent._config import AgentConfig, disabled_by_env
 from trainvitals.agent._dist import RankInfo, default_run_id, rank_info
 from trainvitals.agent._exporter import Exporter, Transport
+from trainvitals.agent._fp8_monitor import Fp8Monitor
 from trainvitals.agent._grad_norms import GradNormTracker
 from trainvitals.agent._guard import ErrorBudget, guarded, logger
+from trainvitals.agent._position import FLOPS_CONVENTION, Position, flops_per_token, position_of
+from trainvitals.agent._timing import StepTimer
 
 
 class _StepSample:
-    """One step's scalars, still possibly in flight from the device.
+    """One step's values, still possibly in flight from the device.
 
-    The training thread only stacks device scalars into one tensor and starts one non-blocking
-    device-to-host copy; the exporter thread waits for the copy (never the training thread) and
-    expands the vector into wire records. This keeps the hot path free of syncs and of Python
-    objects per parameter group.
+    The training thread only concatenates device scalars into one tensor and starts one
+    non-blocking device-to-host copy; the exporter thread waits for the copy (never the training
+    thread) and expands the vector into wire records through each section's decoder. This keeps
+    the hot path free of syncs and of Python objects per tensor or parameter group.
     """
 
-    __slots__ = ("step_fields", "values", "event", "scalar_fields", "grads", "grad_at")
+    __slots__ = ("step_fields", "values", "event", "sections")
 
     def __init__(
         self,
         step_fields: dict[str, Any],
         values: torch.Tensor | None,
         event: Any,
-        scalar_fields: tuple[str, ...],
-        grads: GradNormTracker | None,
-        grad_at: int | None,
+        sections: list[tuple[int, int, Callable[[int, list[float]], list[dict[str, Any]]] | str]],
     ) -> None:
         self.step_fields = step_fields
         self.values = values
         self.event = event
-        self.scalar_fields = scalar_fields  # step fields stored at values[0], values[1], ...
-        self.grads = grads
-        self.grad_at = grad_at
+        self.sections = sections  # (start, end, decoder or step-field name)
 
     def records(self) -> list[dict[str, Any]]:
         step = self.step_fields
@@ -52,11 +55,12 @@ class _StepSample:
         if self.event is not None:
             self.event.synchronize()  # waits in the exporter thread, not in training
         vals = self.values.tolist()
-        for i, name in enumerate(self.scalar_fields):
-            step[name] = vals[i]
         out = [step]
-        if self.grads is not None and self.grad_at is not None:
-            out.extend(self.grads.records(step["step"], vals[self.grad_at :]))
+        for start, end, decode in self.sections:
+            if isinstance(decode, str):
+                step[decode] = vals[start]
+            else:
+                out.extend(decode(step["step"], vals[start:end]))
         return out
 
 
@@ -110,6 +114,14 @@ class Agent:
         self._hooks: list[Any] = []
         if optimizer is not None and self._grads is not None:
             self._hooks.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
+        parallelism = registration.get("parallelism", {})
+        self.position: Position = position_of(info.rank, parallelism)
+        self._flops_per_token = flops_per_token(registration.get("model", {}))
+        self._timer = StepTimer(model, time_collectives=config.time_collectives)
+        self._fp8 = self._make_fp8_monitor(model, registration.get("fp8", {}))
+        self._checkpoints = CheckpointRecorder(
+            self._exporter.emit, checksum=config.checksum, on_error=self._errors.record
+        )
         self._step = 0
         self._last_step_end = time.perf_counter()
         self._closed = False
@@ -117,6 +129,35 @@ class Agent:
         self.event("start", detail=f"host={info.hostname} restart_count={info.restart_count}")
         ref = weakref.ref(self)
         atexit.register(lambda: (a := ref()) is not None and a.close())
+
+    def _make_fp8_monitor(self, model: nn.Module | None, recipe: dict[str, Any]) -> Fp8Monitor | None:
+        cfg = self.config
+        if model is None or cfg.fp8 == "off":
+            return None
+        if cfg.fp8_ranks == "dp0" and (self.position.dp_rank or 0) != 0:
+            return None  # replica 0 holds every shard once; the others would repeat it
+        if cfg.fp8_ranks == "dp0" and self.position.dp_rank is None and self.rank != 0:
+            return None  # layout unknown: plain data parallelism is the safe assumption
+        try:
+            monitor = Fp8Monitor(
+                model,
+                history_len=int(recipe.get("history_len", 1024)),
+                margin=int(recipe.get("margin", 0)),
+                amax_algo=str(recipe.get("amax_algo", "max")),
+                formats={
+                    "input": recipe.get("input_format", "e4m3"),
+                    "weight": recipe.get("weight_format", "e4m3"),
+                    "grad_output": recipe.get("grad_format", "e5m2"),
+                },
+                module_filter=cfg.fp8_module_filter,
+                expensive_every=cfg.fp8_expensive_every_steps,
+                mode=cfg.fp8,
+                errors=self._errors,
+            )
+        except Exception as exc:  # noqa: BLE001 - FP8 monitoring off, everything else keeps working
+            self._errors.record("fp8 setup", exc)
+            return None
+        return monitor if monitor.tensors else None
 
     # ------------------------------------------------------------------ hot path
 
@@ -151,30 +192,56 @@ class Agent:
             if step < self._step:
                 self.event("resume", step=step, detail=f"step counter went from {self._step} down to {step}")
             self._step = step
+        data_s, wait_s = self._timer.end_step(now)
+        step_s = now - self._last_step_end
+        self._last_step_end = now
         fields: dict[str, Any] = {
             "kind": "step",
             "step": self._step,
             "ts": time.time(),
-            "step_seconds": now - self._last_step_end,
+            "step_seconds": step_s,
         }
-        self._last_step_end = now
+        if data_s is not None:
+            fields["data_seconds"] = data_s
+        if wait_s is not None:
+            fields["wait_seconds"] = min(wait_s, step_s)
+        if data_s is not None or wait_s is not None:
+            fields["compute_seconds"] = max(0.0, step_s - (data_s or 0.0) - (wait_s or 0.0))
+        if flops is None and tokens is not None and self._flops_per_token is not None:
+            flops = tokens * self._flops_per_token
         for key, value in (("tokens", tokens), ("flops", flops), ("lr", lr)):
             if value is not None:
                 fields[key] = value
+        pos = self.position
+        for key, value in (("pp_stage", pos.pp_stage), ("tp_rank", pos.tp_rank), ("dp_rank", pos.dp_rank)):
+            if value is not None:
+                fields[key] = value
+
         parts: list[torch.Tensor] = []
-        scalar_fields: list[str] = []
-        grad_at = None
+        sections: list[tuple[int, int, Any]] = []
+        offset = 0
+
+        def add(t: torch.Tensor, decode: Any) -> None:
+            nonlocal offset
+            if parts and t.device != parts[0].device:
+                t = t.to(parts[0].device, non_blocking=True)
+            parts.append(t)
+            sections.append((offset, offset + t.numel(), decode))
+            offset += t.numel()
+
         for key, scalar in (("loss", loss), ("grad_norm", grad_norm)):
             if isinstance(scalar, torch.Tensor):
-                scalar_fields.append(key)
-                t = scalar.detach().reshape(-1)[:1].float()
-                parts.append(t.to(parts[0].device) if parts else t)
+                add(scalar.detach().reshape(-1)[:1].float(), key)
             elif scalar is not None:
                 fields[key] = float(scalar)
         grads, self._pending_grads = self._pending_grads, None
-        if grads is not None:
-            grad_at = len(parts)
-            parts.append(grads.to(parts[0].device) if parts else grads)
+        if grads is not None and self._grads is not None:
+            add(grads, self._grads.records)
+        if self._fp8 is not None and self._step % self.config.fp8_every_steps == 0:
+            fp8_vec, expensive = self._fp8.end_step()
+            if fp8_vec is not None:
+                monitor = self._fp8
+                add(fp8_vec, lambda s, v, _m=monitor, _e=expensive: _m.records(s, v, _e))
         values = event = None
         if parts:
             # One small device tensor, one non-blocking copy to the host. Sync point: none here;
@@ -187,16 +254,7 @@ class Agent:
                 event.record()
             else:
                 values = stacked if stacked.device.type == "cpu" else stacked.to("cpu")
-        self._exporter.emit(
-            _StepSample(
-                fields,
-                values,
-                event,
-                tuple(scalar_fields),
-                self._grads if grad_at is not None else None,
-                grad_at,
-            )
-        )
+        self._exporter.emit(_StepSample(fields, values, event, sections))
         self._step += 1
 
     # ------------------------------------------------------------------ events and lifecycle
@@ -223,6 +281,60 @@ class Agent:
             record["domains"] = dict(domains)
         self._exporter.emit(record)
 
+    @contextmanager
+    def checkpoint(
+        self, *, step: int | None = None, path: str | None = None, generation: int | None = None
+    ) -> Iterator[CheckpointHandle]:
+        """Record one checkpoint save around the job's own save code::
+
+            with agent.checkpoint(step=step, path=ckpt_dir):
+                torch.save(state, ckpt_dir)          # or dcp.save(...)
+
+        An async save: ``with agent.checkpoint(step=s, path=p) as ck: ck.track(dcp.async_save(...))``;
+        the stall is the time inside the block, persistence ends when the future completes. The
+        job's own exception propagates (recorded as a failed generation); the agent's never does.
+        Generation defaults to the step.
+        """
+        step = self._step if step is None else step
+        gen = step if generation is None else generation
+        if self._closed:
+            yield CheckpointHandle()
+            return
+        with self._checkpoints.saving(step=step, generation=gen, path=path) as handle:
+            yield handle
+
+    def save(self, obj: Any, path: str, *, step: int | None = None, **kwargs: Any) -> None:
+        """`torch.save(obj, path)` recorded as a checkpoint generation."""
+        with self.checkpoint(step=step, path=str(path)):
+            torch.save(obj, path, **kwargs)
+
+    def dcp_save(
+        self, state_dict: dict[str, Any], *, checkpoint_id: str, step: int | None = None, **kwargs: Any
+    ) -> Any:
+        """`torch.distributed.checkpoint.save` recorded as a checkpoint generation."""
+        import torch.distributed.checkpoint as dcp
+
+        with self.checkpoint(step=step, path=str(checkpoint_id)):
+            return dcp.save(state_dict, checkpoint_id=checkpoint_id, **kwargs)
+
+    def dcp_async_save(
+        self, state_dict: dict[str, Any], *, checkpoint_id: str, step: int | None = None, **kwargs: Any
+    ) -> Any:
+        """`torch.distributed.checkpoint.async_save`, stall and persistence recorded; returns the future."""
+        import torch.distributed.checkpoint as dcp
+
+        with self.checkpoint(step=step, path=str(checkpoint_id)) as ck:
+            return ck.track(dcp.async_save(state_dict, checkpoint_id=checkpoint_id, **kwargs))
+
+    @guarded()
+    def loaded(self, *, step: int, path: str | None = None, generation: int | None = None) -> None:
+        """Record a resume from a checkpoint; the next step() continues from `step` + 1."""
+        detail = f"loaded generation {step if generation is None else generation}" + (
+            f" from {path}" if path else ""
+        )
+        self.event("resume", step=step, detail=detail)
+        self._step = step + 1
+
     def flush(self, timeout: float = 10.0) -> bool:
         """Deliver everything recorded so far; True when nothing is left undelivered."""
         try:
@@ -241,7 +353,12 @@ class Agent:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        self._timer.close()
+        if self._fp8 is not None:
+            self._fp8.close()
+        timeout = self.config.flush_timeout_s if timeout is None else timeout
         try:
+            self._checkpoints.close(timeout / 2)
             self._exporter.shutdown(timeout)
         except Exception as exc:  # noqa: BLE001
             self._errors.record("close", exc)
@@ -261,7 +378,8 @@ class Agent:
 
     @property
     def hooks(self) -> int:
-        return len(self._hooks)
+        """Hooks this agent has installed and not yet removed (0 after close)."""
+        return len(self._hooks) + self._timer.hooks + (self._fp8.hooks if self._fp8 is not None else 0)
 
     def __enter__(self) -> Agent:
         return self
@@ -274,6 +392,30 @@ class NoopAgent:
     """What attach() returns when disabled: same methods, does nothing, costs nothing."""
 
     hooks = 0
+
+    @contextmanager
+    def checkpoint(self, **kwargs: Any) -> Iterator[CheckpointHandle]:
+        yield CheckpointHandle()
+
+    def save(self, obj: Any, path: str, *, step: int | None = None, **kwargs: Any) -> None:
+        torch.save(obj, path, **kwargs)
+
+    def dcp_save(
+        self, state_dict: dict[str, Any], *, checkpoint_id: str, step: int | None = None, **kwargs: Any
+    ) -> Any:
+        import torch.distributed.checkpoint as dcp
+
+        return dcp.save(state_dict, checkpoint_id=checkpoint_id, **kwargs)
+
+    def dcp_async_save(
+        self, state_dict: dict[str, Any], *, checkpoint_id: str, step: int | None = None, **kwargs: Any
+    ) -> Any:
+        import torch.distributed.checkpoint as dcp
+
+        return dcp.async_save(state_dict, checkpoint_id=checkpoint_id, **kwargs)
+
+    def loaded(self, **kwargs: Any) -> None:
+        return None
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         return None
@@ -327,6 +469,7 @@ def attach(
         body.setdefault("parallelism", {})
         body["parallelism"] = {"world_size": info.world_size, **body["parallelism"]}
         body["tags"] = {**config.tags, **body.get("tags", {})}
+        body.setdefault("flops_convention", FLOPS_CONVENTION)
         reg = RunRegistration(run=run_id, project=project, started_at=time.time(), **body)
         return Agent(
             model=model,

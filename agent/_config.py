@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 DISABLE_ENV = "TRAINVITALS_DISABLE"
 
@@ -49,6 +51,22 @@ class AgentConfig:
     """Gradient-norm groups: 'block' (per numbered layer, e.g. layers.3), 'param' or 'none'."""
     grad_ownership: str = "auto"
     """Who counts a gradient once: 'auto' (DTensor placements, DDP, FSDP), 'replicated', 'sharded'."""
+    fp8: str = "auto"
+    """FP8 numerics: 'auto' (recipe state where a real FP8 recipe runs, shadow headroom on other
+    Linear-like modules), 'recipe' (only real FP8 modules), 'shadow' (only hooks), 'off'."""
+    fp8_every_steps: int = 1
+    """Cheap tier (amax, headroom, lag, staleness) every N steps."""
+    fp8_expensive_every_steps: int = 50
+    """Expensive tier (saturation, underflow, crest, non-finite) every N steps; 0 disables it."""
+    fp8_ranks: str = "dp0"
+    """'dp0': only data-parallel replica 0 monitors tensors (it covers every shard once); 'all'."""
+    fp8_module_filter: Callable[[str, Any], bool] | None = None
+    """(fqn, module) -> monitor it? Default: nn.Linear except the output head."""
+    time_collectives: bool = True
+    """Split collective wait from compute by wrapping DDP's all-reduce in a comm hook (only when
+    the DDP model has no comm hook of its own)."""
+    checksum: str = "sha256"
+    """Checkpoint content checksum, computed on a background thread: 'sha256' or 'none'."""
     log_every_s: float = 60.0
     """Rate limit for the agent's own warnings."""
     tags: dict[str, str] = field(default_factory=dict)
@@ -61,6 +79,14 @@ class AgentConfig:
             raise ValueError("need 1 <= max_batch_records <= queue_max_records")
         if self.grad_groups not in ("block", "param", "none"):
             raise ValueError("grad_groups must be 'block', 'param' or 'none'")
+        if self.fp8 not in ("auto", "recipe", "shadow", "off"):
+            raise ValueError("fp8 must be 'auto', 'recipe', 'shadow' or 'off'")
+        if self.fp8_ranks not in ("dp0", "all"):
+            raise ValueError("fp8_ranks must be 'dp0' or 'all'")
+        if self.fp8_every_steps < 1 or self.fp8_expensive_every_steps < 0:
+            raise ValueError("fp8_every_steps must be >= 1 and fp8_expensive_every_steps >= 0")
+        if self.checksum not in ("sha256", "none"):
+            raise ValueError("checksum must be 'sha256' or 'none'")
         if self.grad_ownership not in ("auto", "replicated", "sharded"):
             raise ValueError("grad_ownership must be 'auto', 'replicated' or 'sharded'")
         if self.collector is None:

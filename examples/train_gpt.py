@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import trainvitals.agent as tv
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+import trainvitals.agent as tv
 
 
 class Block(nn.Module):
@@ -110,9 +111,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="train through emulated FP8 delayed scaling (real float8 casts on CPU)",
+    )
+    p.add_argument("--fp8-history", type=int, default=16, help="amax history length L")
     p.add_argument("--clip", type=float, default=1.0, help="gradient clipping max norm; 0: no clipping")
     p.add_argument("--ckpt-dir", default=None, help="save here every --ckpt-every steps; resume from it")
     p.add_argument("--ckpt-every", type=int, default=25)
+    p.add_argument(
+        "--peak-flops",
+        type=float,
+        default=5e10,
+        help="declared peak FLOP/s per rank (for MFU; a CPU core does a few 10^10)",
+    )
     p.add_argument("--send-interval", type=float, default=1.0)
     p.add_argument("--slow-rank", type=int, default=None)
     p.add_argument("--slow-from", type=int, default=0)
@@ -139,6 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model = GPT(vocab=args.vocab, d=args.d, layers=args.layers, heads=args.heads, seq=args.seq)
     dims = model_dims(args, model)
+    if args.fp8:
+        from trainvitals.agent.fp8_emulation import DelayedScalingRecipe, convert_linears
+
+        # Every block Linear trains through FP8; the output head stays in high precision, as usual.
+        convert_linears(model.layers, DelayedScalingRecipe(history_len=args.fp8_history))
     ddp: nn.Module = DistributedDataParallel(model) if distributed else model
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
 
@@ -165,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                 "micro_batch": args.batch,
                 "global_batch": args.batch * world,
             },
-            "hardware": {"gpu_type": "cpu", "gpu_count": world},
+            "hardware": {"gpu_type": "cpu", "gpu_count": world, "peak_flops": args.peak_flops},
+            "fp8": {"enabled": args.fp8, "history_len": args.fp8_history if args.fp8 else 1024},
             "flops_convention": "6N+12LHQT per token (PaLM), no recompute",
         },
     )

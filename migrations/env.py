@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from alembic import context
 from sqlalchemy import engine_from_config, pool
+
 from trainvitals.service.store.models import Base
 
 config = context.config

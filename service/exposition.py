@@ -14,12 +14,9 @@ from threading import Lock
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 from sqlalchemy.orm import Session
-from trainvitals.service.settings import Settings
-from trainvitals.service.store import queries
 
-# Cross-rank statistics of the step time. Not a `quantile` label: promtool reserves that for
-# summaries, whose count/sum are cumulative, which a distribution over ranks is not.
-STEP_TIME_STATS = (("min", 0.0), ("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0))
+from trainvitals.service.settings import Settings
+from trainvitals.service.store import queries, snapshot
 
 
 class IngestCounters:
@@ -41,14 +38,6 @@ class IngestCounters:
             return dict(self.records_by_run), dict(self.batches_by_outcome)
 
 
-def quantile(sorted_values: list[float], q: float) -> float:
-    """Linear-interpolated quantile of an already sorted list (numpy's default method)."""
-    pos = q * (len(sorted_values) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
 class TrainvitalsCollector(Collector):
     """Yields every trainvitals_* family from one snapshot of the store per scrape.
 
@@ -65,83 +54,48 @@ class TrainvitalsCollector(Collector):
         counters: IngestCounters,
         *,
         clock: Callable[[], float] = time.time,
+        expected_mfu: Callable[[dict[str, object]], float | None] | None = None,
     ) -> None:
         self._session_factory = session_factory
         self._settings = settings
         self._counters = counters
         self._clock = clock
+        self._expected_mfu = expected_mfu or (lambda _reg: None)
+        self.project: str | None = None  # set per scrape by the route when a token limits the view
 
     def describe(self) -> list[Metric]:
         # Returning no descriptions keeps registration from calling collect() (which needs the DB).
         return []
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self, project: str | None = None) -> Iterator[Metric]:
+        now = self._clock()
+        s = self._settings
         with self._session_factory() as session:
             runs = queries.live_runs(
                 session,
-                now=self._clock(),
-                finished_grace_seconds=self._settings.finished_run_grace_seconds,
-                idle_seconds=self._settings.idle_run_seconds,
+                now=now,
+                finished_grace_seconds=s.finished_run_grace_seconds,
+                idle_seconds=s.idle_run_seconds,
             )
-            latest = [queries.run_latest(session, run=run) for run in runs]
-        yield from self._run_families(latest)
-        yield from self._ingest_families({r.run_id for r in latest})
-
-    def _run_families(self, latest: list[queries.RunLatest]) -> Iterator[Metric]:
-        info = GaugeMetricFamily(
-            "trainvitals_run_info",
-            "Live runs (value 1) with their project and status",
-            labels=["run", "project", "status"],
-        )
-        world = GaugeMetricFamily(
-            "trainvitals_run_world_size_ranks", "Ranks declared at registration", labels=["run"]
-        )
-        reporting = GaugeMetricFamily(
-            "trainvitals_run_ranks_reporting", "Ranks that delivered the newest complete step", labels=["run"]
-        )
-        step = GaugeMetricFamily(
-            "trainvitals_run_latest_step", "Highest step delivered by any rank", labels=["run"]
-        )
-        complete = GaugeMetricFamily(
-            "trainvitals_run_complete_step",
-            "Newest step delivered by every reporting rank (the values below)",
-            labels=["run"],
-        )
-        loss = GaugeMetricFamily(
-            "trainvitals_run_loss", "Mean training loss over ranks at the complete step", labels=["run"]
-        )
-        grad = GaugeMetricFamily(
-            "trainvitals_run_grad_norm", "Global L2 gradient norm at the complete step", labels=["run"]
-        )
-        step_time = GaugeMetricFamily(
-            "trainvitals_run_rank_step_seconds",
-            "Step time across ranks at the complete step (stat: min p50 p90 p99 max)",
-            labels=["run", "stat"],
-        )
-        tokens = GaugeMetricFamily(
-            "trainvitals_run_tokens_per_second",
-            "Tokens per second of the whole job at the complete step",
-            labels=["run"],
-        )
-        for r in latest:
-            info.add_metric([r.run_id, r.project, r.status], 1.0)
-            world.add_metric([r.run_id], r.world_size)
-            reporting.add_metric([r.run_id], r.ranks_reporting)
-            if r.latest_step is None or r.complete_step is None:
-                continue
-            step.add_metric([r.run_id], r.latest_step)
-            complete.add_metric([r.run_id], r.complete_step)
-            if r.loss is not None:
-                loss.add_metric([r.run_id], r.loss)
-            if r.grad_norm is not None:
-                grad.add_metric([r.run_id], r.grad_norm)
-            for stat, q in STEP_TIME_STATS:
-                step_time.add_metric([r.run_id, stat], quantile(r.step_seconds, q))
-            slowest = r.step_seconds[-1]
-            if r.tokens is not None and slowest > 0:
-                # Synchronous data parallelism: the job moves at the pace of its slowest rank.
-                tokens.add_metric([r.run_id], r.tokens / slowest)
-        yield from (info, world, reporting, step, complete, loss, grad, step_time, tokens)
+            if project is not None:
+                runs = [r for r in runs if r.project == project]
+            snaps = [
+                snapshot.run_snapshot(
+                    session,
+                    run=r,
+                    now=now,
+                    top_k=s.top_k,
+                    max_groups=s.max_grad_groups,
+                    expected_mfu=self._expected_mfu(r.registration),
+                )
+                for r in runs
+            ]
+        yield from _run_families(snaps)
+        yield from _fp8_families(snaps)
+        yield from _rank_families(snaps)
+        yield from _finding_families(snaps)
+        yield from _checkpoint_families(snaps, now)
+        yield from self._ingest_families({r.run_id for r in snaps})
 
     def _ingest_families(self, live: set[str]) -> Iterator[Metric]:
         records_by_run, batches = self._counters.snapshot()
@@ -162,6 +116,232 @@ class TrainvitalsCollector(Collector):
             outcome.add_metric([name], n)
         yield records
         yield outcome
+
+
+def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=labels)
+
+
+def _run_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
+    info = _gauge(
+        "trainvitals_run_info",
+        "Live runs (value 1) with their project and status",
+        ["run", "project", "status"],
+    )
+    world = _gauge("trainvitals_run_world_size_ranks", "Ranks declared at registration", ["run"])
+    reporting = _gauge("trainvitals_run_ranks_reporting", "Ranks in the newest reduced step", ["run"])
+    latest = _gauge("trainvitals_run_latest_step", "Highest step delivered by any rank", ["run"])
+    complete = _gauge(
+        "trainvitals_run_complete_step",
+        "Newest step reduced across ranks (the per-step values below are of this step)",
+        ["run"],
+    )
+    since = _gauge(
+        "trainvitals_run_seconds_since_last_step", "Seconds since any rank finished a step", ["run"]
+    )
+    loss = _gauge("trainvitals_run_loss", "Mean training loss over ranks at the complete step", ["run"])
+    grad = _gauge(
+        "trainvitals_run_grad_norm",
+        "Global L2 gradient norm at the complete step (the job's pre-clip total when reported)",
+        ["run"],
+    )
+    nonfinite = _gauge(
+        "trainvitals_run_grad_nonfinite_params",
+        "Parameters with a non-finite gradient at the complete step",
+        ["run"],
+    )
+    step_time = _gauge(
+        "trainvitals_run_rank_step_seconds",
+        "Step time across ranks at the complete step (stat: min p50 p90 p99 max)",
+        ["run", "stat"],
+    )
+    wait = _gauge(
+        "trainvitals_run_rank_wait_seconds",
+        "Median over ranks of the time blocked in gradient collectives at the complete step",
+        ["run"],
+    )
+    data = _gauge(
+        "trainvitals_run_rank_data_seconds",
+        "Median over ranks of the time waiting for input at the complete step",
+        ["run"],
+    )
+    stage = _gauge(
+        "trainvitals_run_stage_step_seconds", "Median step time per pipeline stage", ["run", "stage"]
+    )
+    tokens = _gauge(
+        "trainvitals_run_tokens_per_second",
+        "Tokens per second of the whole job at the complete step",
+        ["run"],
+    )
+    mfu = _gauge(
+        "trainvitals_run_mfu_ratio",
+        "Measured model FLOPs utilisation over the last 20 reduced steps (0-1)",
+        ["run"],
+    )
+    expected = _gauge(
+        "trainvitals_run_mfu_expected_ratio",
+        "MFU the advisor's cost model predicts for the run's parallelism config (0-1)",
+        ["run"],
+    )
+    groups = _gauge(
+        "trainvitals_grad_group_norm",
+        "L2 gradient norm per parameter group (layer) at the complete step",
+        ["run", "group"],
+    )
+    for sn in snaps:
+        r = sn.run_id
+        info.add_metric([r, sn.project, sn.status], 1.0)
+        world.add_metric([r], sn.world_size)
+        if sn.latest_step is not None:
+            latest.add_metric([r], sn.latest_step)
+        if sn.seconds_since_last_step is not None:
+            since.add_metric([r], sn.seconds_since_last_step)
+        if sn.expected_mfu is not None:
+            expected.add_metric([r], sn.expected_mfu)
+        if sn.mfu_window is not None:
+            mfu.add_metric([r], sn.mfu_window)
+        for g, norm in sorted(sn.grad_groups.items()):
+            groups.add_metric([r, g], norm)
+        s = sn.summary
+        if s is None:
+            continue
+        reporting.add_metric([r], s.ranks)
+        complete.add_metric([r], s.step)
+        if s.loss is not None:
+            loss.add_metric([r], s.loss)
+        if s.grad_norm is not None:
+            grad.add_metric([r], s.grad_norm)
+        nonfinite.add_metric([r], s.grad_nonfinite or 0)
+        for stat, value in (
+            ("min", s.step_seconds_min),
+            ("p50", s.step_seconds_p50),
+            ("p90", s.step_seconds_p90),
+            ("p99", s.step_seconds_p99),
+            ("max", s.step_seconds_max),
+        ):
+            step_time.add_metric([r, stat], value)
+        if s.wait_seconds_p50 is not None:
+            wait.add_metric([r], s.wait_seconds_p50)
+        if s.data_seconds_p50 is not None:
+            data.add_metric([r], s.data_seconds_p50)
+        for st, value in sorted((s.stage_step_seconds_p50 or {}).items(), key=lambda kv: int(kv[0])):
+            stage.add_metric([r, st], value)
+        if s.tokens is not None and s.step_seconds_max > 0:
+            # Synchronous data parallelism: the job moves at the pace of its slowest rank.
+            tokens.add_metric([r], s.tokens / s.step_seconds_max)
+    yield from (
+        info,
+        world,
+        reporting,
+        latest,
+        complete,
+        since,
+        loss,
+        grad,
+        nonfinite,
+        step_time,
+        wait,
+        data,
+        stage,
+        tokens,
+        mfu,
+        expected,
+        groups,
+    )
+
+
+def _fp8_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
+    layer = _gauge(
+        "trainvitals_fp8_layer_min_headroom_log2",
+        "Minimum FP8 headroom over the tensors of a layer and role, newest step with FP8 stats",
+        ["run", "layer", "role"],
+    )
+    worst = _gauge(
+        "trainvitals_fp8_worst_headroom_log2",
+        "FP8 headroom of the top-k tensors with the least headroom (k = settings.top_k)",
+        ["run", "tensor", "role"],
+    )
+    saturated = _gauge(
+        "trainvitals_fp8_saturated_tensors",
+        "Tensors whose headroom is below 0 bits (largest values clipped)",
+        ["run"],
+    )
+    fp8_step = _gauge("trainvitals_fp8_step", "Newest step with FP8 statistics", ["run"])
+    for sn in snaps:
+        if sn.fp8_step is None:
+            continue
+        fp8_step.add_metric([sn.run_id], sn.fp8_step)
+        saturated.add_metric([sn.run_id], sn.saturated_tensors)
+        for (lay, role), hr in sorted(sn.layer_min_headroom.items()):
+            layer.add_metric([sn.run_id, lay, role], hr)
+        for tensor, role, hr in sn.worst_tensors:
+            worst.add_metric([sn.run_id, tensor, role], hr)
+    yield from (layer, worst, saturated, fp8_step)
+
+
+def _rank_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
+    slow = _gauge(
+        "trainvitals_rank_slowest_step_seconds",
+        "Mean step time of the top-k slowest ranks in the newest rank window",
+        ["run", "rank"],
+    )
+    ratio = _gauge(
+        "trainvitals_rank_slowest_cohort_ratio",
+        "Top-k slowest ranks: mean step time / median of their pipeline-stage cohort",
+        ["run", "rank"],
+    )
+    for sn in snaps:
+        for rank, mean, rel in sn.slowest_ranks:
+            slow.add_metric([sn.run_id, str(rank)], mean)
+            ratio.add_metric([sn.run_id, str(rank)], rel)
+    yield from (slow, ratio)
+
+
+def _finding_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
+    labels = ["run", "kind", "subject_kind", "subject"]
+    active = _gauge(
+        "trainvitals_finding_active",
+        "1 while a detector finding is open",
+        ["run", "kind", "severity", "subject_kind", "subject"],
+    )
+    onset = _gauge("trainvitals_finding_onset_step", "First step of the evidence of an open finding", labels)
+    magnitude = _gauge(
+        "trainvitals_finding_magnitude", "Size of an open finding (unit per kind: docs/detectors.md)", labels
+    )
+    total = CounterMetricFamily(
+        "trainvitals_findings", "Distinct findings raised for a live run", labels=["run", "kind", "severity"]
+    )
+    for sn in snaps:
+        for f in sn.findings:
+            active.add_metric([sn.run_id, f.kind, f.severity, f.subject_kind, f.subject], 1.0)
+            onset.add_metric([sn.run_id, f.kind, f.subject_kind, f.subject], f.onset_step)
+            magnitude.add_metric([sn.run_id, f.kind, f.subject_kind, f.subject], f.magnitude)
+        for (kind, severity), n in sorted(sn.findings_by_kind.items()):
+            total.add_metric([sn.run_id, kind, severity], n)
+    yield from (active, onset, magnitude, total)
+
+
+def _checkpoint_families(snaps: list[snapshot.RunSnapshot], now: float) -> Iterator[Metric]:
+    step = _gauge(
+        "trainvitals_checkpoint_last_persisted_step", "Step of the newest persisted checkpoint", ["run"]
+    )
+    age = _gauge(
+        "trainvitals_checkpoint_last_persisted_age_seconds",
+        "Seconds since the newest persisted checkpoint",
+        ["run"],
+    )
+    records = _gauge(
+        "trainvitals_checkpoint_records",
+        "Checkpoint records by status (started, persisted, failed ...)",
+        ["run", "status"],
+    )
+    for sn in snaps:
+        if sn.checkpoint_last_persisted_step is not None:
+            step.add_metric([sn.run_id], sn.checkpoint_last_persisted_step)
+            age.add_metric([sn.run_id], max(0.0, now - (sn.checkpoint_last_persisted_ts or now)))
+        for status, n in sorted(sn.checkpoint_status_counts.items()):
+            records.add_metric([sn.run_id, status], n)
+    yield from (step, age, records)
 
 
 def make_registry(collector: TrainvitalsCollector) -> CollectorRegistry:

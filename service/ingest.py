@@ -13,7 +13,8 @@ from typing import Any
 from sqlalchemy import insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
-from trainvitals.service.store.models import RECORD_TABLES, DeliveredBatch, Run
+
+from trainvitals.service.store.models import RECORD_TABLES, DeliveredBatch, ReductionState, Run
 from trainvitals.wire import Batch, BatchAck, RunRegistration
 
 
@@ -68,6 +69,17 @@ def batch_rows(batch: Batch) -> dict[str, list[dict[str, Any]]]:
     return rows
 
 
+def _mark_late_data(session: Session, run_id: str, grouped: dict[str, list[dict[str, Any]]]) -> None:
+    """Records for steps already reduced (a spool replayed after an outage) re-dirty them."""
+    steps = [r["step"] for kind in ("step", "tensor", "grad") for r in grouped.get(kind, ())]
+    if not steps:
+        return
+    state = session.get(ReductionState, run_id)
+    low = min(steps)
+    if state is not None and low <= state.reduced_upto:
+        state.dirty_from = low if state.dirty_from is None else min(state.dirty_from, low)
+
+
 def store_batch(session: Session, batch: Batch, *, now: float | None = None) -> BatchAck:
     """Store one batch atomically; a duplicate is acknowledged and stores nothing."""
     now = time.time() if now is None else now
@@ -89,8 +101,10 @@ def store_batch(session: Session, batch: Batch, *, now: float | None = None) -> 
     except IntegrityError:
         session.rollback()
         return BatchAck(accepted=0, duplicate=True)
-    for kind, rows in batch_rows(batch).items():
+    grouped = batch_rows(batch)
+    for kind, rows in grouped.items():
         session.execute(insert(RECORD_TABLES[kind]), rows)
+    _mark_late_data(session, batch.run, grouped)
     values: dict[Any, Any] = {Run.last_seen_at: now}
     if batch.rank == 0 and any(r.kind == "event" and r.event == "stop" for r in batch.records):
         values[Run.status] = "finished"  # rank 0 closing its agent ends the run

@@ -8,10 +8,13 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+
+from trainvitals.service import pipeline
 from trainvitals.service.api.routes import health, ingest, runs
 from trainvitals.service.exposition import IngestCounters, TrainvitalsCollector, make_registry
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import db
+from trainvitals.service.worker import AnalysisWorker
 from trainvitals.wire import WIRE_VERSION
 
 
@@ -20,20 +23,27 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if settings.migrate_on_start:
         db.upgrade(settings.db)
     engine = db.make_engine(settings.db)
+    sessions = db.make_sessionmaker(engine)
+    worker = AnalysisWorker(sessions, settings)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if settings.analysis_interval_seconds > 0 and settings.run_analysis:
+            worker.start()
         yield
+        worker.stop()
         engine.dispose()
 
     app = FastAPI(title="trainvitals collector", version=f"wire-v{WIRE_VERSION}", lifespan=lifespan)
     app.state.settings = settings
     app.state.engine = engine
-    app.state.sessionmaker = db.make_sessionmaker(engine)
+    app.state.sessionmaker = sessions
+    app.state.worker = worker
     app.state.counters = IngestCounters()
-    app.state.registry = make_registry(
-        TrainvitalsCollector(app.state.sessionmaker, settings, app.state.counters)
+    app.state.collector = TrainvitalsCollector(
+        sessions, settings, app.state.counters, expected_mfu=pipeline.expected_mfu
     )
+    app.state.registry = make_registry(app.state.collector)
     app.include_router(ingest.router)
     app.include_router(runs.router)
     app.include_router(health.router)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
 from trainvitals.service.store.db import DEFAULT_SQLITE_URL
 
 
@@ -17,3 +18,11 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(32 * 1024 * 1024, description="larger requests get 413")
     finished_run_grace_seconds: float = Field(300.0, description="finished runs stay in /metrics this long")
     idle_run_seconds: float = Field(3600.0, description="runs silent this long leave /metrics")
+    top_k: int = Field(10, ge=1, le=100, description="worst tensors / slowest ranks exported per run")
+    max_grad_groups: int = Field(256, ge=1, description="per-group gradient norms exported per run, at most")
+    run_analysis: bool = Field(True, description="reduce + detect in a background thread")
+    analysis_interval_seconds: float = Field(2.0, gt=0, description="reduce + detect cadence for live runs")
+    settle_seconds: float = Field(
+        30.0, ge=0, description="reduce a step once all ranks sent it or after this"
+    )
+    rank_window_steps: int = Field(50, ge=1, description="steps per rank window (straggler view)")

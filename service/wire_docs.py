@@ -4,6 +4,7 @@ and a test keeps the two in sync)."""
 from __future__ import annotations
 
 from pydantic import BaseModel
+
 from trainvitals.wire import v1
 
 _MODELS: list[type[BaseModel]] = [

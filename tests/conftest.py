@@ -17,6 +17,7 @@ import psycopg
 import pytest
 import uvicorn
 from sqlalchemy import text
+
 from trainvitals.service.main import create_app
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import db

@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
+
 from trainvitals.service.exposition import IngestCounters
 
 

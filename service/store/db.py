@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import trainvitals.migrations as _migrations
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
+
+import trainvitals.migrations as _migrations
 
 DEFAULT_SQLITE_URL = "sqlite:///trainvitals.db"
 

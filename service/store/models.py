@@ -157,3 +157,138 @@ RECORD_TABLES = {
     "checkpoint": CheckpointRow.__table__,
     "event": EventRow.__table__,
 }
+
+
+# --------------------------------------------------------------------------- reduced (cross-rank)
+
+
+class StepSummary(Base):
+    """One step of a run reduced over ranks (newest incarnation per rank)."""
+
+    __tablename__ = "step_summaries"
+
+    run_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    ranks: Mapped[int] = mapped_column(Integer)
+    ts: Mapped[float] = mapped_column(Float)
+    step_seconds_min: Mapped[float] = mapped_column(Float)
+    step_seconds_p50: Mapped[float] = mapped_column(Float)
+    step_seconds_p90: Mapped[float] = mapped_column(Float)
+    step_seconds_p99: Mapped[float] = mapped_column(Float)
+    step_seconds_max: Mapped[float] = mapped_column(Float)
+    slowest_rank: Mapped[int] = mapped_column(Integer)
+    compute_seconds_p50: Mapped[float | None] = mapped_column(Float)
+    wait_seconds_p50: Mapped[float | None] = mapped_column(Float)
+    data_seconds_p50: Mapped[float | None] = mapped_column(Float)
+    loss: Mapped[float | None] = mapped_column(Float)
+    grad_norm: Mapped[float | None] = mapped_column(Float)
+    """Job-reported (pre-clip) total when present, else sqrt of summed owned squares."""
+    agent_grad_norm: Mapped[float | None] = mapped_column(Float)
+    """sqrt(sum over ranks of owned_sq): the gradients the optimizer applied."""
+    grad_nonfinite: Mapped[int] = mapped_column(BigInteger, default=0)
+    tokens: Mapped[float | None] = mapped_column(Float)
+    flops: Mapped[float | None] = mapped_column(Float)
+    mfu: Mapped[float | None] = mapped_column(Float)
+    stage_step_seconds_p50: Mapped[dict[str, float] | None] = mapped_column(JSON)
+    """Per pipeline stage (key: stage number) median step time, when stages are known."""
+
+
+class TensorSummary(Base):
+    """One monitored tensor at one step, reduced over ranks and TP shards."""
+
+    __tablename__ = "tensor_summaries"
+    __table_args__ = (Index("ix_tensor_summaries_run_step", "run_id", "step"),)
+
+    run_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    tensor: Mapped[str] = mapped_column(String(256), primary_key=True)
+    role: Mapped[str] = mapped_column(String(16), primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    format: Mapped[str] = mapped_column(String(8))
+    amax: Mapped[float] = mapped_column(Float)  # max over ranks
+    headroom_bits: Mapped[float | None] = mapped_column(Float)  # min over ranks
+    lag_bits: Mapped[float | None] = mapped_column(Float)  # max
+    staleness_steps: Mapped[int | None] = mapped_column(Integer)  # max
+    sat_frac: Mapped[float | None] = mapped_column(Float)  # max
+    underflow_frac: Mapped[float | None] = mapped_column(Float)  # max
+    crest_bits: Mapped[float | None] = mapped_column(Float)  # max
+    nonfinite: Mapped[int | None] = mapped_column(BigInteger)  # sum
+    shadow: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class GradSummary(Base):
+    """Per parameter group gradient norm at one step: sqrt(sum over ranks of owned_sq)."""
+
+    __tablename__ = "grad_summaries"
+
+    run_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    group_name: Mapped[str] = mapped_column(String(256), primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    norm: Mapped[float] = mapped_column(Float)
+    nonfinite: Mapped[int] = mapped_column(BigInteger, default=0)
+    replica_spread: Mapped[float | None] = mapped_column(Float)
+    """max/min of local_sq over ranks holding the same replica (DDP): != 1 means replicas disagree."""
+
+
+class RankWindow(Base):
+    """Per rank, a window of `steps` consecutive steps: the straggler view at bounded size."""
+
+    __tablename__ = "rank_windows"
+    __table_args__ = (Index("ix_rank_windows_run_rank", "run_id", "rank", "window_start"),)
+
+    run_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    window_start: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    steps: Mapped[int] = mapped_column(Integer)
+    pp_stage: Mapped[int | None] = mapped_column(Integer)
+    step_seconds_mean: Mapped[float] = mapped_column(Float)
+    step_seconds_p50: Mapped[float] = mapped_column(Float)
+    step_seconds_max: Mapped[float] = mapped_column(Float)
+    compute_seconds_mean: Mapped[float | None] = mapped_column(Float)
+    wait_seconds_mean: Mapped[float | None] = mapped_column(Float)
+
+
+class ReductionState(Base):
+    """How far each run has been reduced, and from where late data forces a redo."""
+
+    __tablename__ = "reduction_state"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.run_id", ondelete="CASCADE"), primary_key=True)
+    reduced_upto: Mapped[int] = mapped_column(BigInteger, default=-1)
+    dirty_from: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class FindingRow(Base):
+    """A detector finding; one row per (run, kind, subject), updated as it evolves."""
+
+    __tablename__ = "findings"
+    __table_args__ = (
+        Index("ux_findings_identity", "run_id", "kind", "subject_kind", "subject", unique=True),
+    )
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(128))
+    kind: Mapped[str] = mapped_column(String(64))
+    severity: Mapped[str] = mapped_column(String(8))
+    subject_kind: Mapped[str] = mapped_column(String(16))
+    subject: Mapped[str] = mapped_column(String(256))
+    onset_step: Mapped[int] = mapped_column(BigInteger)
+    last_step: Mapped[int] = mapped_column(BigInteger)
+    magnitude: Mapped[float] = mapped_column(Float)
+    summary: Mapped[str] = mapped_column(Text)
+    active: Mapped[bool] = mapped_column(Boolean, default=True)
+    first_seen_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class ApiToken(Base):
+    """Bearer tokens, stored as SHA-256 digests; scoped to one project and one scope."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    digest: Mapped[str] = mapped_column(String(64), unique=True)
+    project: Mapped[str] = mapped_column(String(256))
+    scope: Mapped[str] = mapped_column(String(16))  # ingest | read
+    name: Mapped[str | None] = mapped_column(String(256))
+    created_at: Mapped[float] = mapped_column(Float)
+    revoked: Mapped[bool] = mapped_column(Boolean, default=False)

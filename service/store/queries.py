@@ -4,10 +4,11 @@ collector and the demo call these; none of them writes SQL of its own."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
+
 from trainvitals.service.store.models import (
     CheckpointRow,
     DeliveredBatch,
@@ -19,24 +20,6 @@ from trainvitals.service.store.models import (
 )
 
 GLOBAL_GROUP = "__global__"
-
-
-@dataclass(kw_only=True, slots=True)
-class RunLatest:
-    """The newest complete step of a run (every reporting rank has sent it), for /metrics."""
-
-    run_id: str
-    project: str
-    status: str
-    world_size: int
-    last_seen_at: float
-    latest_step: int | None = None
-    complete_step: int | None = None
-    ranks_reporting: int = 0
-    loss: float | None = None
-    grad_norm: float | None = None
-    step_seconds: list[float] = field(default_factory=list)
-    tokens: int | None = None
 
 
 def list_runs(session: Session, *, project: str | None = None) -> list[Run]:
@@ -57,54 +40,6 @@ def live_runs(
         | ((Run.status == "finished") & (Run.last_seen_at >= horizon_finished))
     )
     return list(session.scalars(query))
-
-
-def run_latest(session: Session, *, run: Run, lookback_steps: int = 64) -> RunLatest:
-    """Newest step that every reporting rank has delivered, with its cross-rank values."""
-    out = RunLatest(
-        run_id=run.run_id,
-        project=run.project,
-        status=run.status,
-        world_size=run.world_size,
-        last_seen_at=run.last_seen_at,
-    )
-    latest = session.scalar(select(func.max(StepRow.step)).where(StepRow.run_id == run.run_id))
-    if latest is None:
-        return out
-    out.latest_step = int(latest)
-    # Ranks send independently, so the newest steps are usually partial; take the newest step
-    # reported by as many ranks as any step in the lookback window.
-    counts = session.execute(
-        select(StepRow.step, func.count(func.distinct(StepRow.rank)))
-        .where(StepRow.run_id == run.run_id, StepRow.step > latest - lookback_steps)
-        .group_by(StepRow.step)
-    ).all()
-    out.ranks_reporting = max(n for _, n in counts)
-    step = max(s for s, n in counts if n == out.ranks_reporting)
-    out.complete_step = int(step)
-    rows = session.execute(
-        select(
-            StepRow.rank,
-            StepRow.incarnation,
-            StepRow.step_seconds,
-            StepRow.loss,
-            StepRow.tokens,
-            StepRow.grad_norm,
-        )
-        .where(StepRow.run_id == run.run_id, StepRow.step == step)
-        .order_by(StepRow.rank, StepRow.incarnation)
-    ).all()
-    per_rank = {r.rank: r for r in rows}  # the newest incarnation wins after a restart
-    out.step_seconds = sorted(r.step_seconds for r in per_rank.values())
-    losses = [r.loss for r in per_rank.values() if r.loss is not None]
-    out.loss = sum(losses) / len(losses) if losses else None
-    tokens = [r.tokens for r in per_rank.values() if r.tokens is not None]
-    out.tokens = sum(tokens) if tokens else None
-    out.grad_norm = global_grad_norm(session, run_id=run.run_id, step=step)
-    if out.grad_norm is None:
-        norms = [r.grad_norm for r in per_rank.values() if r.grad_norm is not None]
-        out.grad_norm = norms[0] if norms else None
-    return out
 
 
 def global_grad_norm(session: Session, *, run_id: str, step: int) -> float | None:
@@ -237,3 +172,7 @@ def rank_step_seconds(session: Session, *, run_id: str) -> list[tuple[int, float
             )
         )
     return out
+
+
+def get_run(session: Session, *, run_id: str) -> Run | None:
+    return session.get(Run, run_id)

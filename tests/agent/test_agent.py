@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import trainvitals.agent as tv
 from torch import nn
+
+import trainvitals.agent as tv
 from trainvitals.wire import Batch
 
 
@@ -58,13 +59,24 @@ def test_records_follow_the_wire_format_and_reach_the_collector(collector, tmp_p
         assert queries.list_runs(session)[0].status == "finished"
 
 
+def _module_hooks(model: nn.Module) -> int:
+    return sum(
+        len(m._forward_pre_hooks)
+        + len(m._backward_pre_hooks)
+        + len(m._forward_hooks)
+        + len(m._backward_hooks)
+        for m in model.modules()
+    )
+
+
 def test_hooks_are_removed_on_close_and_close_is_idempotent(tmp_path: Path) -> None:
     model, opt = _model()
     agent = tv.attach(model, opt, run="r1", config=tv.AgentConfig(collector="", spill_dir=str(tmp_path)))
-    assert agent.hooks == 1 and len(opt._optimizer_step_pre_hooks) == 1
+    assert agent.hooks == 1 + _module_hooks(model) and len(opt._optimizer_step_pre_hooks) == 1
+    assert _module_hooks(model) >= 1 + 2 * 2  # step timer + FP8 hooks on both Linear layers
     agent.close()
     agent.close()
-    assert agent.hooks == 0 and len(opt._optimizer_step_pre_hooks) == 0
+    assert agent.hooks == 0 and len(opt._optimizer_step_pre_hooks) == 0 and _module_hooks(model) == 0
 
 
 def test_agent_errors_never_reach_the_training_loop(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from sqlalchemy import select
+
 from trainvitals.agent import AgentConfig
 from trainvitals.agent._exporter import Exporter
 from trainvitals.service.store import db

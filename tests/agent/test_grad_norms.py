@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 from torch import nn
+
 from trainvitals.agent._grad_norms import GLOBAL_GROUP, GradNormTracker, block_group
 
 

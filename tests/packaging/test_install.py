@@ -55,6 +55,7 @@ def test_wheel_installs_and_runs_from_site_packages(tmp_path: Path) -> None:
         [str(venv / "bin" / "trainvitals"), "db", "upgrade", "--db", db_url], text=True, cwd=tmp_path
     )
     from alembic.script import ScriptDirectory
+
     from trainvitals.service.store.db import alembic_config
 
     head = ScriptDirectory.from_config(alembic_config(db_url)).get_current_head()

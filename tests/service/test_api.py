@@ -4,13 +4,16 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
+
 from trainvitals.service.main import create_app
 from trainvitals.service.settings import Settings
 
 
 @pytest.fixture
 def client(db_url: str):
-    with TestClient(create_app(Settings(db=db_url, max_body_bytes=200_000))) as c:
+    with TestClient(
+        create_app(Settings(db=db_url, max_body_bytes=200_000, run_analysis=False, settle_seconds=0))
+    ) as c:
         yield c
 
 
@@ -59,6 +62,7 @@ def test_unknown_run_and_oversized_body(client: TestClient) -> None:
 def test_metrics_and_openapi(client: TestClient) -> None:
     client.post("/v1/runs", json={"run": "r1"})
     client.post("/v1/batches", json=_batch())
+    client.app.state.worker.run_once()  # what the background thread does every few seconds
     text = client.get("/metrics").text
     assert 'trainvitals_run_latest_step{run="r1"} 2.0' in text
     assert 'trainvitals_ingest_records_total{run="r1"} 3.0' in text

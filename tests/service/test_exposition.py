@@ -2,8 +2,9 @@
 
 import pytest
 from prometheus_client import generate_latest
-from trainvitals.service import ingest
-from trainvitals.service.exposition import IngestCounters, TrainvitalsCollector, make_registry, quantile
+
+from trainvitals.service import ingest, pipeline
+from trainvitals.service.exposition import IngestCounters, TrainvitalsCollector, make_registry
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import db, queries
 from trainvitals.wire import Batch, RunRegistration
@@ -53,6 +54,7 @@ def _store(maker, run: str, ranks: int, steps: int, *, stop: bool = False, now: 
                 ),
                 now=now,
             )
+        pipeline.process_run(session, queries.get_run(session, run_id=run), now=now)
 
 
 def test_values_reduce_across_ranks(setup) -> None:
@@ -61,8 +63,16 @@ def test_values_reduce_across_ranks(setup) -> None:
     counters.count_batch(run="a", outcome="stored", records=12)
     sample = registry.get_sample_value
     assert sample("trainvitals_run_latest_step", {"run": "a"}) == 2
+    assert sample("trainvitals_run_complete_step", {"run": "a"}) == 2
+    assert sample("trainvitals_run_ranks_reporting", {"run": "a"}) == 4
     assert sample("trainvitals_run_rank_step_seconds", {"run": "a", "stat": "max"}) == 4.0
     assert sample("trainvitals_run_rank_step_seconds", {"run": "a", "stat": "p50"}) == 2.5
+    assert sample("trainvitals_run_rank_step_seconds", {"run": "a", "stat": "p90"}) == pytest.approx(3.7)
+    # Top-k slowest ranks, relative to the cohort median (no pipeline stages: one cohort).
+    assert sample("trainvitals_rank_slowest_step_seconds", {"run": "a", "rank": "3"}) == 4.0
+    assert sample("trainvitals_rank_slowest_cohort_ratio", {"run": "a", "rank": "3"}) == pytest.approx(
+        4.0 / 2.5
+    )
     assert sample("trainvitals_run_loss", {"run": "a"}) == pytest.approx(3.5)
     assert sample("trainvitals_run_tokens_per_second", {"run": "a"}) == pytest.approx(400 / 4.0)
     assert sample("trainvitals_ingest_records_total", {"run": "a"}) == 12
@@ -100,8 +110,3 @@ def test_exposition_passes_promtool(setup, promtool_check) -> None:
     _store(maker, "a", ranks=3, steps=4)
     result = promtool_check(generate_latest(registry).decode())
     assert result.returncode == 0, result.stdout + result.stderr
-
-
-@pytest.mark.parametrize(("q", "expected"), [(0.0, 1.0), (0.5, 2.5), (1.0, 4.0), (0.9, 3.7)])
-def test_quantile_interpolates_like_numpy(q: float, expected: float) -> None:
-    assert quantile([1.0, 2.0, 3.0, 4.0], q) == pytest.approx(expected)

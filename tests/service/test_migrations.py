@@ -3,6 +3,7 @@
 from pathlib import Path
 
 from sqlalchemy import inspect
+
 from trainvitals.service.store import db
 from trainvitals.service.store.models import Base
 

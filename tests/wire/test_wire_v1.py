@@ -3,6 +3,7 @@ import math
 
 import pytest
 from pydantic import ValidationError
+
 from trainvitals.wire import Batch, RunRegistration
 
 

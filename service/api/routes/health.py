@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
+
 from trainvitals.service.api.deps import SessionDep
 
 router = APIRouter(tags=["ops"])

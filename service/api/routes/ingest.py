@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, HTTPException, Response, status
+
 from trainvitals.service import ingest
 from trainvitals.service.api.deps import CountersDep, SessionDep
 from trainvitals.wire import Batch, BatchAck, RunRegistration

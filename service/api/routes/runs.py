@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, status
+
 from trainvitals.service.api.deps import SessionDep
 from trainvitals.service.store import queries
 

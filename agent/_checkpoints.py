@@ -1,0 +1,140 @@
+"""Checkpoint generations: one line around a save records started / persisted / failed, the stall
+(training blocked), the time to durability, the size and a content checksum. Hashing runs on a
+background thread, never on the training thread."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+_CHUNK = 8 * 1024 * 1024
+
+
+def content_digest(path: str | os.PathLike[str], algorithm: str = "sha256") -> tuple[int, str | None]:
+    """(bytes, hex digest) of a file, or of every file under a directory in sorted path order
+    (a DCP checkpoint is a directory of shards plus metadata)."""
+    root = Path(path)
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    total = 0
+    digest = hashlib.new(algorithm) if algorithm != "none" else None
+    for f in files:
+        if digest is not None and root.is_dir():
+            digest.update(str(f.relative_to(root)).encode() + b"\0")
+        with open(f, "rb") as fh:
+            while chunk := fh.read(_CHUNK):
+                total += len(chunk)
+                if digest is not None:
+                    digest.update(chunk)
+    return total, (f"{algorithm}:{digest.hexdigest()}" if digest is not None else None)
+
+
+class CheckpointHandle:
+    """Yielded by `Agent.checkpoint()`; attach an async save's future to time its persistence."""
+
+    __slots__ = ("future",)
+
+    def __init__(self) -> None:
+        self.future: Any = None
+
+    def track(self, future: Any) -> Any:
+        self.future = future
+        return future
+
+
+class CheckpointRecorder:
+    """Emits wire-format checkpoint records through `emit` (the exporter's O(1) emit)."""
+
+    def __init__(
+        self,
+        emit: Callable[[dict[str, Any]], None],
+        *,
+        checksum: str,
+        on_error: Callable[[str, BaseException], None],
+    ) -> None:
+        self._emit = emit
+        self._checksum = checksum
+        self._on_error = on_error
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: set[Future[None]] = set()
+
+    def _record(self, **fields: Any) -> None:
+        self._emit(
+            {"kind": "checkpoint", "ts": time.time(), **{k: v for k, v in fields.items() if v is not None}}
+        )
+
+    @contextmanager
+    def saving(self, *, step: int, generation: int, path: str | None) -> Iterator[CheckpointHandle]:
+        handle = CheckpointHandle()
+        base = {"step": step, "generation": generation, "path": path}
+        self._record(status="started", **base)
+        t0 = time.perf_counter()
+        try:
+            yield handle
+        except BaseException as exc:
+            # The job's own save failed: record it, then let the job see its exception as usual.
+            self._record(
+                status="failed", stall_seconds=time.perf_counter() - t0, error=repr(exc)[:4000], **base
+            )
+            raise
+        stall = time.perf_counter() - t0
+        if handle.future is None:
+            self._finish(base, stall=stall, persist=stall)
+        else:
+            self._track_async(handle.future, base, t0=t0, stall=stall)
+
+    def _track_async(self, future: Any, base: dict[str, Any], *, t0: float, stall: float) -> None:
+        def done(fut: Any) -> None:
+            persist = time.perf_counter() - t0
+            exc = fut.exception() if hasattr(fut, "exception") else None
+            if exc is not None:
+                self._record(
+                    status="failed",
+                    stall_seconds=stall,
+                    persist_seconds=persist,
+                    error=repr(exc)[:4000],
+                    **base,
+                )
+            else:
+                self._finish(base, stall=stall, persist=persist)
+
+        future.add_done_callback(done)
+
+    def _finish(self, base: dict[str, Any], *, stall: float, persist: float) -> None:
+        path = base.get("path")
+        if path is None or not os.path.exists(path):
+            self._record(status="persisted", stall_seconds=stall, persist_seconds=persist, **base)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainvitals-checksum")
+
+        def hash_and_record() -> None:
+            try:
+                size, digest = content_digest(path, self._checksum)
+            except OSError as exc:
+                self._on_error("checksum", exc)
+                size, digest = None, None
+            self._record(
+                status="persisted",
+                stall_seconds=stall,
+                persist_seconds=persist,
+                bytes=size,
+                checksum=digest,
+                **base,
+            )
+
+        fut: Future[None] = self._pool.submit(hash_and_record)
+        self._pending.add(fut)
+        fut.add_done_callback(self._pending.discard)
+
+    def close(self, timeout: float) -> None:
+        """Wait (bounded) for pending checksums so their records make the final flush."""
+        if self._pool is None:
+            return
+        wait(list(self._pending), timeout=timeout)
+        self._pool.shutdown(wait=False)

@@ -1,0 +1,366 @@
+"""Per-tensor FP8 numerics (definitions: shared/reference/fp8.md), computed on the tensor's device.
+
+Monitored tensors are (module fqn, role) for role in input, weight, grad_output of Linear-like
+modules. Two modes, chosen per module:
+
+- recipe: the module trains through a real FP8 recipe (our emulated Fp8Linear, Transformer
+  Engine, torchao); the amax history and scale are the recipe's own, read at step end (tier 0).
+- shadow: a bf16/fp32 module; hooks take the exact amax (tier 1) and the monitor keeps the
+  delayed-scaling history a recipe with the configured L / margin / algorithm would keep, so a
+  run can be checked before it switches to FP8.
+
+Hot-path cost per hooked tensor and step: one `vector_norm(ord=inf)` kernel (max |x| without
+materialising |x|) and one `maximum` into a preallocated slot. At step end everything is
+vectorised over all tensors (a handful of kernels, whatever the tensor count) and appended to
+the step's single device-to-host copy. Expensive statistics (saturation, underflow, crest,
+non-finite) run only on sampled steps.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainvitals.agent._grad_norms import clean_name
+from trainvitals.agent._guard import ErrorBudget
+
+# fp8.md "Formats": max finite value and smallest subnormal per format.
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+FP8_MIN_SUBNORMAL = {"e4m3": 2.0**-9, "e5m2": 2.0**-16}
+ROLES = ("input", "weight", "grad_output")
+_CREST_SAMPLE = 65536  # elements sampled for the median in crest_bits (median of all is a sort)
+
+ModuleFilter = Callable[[str, nn.Module], bool]
+
+
+def default_module_filter(name: str, module: nn.Module) -> bool:
+    """Linear-like modules, except the output head (usually kept in high precision by recipes)."""
+    return isinstance(module, nn.Linear) and not clean_name(name).endswith(("lm_head", "output"))
+
+
+@dataclass(frozen=True, slots=True)
+class MonitoredTensor:
+    fqn: str
+    role: str
+    fmt: str
+    recipe: bool
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)  # DTensor: this rank's shard, never a collective
+    return to_local() if to_local is not None else t
+
+
+class Fp8Monitor:
+    """Hooks + vectorised headroom math. `end_step()` returns one flat device vector per step.
+
+    Layout of the vector (n = number of monitored tensors): amax[n], headroom_bits[n],
+    lag_bits[n], staleness_steps[n], then on expensive steps sat_frac[n], underflow_frac[n],
+    crest_bits[n], nonfinite[n]. `records()` turns it into wire-format tensor records.
+
+    Usage::
+
+        mon = Fp8Monitor(model, history_len=1024, margin=0, amax_algo="max")
+        ...forward/backward...
+        vec = mon.end_step(step)     # device tensor or None; no sync
+        records = mon.records(step, vec.tolist(), expensive)
+        mon.close()                  # removes every hook
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        history_len: int = 1024,
+        margin: int = 0,
+        amax_algo: str = "max",
+        formats: dict[str, str] | None = None,
+        module_filter: ModuleFilter | None = None,
+        expensive_every: int = 50,
+        mode: str = "auto",
+        errors: ErrorBudget | None = None,
+    ) -> None:
+        if amax_algo not in ("max", "most_recent"):
+            raise ValueError("amax_algo must be 'max' or 'most_recent'")
+        self.history_len = history_len
+        self.margin = margin
+        self.amax_algo = amax_algo
+        self.expensive_every = expensive_every
+        self._errors = errors or ErrorBudget()
+        formats = {"input": "e4m3", "weight": "e4m3", "grad_output": "e5m2", **(formats or {})}
+        module_filter = module_filter or default_module_filter
+
+        recipe_states: dict[int, list[tuple[str, Any]]] = {}
+        if mode in ("auto", "recipe"):
+            from trainvitals.agent.fp8_recipes import find_fp8_modules
+
+            for name, state, m in _with_modules(model, find_fp8_modules):
+                recipe_states.setdefault(id(m), []).append((name, state))
+        self.tensors: list[MonitoredTensor] = []
+        self._recipe: list[tuple[int, Any]] = []  # (first tensor index, Fp8State)
+        self._hooks: list[Any] = []
+        shadow_modules: list[tuple[str, nn.Module, int]] = []
+        recipe_modules: list[tuple[str, nn.Module, int, tuple[str, ...]]] = []
+        for name, module in model.named_modules():
+            fqn = clean_name(name)
+            if id(module) in recipe_states:
+                for state_name, state in recipe_states[id(module)]:  # several GEMMs: '<fqn>.gemm<i>'
+                    self._recipe.append((len(self.tensors), state))
+                    recipe_modules.append((fqn, module, len(self.tensors), state.roles))
+                    for role in state.roles:
+                        self.tensors.append(
+                            MonitoredTensor(clean_name(state_name), role, state.fmt(role), True)
+                        )
+            elif mode in ("auto", "shadow") and module_filter(name, module):
+                shadow_modules.append((fqn, module, len(self.tensors)))
+                for role in ROLES:
+                    self.tensors.append(MonitoredTensor(fqn, role, formats[role], False))
+        n = len(self.tensors)
+        self._shadow_idx = torch.tensor(
+            [i for i, t in enumerate(self.tensors) if not t.recipe], dtype=torch.long
+        )
+        self._fmax = torch.tensor([FP8_MAX[t.fmt] for t in self.tensors], dtype=torch.float32)
+        self._min_sub = torch.tensor([FP8_MIN_SUBNORMAL[t.fmt] for t in self.tensors], dtype=torch.float32)
+        self._device: torch.device | None = None
+        self._amax = torch.zeros(n)  # this step's amax per tensor (shadow tensors: filled by hooks)
+        self._slots: list[torch.Tensor] = []
+        self._history = torch.zeros(history_len, n)
+        self._hist_pos = 0
+        self._hist_filled = 0
+        self._scale = torch.zeros(n)  # shadow: the scale a recipe would use this step (0 = none yet)
+        self._scale_slots: list[torch.Tensor] = []
+        self._expensive = torch.zeros(4, n)
+        self._expensive_now = False
+        self._step_counter = 0
+        self._recipe_scale_cache: list[tuple[int, int, torch.Tensor]] = []
+        self._recipe_used_scale: list[torch.Tensor | None] = [None] * len(self._recipe)
+        for _fqn, module, first in shadow_modules:
+            self._hook_module(module, {role: first + k for k, role in enumerate(ROLES)}, cheap=True)
+        for _fqn, module, first, roles in recipe_modules:
+            # The recipe already knows the amax: hooks only serve the sampled expensive tier.
+            self._hook_module(module, {role: first + k for k, role in enumerate(roles)}, cheap=False)
+
+    # ------------------------------------------------------------------ hooks (hot path)
+
+    def _ensure_device(self, device: torch.device) -> None:
+        if self._device == device:
+            return
+        # First hook call: move the buffers next to the activations, once.
+        self._device = device
+        for attr in ("_amax", "_history", "_scale", "_expensive", "_fmax", "_min_sub", "_shadow_idx"):
+            setattr(self, attr, getattr(self, attr).to(device))
+        self._slots = list(self._amax.unbind(0))  # 0-dim views, created once, written in place
+        self._scale_slots = list(self._scale.unbind(0))
+
+    def _hook_module(self, module: nn.Module, index: dict[str, int], *, cheap: bool) -> None:
+        i_in, i_w, i_g = index.get("input"), index.get("weight"), index.get("grad_output")
+
+        def forward_pre(mod: nn.Module, args: tuple[Any, ...]) -> None:
+            if not (cheap or self._expensive_now) or not args or not isinstance(args[0], torch.Tensor):
+                return
+            x = _local(args[0]).detach()
+            self._ensure_device(x.device)
+            if i_in is not None:
+                self._observe(i_in, x, cheap)
+            weight = getattr(mod, "weight", None)
+            if i_w is not None and isinstance(weight, torch.Tensor):
+                self._observe(i_w, _local(weight).detach(), cheap)
+
+        def backward_pre(_mod: nn.Module, grad_output: tuple[torch.Tensor | None, ...]) -> None:
+            g = grad_output[0] if grad_output else None
+            if i_g is not None and g is not None and (cheap or self._expensive_now):
+                self._observe(i_g, _local(g).detach(), cheap)
+
+        self._hooks.append(module.register_forward_pre_hook(self._guard(forward_pre)))
+        self._hooks.append(module.register_full_backward_pre_hook(self._guard(backward_pre)))
+
+    def _guard(self, fn: Callable[..., None]) -> Callable[..., None]:
+        # Hooks run inside forward and autograd: an exception here would surface in the job.
+        def inner(*args: Any) -> None:
+            try:
+                fn(*args)
+            except Exception as exc:  # noqa: BLE001
+                self._errors.record("fp8 hook", exc)
+            return None
+
+        return inner
+
+    def _observe(self, i: int, x: torch.Tensor, cheap: bool) -> None:
+        if cheap:
+            slot = self._slots[i]
+            # max over calls within a step (micro-batches, shared modules); exact, on device.
+            torch.maximum(slot, torch.linalg.vector_norm(x, ord=math.inf, dtype=torch.float32), out=slot)
+        if self._expensive_now:
+            self._expensive_stats(i, x)
+
+    def _expensive_stats(self, i: int, x: torch.Tensor) -> None:
+        # Sampled steps only. Float32 comparisons, not casts (fp8.md: cast overflow behaviour on
+        # CPU changed between torch versions).
+        xf = x.float().abs().reshape(-1)
+        s = self._scale_slots[i]
+        scaled = xf * s
+        n = max(1, xf.numel())
+        self._expensive[0, i] = (scaled > self._fmax[i]).sum() / n
+        self._expensive[1, i] = ((xf != 0) & (scaled <= self._min_sub[i] / 2)).sum() / n
+        step = max(1, xf.numel() // _CREST_SAMPLE)
+        median = xf[::step].median()
+        self._expensive[2, i] = torch.log2(xf.max() / median.clamp_min(torch.finfo(torch.float32).tiny))
+        self._expensive[3, i] = (~torch.isfinite(x)).sum()
+
+    # ------------------------------------------------------------------ step end
+
+    @property
+    def expensive_next(self) -> bool:
+        return self._expensive_now
+
+    def end_step(self) -> tuple[torch.Tensor | None, bool]:
+        """Vectorised headroom math over all tensors; returns (device vector, had expensive stats)."""
+        if self._device is None and self._recipe:
+            self._ensure_device(self._recipe[0][1].amax_history().device)
+        if not self.tensors or self._device is None:
+            return None, False
+        self._read_recipes()
+        amax = self._amax
+        A_prev = self._a_prev()  # the amax the scale in use was built from (0: no history yet)
+        known = A_prev > 0
+        headroom = torch.where(
+            known, self.margin + torch.log2(A_prev / amax), torch.full_like(amax, math.nan)
+        )
+        lag = torch.where(known, torch.log2(amax / A_prev), torch.full_like(amax, math.nan))
+        staleness = self._staleness()
+        recipe_hr = self._recipe_headroom(amax)
+        if recipe_hr is not None:
+            idx, values = recipe_hr
+            headroom[idx] = values
+        parts = [amax, headroom, lag, staleness]
+        expensive = self._expensive_now
+        if expensive:
+            parts.extend(self._expensive.unbind(0))
+        out = torch.cat(parts)
+        self._push_history(amax)
+        self._amax.zero_()
+        if expensive:
+            self._expensive.zero_()
+        self._step_counter += 1
+        self._expensive_now = self.expensive_every > 0 and self._step_counter % self.expensive_every == 0
+        return out, expensive
+
+    def _a_prev(self) -> torch.Tensor:
+        if self._hist_filled == 0:
+            return torch.zeros_like(self._amax)
+        if self.amax_algo == "most_recent":
+            return self._history[(self._hist_pos - 1) % self.history_len]
+        return self._history.amax(dim=0)
+
+    def _staleness(self) -> torch.Tensor:
+        if self._hist_filled == 0:
+            return torch.full_like(self._amax, math.nan)
+        if self.amax_algo == "most_recent":
+            return torch.zeros_like(self._amax)
+        # Row of the history maximum -> steps since it was written (ring buffer arithmetic).
+        row = self._history.argmax(dim=0)
+        return ((self._hist_pos - 1 - row) % self.history_len).float()
+
+    def _push_history(self, amax: torch.Tensor) -> None:
+        self._history[self._hist_pos] = amax
+        self._hist_pos = (self._hist_pos + 1) % self.history_len
+        self._hist_filled = min(self.history_len, self._hist_filled + 1)
+        # The shadow recipe's next scale: s = (fp8_max / A) / 2**margin; A == 0 keeps the old one.
+        A = self._a_prev()
+        new_scale = self._fmax / A.clamp_min(torch.finfo(torch.float32).tiny) / 2.0**self.margin
+        self._scale.copy_(torch.where((A > 0) & torch.isfinite(A), new_scale, self._scale))
+        for first, k, s in self._recipe_scale_cache:
+            self._scale[first : first + k] = s  # expensive tier of recipe tensors uses the real scale
+
+    def _read_recipes(self) -> None:
+        for first, state in self._recipe:
+            k = len(state.roles)
+            if state.history_len == 1:
+                # The update clears the only row (TE, emulation): recover this step's amax from the
+                # scale it produced, A = fp8_max / (s_next * 2**margin) ('most_recent' of one entry).
+                s_next = state.scale().to(self._amax.device, torch.float32)
+                amax = self._fmax[first : first + k] / (s_next * 2.0**state.margin)
+            else:
+                amax = state.amax_history()[state.newest_row()].to(self._amax.device, torch.float32)
+            self._amax[first : first + k] = amax
+
+    def _recipe_headroom(self, amax: torch.Tensor) -> tuple[list[int], torch.Tensor] | None:
+        """H = log2(fp8_max / (amax_t * s_t)) with the scale the recipe USED this step: at step end a
+        recipe already holds the next step's scale (TE, torchao, the emulation), so s_t is the one
+        read at the previous step end."""
+        if not self._recipe:
+            return None
+        idx: list[int] = []
+        values: list[torch.Tensor] = []
+        next_scales: list[tuple[int, int, torch.Tensor]] = []
+        for (first, state), used in zip(self._recipe, self._recipe_used_scale, strict=True):
+            k = len(state.roles)
+            s_next = state.scale().to(amax.device, torch.float32).clone()
+            next_scales.append((first, k, s_next))
+            if used is None:
+                continue  # first step: the scale in use is unknown to us
+            values.append(torch.log2(self._fmax[first : first + k] / (amax[first : first + k] * used)))
+            idx.extend(range(first, first + k))
+        self._recipe_used_scale = [s for _, _, s in next_scales]
+        self._recipe_scale_cache = next_scales
+        return (idx, torch.cat(values)) if values else None
+
+    # ------------------------------------------------------------------ off the training thread
+
+    def records(self, step: int, values: list[float], expensive: bool) -> list[dict[str, Any]]:
+        n = len(self.tensors)
+        out: list[dict[str, Any]] = []
+        for i, t in enumerate(self.tensors):
+            rec: dict[str, Any] = {
+                "kind": "tensor",
+                "step": step,
+                "tensor": t.fqn,
+                "role": t.role,
+                "format": t.fmt,
+                "amax": values[i],
+                "shadow": not t.recipe,
+            }
+            for name, k in (("headroom_bits", 1), ("lag_bits", 2)):
+                v = values[k * n + i]
+                if math.isfinite(v):
+                    rec[name] = v
+            stale = values[3 * n + i]
+            if math.isfinite(stale):
+                rec["staleness_steps"] = int(stale)
+            if expensive:
+                rec["sat_frac"] = min(1.0, max(0.0, values[4 * n + i]))
+                rec["underflow_frac"] = min(1.0, max(0.0, values[5 * n + i]))
+                crest = values[6 * n + i]
+                if math.isfinite(crest):
+                    rec["crest_bits"] = crest
+                rec["nonfinite"] = int(values[7 * n + i])
+            out.append(rec)
+        return out
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    @property
+    def hooks(self) -> int:
+        return len(self._hooks)
+
+
+def _with_modules(
+    model: nn.Module, finder: Callable[[nn.Module], list[tuple[str, Any]]]
+) -> list[tuple[str, Any, nn.Module]]:
+    """(state name, state, owning module); multi-GEMM modules report '<fqn>.gemm<i>' names."""
+    modules = dict(model.named_modules())
+    out = []
+    for name, state in finder(model):
+        owner = name if name in modules else re.sub(r"\.gemm\d+$", "", name)
+        if owner in modules:
+            out.append((name, state, modules[owner]))
+    return out

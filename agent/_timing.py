@@ -1,0 +1,92 @@
+"""Where a step's time goes on this rank: input wait, compute, collective wait.
+
+- data: from the end of the previous step to the first forward call of the model (a forward
+  pre-hook on the root module) -- time the input pipeline held the rank up.
+- wait: time blocked on DDP's gradient all-reduce, measured by a comm hook that wraps the default
+  all-reduce: the exposed tail is (last bucket done) - (last bucket launched). A slow rank launches
+  its last bucket late and finds its peers already there (low wait); its victims launch early and
+  wait for it (high wait). Only installed when the DDP model has no comm hook of its own.
+- compute: the rest of the step.
+
+Times are host-side (perf_counter). On GPUs without a per-step sync the host runs ahead, so a
+single step's split is approximate; over a window the sums are right.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from torch import nn
+
+
+class StepTimer:
+    """Usage::
+
+    timer = StepTimer(model, time_collectives=True)
+    ...
+    data_s, wait_s = timer.end_step()   # at the step boundary
+    timer.close()
+    """
+
+    def __init__(self, model: nn.Module | None, *, time_collectives: bool) -> None:
+        self._hooks: list[Any] = []
+        self._step_end = time.perf_counter()
+        self._first_forward: float | None = None
+        self._launched = 0.0
+        self._done = 0.0
+        self.measures_wait = False
+        if model is None:
+            return
+        self._hooks.append(model.register_forward_pre_hook(self._on_forward))
+        if time_collectives:
+            try:
+                self.measures_wait = self._install_comm_hook(model)
+            except Exception as exc:  # noqa: BLE001 - timing split is optional; the agent must attach
+                from trainvitals.agent._guard import logger
+
+                logger.warning("trainvitals: collective timing disabled: %r", exc)
+
+    def _on_forward(self, _module: nn.Module, _args: Any) -> None:
+        if self._first_forward is None:
+            self._first_forward = time.perf_counter()
+
+    def _install_comm_hook(self, model: nn.Module) -> bool:
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not isinstance(model, DistributedDataParallel) or getattr(model, "_comm_hooks", None):
+            return False  # not DDP, or the job brought its own hook (DDP allows only one)
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        # No annotations: DDP validates the hook's signature and accepts only GradBucket or none.
+        def timed_allreduce(process_group, bucket):  # type: ignore[no-untyped-def]
+            self._launched = time.perf_counter()
+            fut = allreduce_hook(process_group, bucket)
+
+            def done(f):  # type: ignore[no-untyped-def]
+                self._done = time.perf_counter()
+                return f.value()
+
+            return fut.then(done)
+
+        model.register_comm_hook(None, timed_allreduce)
+        return True
+
+    def end_step(self, now: float) -> tuple[float | None, float | None]:
+        """(data seconds, collective wait seconds) of the step ending at `now`."""
+        data = None if self._first_forward is None else max(0.0, self._first_forward - self._step_end)
+        wait = max(0.0, self._done - self._launched) if self.measures_wait and self._done else None
+        self._step_end = now
+        self._first_forward = None
+        self._done = self._launched = 0.0
+        return data, wait
+
+    def close(self) -> None:
+        # The DDP comm hook cannot be unregistered; after close it only stores two floats.
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    @property
+    def hooks(self) -> int:
+        return len(self._hooks)

@@ -1,0 +1,271 @@
+"""PyTorch Lightning integration: one callback, no changes to the LightningModule.
+
+Works with the `lightning` package (`lightning.pytorch`) and with the standalone `pytorch_lightning`
+package. Importing this module imports Lightning; `trainvitals.agent` itself never does.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from trainvitals.agent._agent import Agent, NoopAgent, attach
+from trainvitals.agent._config import AgentConfig
+from trainvitals.agent._guard import ErrorBudget, guarded
+
+# `lightning.pytorch.Callback` and `pytorch_lightning.Callback` are distinct classes (the same code
+# shipped twice) and each Trainer only accepts its own. `pip install lightning` also installs
+# `pytorch_lightning`, so subclass every namespace present: one callback works with either Trainer.
+_CALLBACK_BASES: list[type] = []
+try:
+    import lightning.pytorch as pl
+
+    _CALLBACK_BASES.append(pl.Callback)
+except ImportError:  # only the standalone package is installed
+    import pytorch_lightning as pl  # type: ignore[no-redef]
+try:
+    import pytorch_lightning as _pl_standalone
+
+    if _pl_standalone.Callback not in _CALLBACK_BASES:
+        _CALLBACK_BASES.append(_pl_standalone.Callback)
+except ImportError:
+    pass
+
+
+class _GradsReadyHooks:
+    """Stands in for the optimizer when the agent registers its step pre-hook, and fires that hook
+    from Lightning's on_before_optimizer_step instead.
+
+    Why: Lightning runs forward and backward inside `optimizer.step(closure)`, so a real step
+    pre-hook fires before this step's backward and would read the previous step's gradients.
+    on_before_optimizer_step runs once per optimizer step after the closure (and after AMP
+    unscaling, before gradient clipping): the gradients are final there. Everything else the
+    agent may ask of the optimizer goes to the real one.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        # An OrderedDict, as in torch: RemovableHandle keeps a weak reference to it.
+        self._hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+
+    def register_step_pre_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
+        handle = RemovableHandle(self._hooks)
+        self._hooks[handle.id] = hook
+        return handle
+
+    def fire(self) -> None:
+        for hook in tuple(self._hooks.values()):
+            hook(self.optimizer, (), {})
+
+    @property
+    def hooks(self) -> int:
+        return len(self._hooks)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+
+def _loss_tensor(outputs: Any) -> torch.Tensor | None:
+    """The loss in what training_step returned: a tensor, or a mapping with a 'loss' key."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, Mapping):
+        loss = outputs.get("loss")
+        return loss if isinstance(loss, torch.Tensor) else None
+    return None
+
+
+def _current_lr(optimizer: torch.optim.Optimizer) -> float | None:
+    if not optimizer.param_groups:
+        return None
+    lr = optimizer.param_groups[0].get("lr")
+    if isinstance(lr, torch.Tensor):
+        # A tensor lr on an accelerator would need a sync to read; skip it rather than stall the step.
+        return float(lr) if lr.device.type == "cpu" else None
+    return float(lr) if lr is not None else None
+
+
+class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
+    """Attaches the trainvitals agent to a Lightning `Trainer.fit` run.
+
+    Usage::
+
+        from trainvitals.agent.integrations.lightning import TrainvitalsLightningCallback
+
+        trainer = lightning.pytorch.Trainer(
+            max_steps=10_000,
+            callbacks=[TrainvitalsLightningCallback(run="gpt-7b-0412",
+                                                    count_tokens=lambda b: b["input_ids"].numel())],
+        )
+        trainer.fit(module, datamodule)
+
+    One step record per optimizer step (with `accumulate_grad_batches=k`, one per k batches). The
+    step number is the one Lightning's loggers use for that step (`trainer.global_step` before the
+    step's increment: 0, 1, 2, ...), so a spike on the dashboard and in TensorBoard/W&B carry the
+    same number. Loss: the step's loss as Lightning computed it (automatic optimization: the sum of
+    the micro-batches' normalized losses, i.e. their mean), kept on device. lr: the one the
+    optimizer used for this step. tokens: `count_tokens(batch)` summed over the step's batches,
+    when given (it should read shapes only, never values, to stay sync free).
+
+    Gradient norms: of `trainer.optimizers[0]`'s step (the only optimizer in automatic
+    optimization), read when Lightning's on_before_optimizer_step fires, i.e. after backward and
+    AMP unscaling, before Lightning's gradient clipping (see `_GradsReadyHooks` for why not at
+    optimizer.step). No hook is put on the optimizer itself.
+
+    Also: a `resume` event when fit() starts from a checkpoint, a `note` event per checkpoint
+    save, a `failure` event when fit() raises, and close() (flush, hooks removed) when fit() ends.
+    """
+
+    def __init__(
+        self,
+        *,
+        run: str | None = None,
+        project: str = "default",
+        collector: str | None = None,
+        config: AgentConfig | None = None,
+        registration: dict[str, Any] | None = None,
+        count_tokens: Callable[[Any], int] | None = None,
+    ) -> None:
+        super().__init__()
+        self.run = run
+        self.project = project
+        self.collector = collector
+        self.config = config
+        self.registration = registration
+        self.count_tokens = count_tokens
+        self.agent: Agent | NoopAgent | None = None
+        """The agent of the current (or last) fit(); kept after close for stats()."""
+        self._errors = ErrorBudget()
+        self._attached = False
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._grad_hooks: _GradsReadyHooks | None = None
+        self._last_global_step = 0
+        self._loss: torch.Tensor | None = None
+        self._tokens = 0
+        self._lr: float | None = None
+
+    # ------------------------------------------------------------------ attach / close
+
+    def _registration(self, trainer: pl.Trainer) -> dict[str, Any]:
+        auto: dict[str, Any] = {
+            "tags": {"framework": "lightning", "framework_version": str(pl.__version__)},
+        }
+        accumulate = getattr(trainer, "accumulate_grad_batches", None)
+        if isinstance(accumulate, int) and accumulate > 1:
+            auto["tags"]["accumulate_grad_batches"] = str(accumulate)
+        out = dict(auto)
+        for key, value in (self.registration or {}).items():
+            if isinstance(value, dict) and isinstance(out.get(key), dict):
+                out[key] = {**out[key], **value}
+            else:
+                out[key] = value
+        return out
+
+    def _close(self) -> None:
+        if self._attached and self.agent is not None:
+            self.agent.close()
+        self._attached = False
+
+    # ------------------------------------------------------------------ Callback hooks
+
+    @guarded()
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Not in setup(): the strategy creates the optimizers after the setup hooks have run.
+        self._close()
+        self._optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        self._grad_hooks = _GradsReadyHooks(self._optimizer) if self._optimizer is not None else None
+        self.agent = attach(
+            pl_module,
+            cast(torch.optim.Optimizer, self._grad_hooks),  # duck-typed: see _GradsReadyHooks
+            run=self.run,
+            project=self.project,
+            collector=self.collector,
+            config=self.config,
+            registration=self._registration(trainer),
+        )
+        self._attached = True
+        self._last_global_step = trainer.global_step
+        self._loss, self._tokens, self._lr = None, 0, None
+        if trainer.global_step > 0:
+            # fit(ckpt_path=...) restored the loop state. Step numbers here are 0-based, so the
+            # last completed step is global_step - 1 and the next one is global_step.
+            loaded = getattr(self.agent, "loaded", None)
+            if loaded is not None:
+                loaded(step=trainer.global_step - 1, path=trainer.ckpt_path)
+            else:
+                self.agent.event(
+                    "resume",
+                    step=trainer.global_step - 1,
+                    detail=f"Lightning fit resumed from {trainer.ckpt_path}",
+                )
+
+    @guarded()
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if optimizer is not self._optimizer or self._grad_hooks is None:
+            return
+        self._grad_hooks.fire()  # gradients are final here; the agent reads them on device
+        # The lr scheduler steps before on_train_batch_end, so read the lr this step uses here.
+        self._lr = _current_lr(optimizer)
+
+    @guarded()
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._attached or self.agent is None:
+            return
+        loss = _loss_tensor(outputs)
+        if loss is not None:
+            loss = loss.detach()
+            if pl_module.automatic_optimization and self._loss is not None:
+                # Lightning already divided each micro-batch loss by accumulate_grad_batches, so the
+                # sum is the step's mean loss. A device add, no sync.
+                loss = self._loss + loss
+            self._loss = loss
+        if self.count_tokens is not None:
+            self._tokens += int(self.count_tokens(batch))
+        # global_step counts optimizer steps: unchanged means this batch only accumulated gradients.
+        if trainer.global_step == self._last_global_step:
+            return
+        self._last_global_step = trainer.global_step
+        self.agent.step(
+            loss=self._loss,
+            tokens=self._tokens if self.count_tokens is not None else None,
+            lr=self._lr,
+            step=trainer.global_step - 1,
+        )
+        self._loss, self._tokens, self._lr = None, 0, None
+
+    @guarded()
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # Lightning calls this while building the checkpoint dict; the file path is chosen by
+        # whoever saves (ModelCheckpoint, trainer.save_checkpoint), so only the step is known here.
+        if self._attached and self.agent is not None:
+            self.agent.event(
+                "note",
+                step=max(trainer.global_step - 1, 0),
+                detail=f"checkpoint saved after {trainer.global_step} optimizer steps",
+            )
+
+    @guarded()
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        if self._attached and self.agent is not None:
+            self.agent.event("failure", detail=f"{type(exception).__name__}: {exception}"[:4096])
+        self._close()
+
+    @guarded()
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close()
+
+    @guarded()
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._close()  # idempotent; covers fits that end without on_train_end

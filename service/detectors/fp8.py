@@ -1,0 +1,373 @@
+"""FP8 numerics detectors, per monitored tensor (module fqn + role).
+
+Definitions follow docs/reference fp8.md (Transformer Engine / torchao conventions):
+headroom H = log2(fp8_max / (amax * s)) (H < 0: the largest values clip), lag_bits =
+log2(amax_t / A_{t-1}) (how far the current amax outran the scale's history).
+
+Finding kinds (subject: tensor 'fqn:role') and magnitudes:
+
+- `fp8_clipping` (page): H < 0 with saturation > 1e-5, or H < -1 bit, on >= 3 of 100 steps.
+  Magnitude: worst headroom in bits (negative).
+- `fp8_jump` (ticket): one jump of >= 2.5 bits (an ~6x amax step), or a rising rate of > 1 bit jumps.
+  Magnitude: largest lag in bits.
+- `fp8_headroom_trend` (ticket): block-minimum headroom falling, forecast to reach the clipping
+  level (-1 bit) within the horizon. Magnitude: forecast steps until then.
+- `fp8_stale_scale` (ticket): headroom > 3 bits above its own level for >= 100 steps (after a spike
+  a 'max' history holds the scale low). Magnitude: excess bits.
+- `fp8_underflow_rise` (ticket): underflow fraction > 2x its own level, sustained. Magnitude: ratio.
+- `fp8_nonfinite` (page): any inf/NaN element (E5M2 overflows to inf, it does not saturate).
+  Magnitude: non-finite elements at the worst step.
+- `fp8_resume_bad_step` (ticket): the first step after a resume clips or is > 3 bits above the
+  pre-resume headroom (a stale amax history, TE PR #567). Magnitude: headroom bits at that step.
+
+A shadow tensor (what delayed scaling would see in a bf16 run) never pages: nothing actually clipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._stats import fmt_int, nanmedian, runs_of_true, trailing_count, trailing_median
+from .findings import Finding, Severity
+from .series import TensorSeries
+from .suppression import Suppression
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Fp8Config:
+    """Thresholds of the FP8 detectors (bits are log2 units)."""
+
+    clip_sat_frac: float = 1e-5
+    """Saturated fraction that makes H < 0 a real clip (TE overflows%); below it only the top few values."""
+    clip_hard_bits: float = -1.0
+    """Headroom below this clips whether or not the saturation fraction was measured that step."""
+    clip_window_steps: int = 100
+    """Window of the clip count."""
+    clip_min_steps: int = 3
+    """Clipped steps within the window that page (one clipped step is a jump, not a regime)."""
+    jump_bits: float = 1.0
+    """lag_bits above this is a jump (amax doubled against the history)."""
+    jump_big_bits: float = 2.5
+    """A single jump this large (~6x) opens a ticket on its own."""
+    jump_window_steps: int = 1000
+    """Window of the jump rate."""
+    jump_min: int = 3
+    """Jumps in the window (and more than in the window before) that open a ticket."""
+    trend_block_steps: int = 100
+    """Trend works on the minimum headroom per block."""
+    trend_blocks: int = 20
+    """Blocks in the least-squares fit."""
+    trend_z: float = 3.0
+    """Mann-Kendall z of the (falling) block minima required; block minima are noisy and correlated."""
+    trend_persist: int = 3
+    """Consecutive block evaluations that must agree."""
+    trend_ref_blocks: int = 10
+    """Blocks before the fit window whose lowest minimum the trend must break (a new low)."""
+    trend_new_low_bits: float = 0.2
+    """... by at least this much."""
+    trend_min_bits_per_10k: float = 0.5
+    """Ignore slopes flatter than this (reference: 0.5 bit per 10k steps)."""
+    trend_horizon_steps: int = 20_000
+    """Ticket when the forecast reaches the clipping level within this many steps."""
+    stale_bits: float = 3.0
+    """Headroom this far above its own level is a stale (too small) scale."""
+    stale_steps: int = 100
+    """... for this many consecutive steps."""
+    baseline_steps: int = 500
+    """Trailing window of the tensor's own headroom and underflow level."""
+    underflow_ratio: float = 2.0
+    """Underflow above this multiple of its own level."""
+    underflow_floor: float = 5e-4
+    """... and above this absolute fraction."""
+    underflow_sustain_steps: int = 100
+    """... sustained this many steps."""
+    resume_bits: float = 3.0
+    """First step after a resume more than this above the pre-resume headroom: stale history."""
+    resume_lookahead_steps: int = 10
+    """How far after the resume step the first tensor step may be."""
+    nonfinite_hold_steps: int = 500
+    """A non-finite finding stays active this many steps after the last one."""
+
+
+def subject_of(ts: TensorSeries) -> str:
+    return f"{ts.tensor}:{ts.role}"
+
+
+def _finding(
+    ts: TensorSeries, run: str, *, kind: str, severity: Severity, onset: int, last: int,
+    magnitude: float, summary: str, active: bool, detected: int,
+) -> Finding:
+    if ts.shadow and severity == "page":
+        severity = "ticket"
+        summary += " (shadow: what delayed scaling would do; nothing clipped in this run)"
+    return Finding(
+        kind=kind, severity=severity, run=run, subject_kind="tensor", subject=subject_of(ts),
+        onset_step=onset, last_step=last, magnitude=magnitude, summary=summary, active=active,
+        detected_step=detected,
+    )
+
+
+def detect_clipping(ts: TensorSeries, run: str, quiet: np.ndarray, cfg: Fp8Config) -> list[Finding]:
+    h = ts.headroom_bits
+    sat = np.nan_to_num(ts.sat_frac, nan=0.0)
+    clip = np.isfinite(h) & (((h < 0) & (sat > cfg.clip_sat_frac)) | (h < cfg.clip_hard_bits)) & ~quiet
+    if not clip.any():
+        return []
+    at = ts.steps[clip]
+    counts = trailing_count(at, at, cfg.clip_window_steps)
+    hits = np.flatnonzero(counts >= cfg.clip_min_steps)
+    if len(hits) == 0:
+        return []
+    fired = int(at[hits[0]])
+    onset = int(at[np.searchsorted(at, fired - cfg.clip_window_steps, side="right")])
+    since = clip & (ts.steps >= onset)
+    worst = float(np.min(h[since]))
+    last = int(ts.steps[-1])
+    n = int(since.sum())
+    return [_finding(
+        ts, run, kind="fp8_clipping", severity="page", onset=onset, last=int(at[-1]), magnitude=worst,
+        summary=(f"FP8 clipping on {subject_of(ts)} ({ts.format}): {n} clipped steps since step {onset}, "
+                 f"worst headroom {worst:.1f} bits"),
+        active=int(at[-1]) > last - cfg.clip_window_steps, detected=fired,
+    )]
+
+
+def detect_jumps(ts: TensorSeries, run: str, quiet: np.ndarray, cfg: Fp8Config) -> list[Finding]:
+    lag = ts.lag_bits
+    jump = np.isfinite(lag) & (lag > cfg.jump_bits) & ~quiet
+    if not jump.any():
+        return []
+    at = ts.steps[jump]
+    sizes = lag[jump]
+    w = cfg.jump_window_steps
+    now_n = trailing_count(at, at, w)
+    before_n = trailing_count(at - w, at, w)
+    fires = (sizes >= cfg.jump_big_bits) | ((now_n >= cfg.jump_min) & (now_n > before_n))
+    hits = np.flatnonzero(fires)
+    if len(hits) == 0:
+        return []
+    i = int(hits[0])
+    fired = int(at[i])
+    onset = fired if sizes[i] >= cfg.jump_big_bits else int(at[np.searchsorted(at, fired - w, side="right")])
+    recent = at > int(ts.steps[-1]) - w
+    biggest = float(sizes[at >= onset].max())
+    return [_finding(
+        ts, run, kind="fp8_jump", severity="ticket", onset=onset, last=int(at[-1]), magnitude=biggest,
+        summary=(f"FP8 amax jumps on {subject_of(ts)}: {int((at >= onset).sum())} jumps > {cfg.jump_bits:g} bit "
+                 f"since step {onset}, largest {biggest:.1f} bits ({2 ** biggest:.0f}x)"),
+        active=bool(recent.any()), detected=fired,
+    )]
+
+
+def _block_minima(ts: TensorSeries, quiet: np.ndarray, seg: np.ndarray, cfg: Fp8Config) -> tuple[
+    np.ndarray, np.ndarray, np.ndarray
+]:
+    """(block index, minimum headroom, segment) per complete block with enough samples."""
+    h = np.where(quiet, np.nan, ts.headroom_bits).astype(float)
+    bsz = cfg.trend_block_steps
+    block = ts.steps // bsz
+    starts = np.concatenate([[0], np.flatnonzero(np.diff(block)) + 1])
+    keys = block[starts]
+    sizes = np.diff(np.concatenate([starts, [len(block)]]))
+    finite = np.add.reduceat(np.isfinite(h).astype(np.int64), starts)
+    mins = np.fmin.reduceat(h, starts)  # fmin ignores NaN
+    seg_lo, seg_hi = seg[starts], seg[np.concatenate([starts[1:], [len(seg)]]) - 1]
+    complete = (keys + 1) * bsz - 1 <= int(ts.steps[-1])
+    ok = complete & (finite >= np.maximum(sizes // 2, 1)) & (seg_lo == seg_hi)
+    return keys[ok].astype(np.int64), mins[ok], seg_lo[ok].astype(np.int64)
+
+
+def _sliding_fits(keys: np.ndarray, mins: np.ndarray, segs: np.ndarray, cfg: Fp8Config) -> tuple[
+    np.ndarray, ...
+]:
+    """Robust trend through the block minima of the last `trend_blocks` blocks (same segment), at
+    every block: (count, Theil-Sen slope per step, Mann-Kendall z, fitted value at the block's end,
+    first block of the window). Theil-Sen and Mann-Kendall use pairwise orderings, so one block made
+    low by a burst cannot fake a trend the way it drags a least-squares line."""
+    span = cfg.trend_blocks
+    bsz = cfg.trend_block_steps
+    lo_key = int(keys.min())
+    dense_len = int(keys.max()) - lo_key + 1
+    y = np.full(dense_len + span - 1, np.nan)
+    sg = np.full(dense_len + span - 1, -1, dtype=np.int64)
+    y[keys - lo_key + span - 1] = mins
+    sg[keys - lo_key + span - 1] = segs
+    yw = np.lib.stride_tricks.sliding_window_view(y, span)[keys - lo_key]
+    sw = np.lib.stride_tricks.sliding_window_view(sg, span)[keys - lo_key]
+    use = np.isfinite(yw) & (sw == segs[:, None])
+    yw = np.where(use, yw, np.nan)
+    i, j = np.triu_indices(span, k=1)
+    dy = yw[:, j] - yw[:, i]  # NaN where either block is missing
+    slope = nanmedian(dy / ((j - i) * bsz)[None, :], axis=1)
+    n = use.sum(axis=1).astype(float)
+    s_stat = np.nansum(np.sign(dy), axis=1)
+    var = n * (n - 1) * (2 * n + 5) / 18
+    mk_z = (s_stat - np.sign(s_stat)) / np.sqrt(np.maximum(var, 1e-12))
+    x = (np.arange(span, dtype=float) - (span - 1)) * bsz  # steps back; 0 = the current block
+    intercept = nanmedian(yw - slope[:, None] * x[None, :], axis=1)
+    fitted_end = intercept + slope * 0.5 * bsz
+    first = np.argmax(use, axis=1)
+    return n, slope, mk_z, fitted_end, keys - (span - 1) + first
+
+
+def detect_headroom_trend(
+    ts: TensorSeries, run: str, quiet: np.ndarray, seg: np.ndarray, cfg: Fp8Config
+) -> list[Finding]:
+    if len(ts.steps) == 0:
+        return []
+    keys, mins, segs = _block_minima(ts, quiet, seg, cfg)
+    if len(keys) == 0:
+        return []
+    bsz = cfg.trend_block_steps
+    n, slope, mk_z, fitted_end, first_key = _sliding_fits(keys, mins, segs, cfg)
+    # The level must be a new low for this tensor: below every block minimum of the reference
+    # blocks before the fit window (headroom settling back after warm-up is not a trend).
+    ref_low = np.full(len(keys), np.nan)
+    for j in range(len(keys)):
+        sel = (keys < first_key[j]) & (keys >= first_key[j] - cfg.trend_ref_blocks) & (segs == segs[j])
+        if sel.sum() >= cfg.trend_ref_blocks // 2:
+            ref_low[j] = mins[sel].min()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        to_floor = np.where(slope < 0, np.maximum(fitted_end - cfg.clip_hard_bits, 0.0) / -slope, np.inf)
+        cond = (
+            (n >= cfg.trend_blocks // 2 + 1)
+            & (mk_z < -cfg.trend_z)
+            & (-slope * 1e4 >= cfg.trend_min_bits_per_10k)
+            & (to_floor <= cfg.trend_horizon_steps)
+            & (fitted_end < ref_low - cfg.trend_new_low_bits)
+        )
+    fired_idx = None
+    for a, b in runs_of_true(cond):
+        if b - a >= cfg.trend_persist:
+            fired_idx, first_cond = a + cfg.trend_persist - 1, a
+            break
+    if fired_idx is None:
+        return []
+    end_step = (keys + 1) * bsz - 1
+    active = bool(cond[-1])
+    k = len(keys) - 1 if active else fired_idx
+    # Onset: the first block in the window that broke clearly below the tensor's earlier range.
+    window = (keys >= first_key[first_cond]) & (keys <= keys[first_cond])
+    window &= mins < ref_low[first_cond] - cfg.trend_new_low_bits
+    onset = int(keys[np.argmax(window)] * bsz) if window.any() else int(first_key[first_cond] * bsz)
+    return [_finding(
+        ts, run, kind="fp8_headroom_trend", severity="ticket", onset=onset, last=int(end_step[k]),
+        magnitude=float(to_floor[k]),
+        summary=(f"FP8 headroom of {subject_of(ts)} falling {-slope[k] * 1e3:.2f} bits per 1k steps since ~step "
+                 f"{onset}, now {fitted_end[k]:.1f} bits; reaches {cfg.clip_hard_bits:g} bit (clipping) in "
+                 f"~{fmt_int(to_floor[k])} steps"),
+        active=active, detected=int(end_step[fired_idx]),
+    )]
+
+
+def detect_stale_scale(ts: TensorSeries, run: str, quiet: np.ndarray, cfg: Fp8Config) -> list[Finding]:
+    h = ts.headroom_bits
+    usable = h[np.isfinite(h) & ~quiet]
+    if len(usable) == 0 or usable.max() - usable.min() <= cfg.stale_bits:
+        return []  # exact shortcut: a median of these values is never below their minimum
+    # The reference ends stale_steps back so a stale stretch never becomes its own baseline.
+    shifted = np.concatenate([np.full(cfg.stale_steps, np.nan), np.where(quiet, np.nan, h)])[: len(h)]
+    ref = trailing_median(shifted, cfg.baseline_steps, min_count=cfg.baseline_steps // 4,
+                          stride=max(cfg.baseline_steps // 20, 1))
+    excess = h - ref
+    cond = np.isfinite(excess) & (excess > cfg.stale_bits) & ~quiet
+    for a, b in runs_of_true(cond):
+        if b - a >= cfg.stale_steps:
+            fired = a + cfg.stale_steps - 1
+            worst = float(np.max(excess[a:b]))
+            return [_finding(
+                ts, run, kind="fp8_stale_scale", severity="ticket", onset=int(ts.steps[a]),
+                last=int(ts.steps[b - 1]), magnitude=worst,
+                summary=(f"FP8 scale of {subject_of(ts)} stale: headroom {worst:.1f} bits above its level for "
+                         f"{b - a} steps since step {ts.steps[a]} (small values flush to zero)"),
+                active=b == len(cond), detected=int(ts.steps[fired]),
+            )]
+    return []
+
+
+def detect_underflow_rise(ts: TensorSeries, run: str, quiet: np.ndarray, cfg: Fp8Config) -> list[Finding]:
+    measured = np.isfinite(ts.underflow_frac) & ~quiet
+    if measured.sum() < 10:
+        return []
+    steps = ts.steps[measured]
+    u = ts.underflow_frac[measured]
+    short = trailing_median(u, 5, min_count=3, include_current=True)
+    shifted = np.concatenate([np.full(5, np.nan), u])[: len(u)]
+    ref = trailing_median(shifted, 50, min_count=10)
+    ratio = short / np.maximum(ref, 1e-12)
+    cond = np.isfinite(ratio) & (ratio > cfg.underflow_ratio) & (short > cfg.underflow_floor)
+    for a, b in runs_of_true(cond):
+        span = steps[a:b] - steps[a]
+        ok = np.flatnonzero(span >= cfg.underflow_sustain_steps)
+        if len(ok):
+            fired = a + int(ok[0])
+            worst = float(np.max(ratio[a:b]))
+            return [_finding(
+                ts, run, kind="fp8_underflow_rise", severity="ticket", onset=int(steps[a]),
+                last=int(steps[b - 1]), magnitude=worst,
+                summary=(f"FP8 underflow on {subject_of(ts)} up {worst:.1f}x its level since step {steps[a]} "
+                         f"(now {short[b - 1]:.1e} of elements)"),
+                active=b == len(cond), detected=int(steps[fired]),
+            )]
+    return []
+
+
+def detect_nonfinite(ts: TensorSeries, run: str, cfg: Fp8Config) -> list[Finding]:
+    nf = np.nan_to_num(ts.nonfinite, nan=0.0)
+    bad = nf > 0
+    if not bad.any():
+        return []
+    at = ts.steps[bad]
+    return [_finding(
+        ts, run, kind="fp8_nonfinite", severity="page", onset=int(at[0]), last=int(at[-1]),
+        magnitude=float(nf.max()),
+        summary=(f"non-finite values in {subject_of(ts)} ({ts.format}) on {len(at)} steps since step {at[0]}"
+                 + (" (E5M2 overflow gives inf)" if ts.format == "e5m2" else "")),
+        active=int(at[-1]) > int(ts.steps[-1]) - cfg.nonfinite_hold_steps, detected=int(at[0]),
+    )]
+
+
+def detect_resume_step(ts: TensorSeries, run: str, sup: Suppression, cfg: Fp8Config) -> list[Finding]:
+    h = ts.headroom_bits
+    for r in reversed(sup.resumes):  # the newest resume is the one that matters now
+        i = int(np.searchsorted(ts.steps, r))
+        if i >= len(ts.steps) or ts.steps[i] >= r + cfg.resume_lookahead_steps or not np.isfinite(h[i]):
+            continue
+        before = h[(ts.steps < r) & (ts.steps >= r - cfg.baseline_steps)]
+        before = before[np.isfinite(before)]
+        ref = float(np.median(before)) if len(before) else 0.0
+        clipped = h[i] < cfg.clip_hard_bits
+        flushed = h[i] > ref + cfg.resume_bits
+        if not (clipped or flushed):
+            continue
+        what = "clipped" if clipped else f"{h[i] - ref:.1f} bits above the pre-resume level (values flushed)"
+        return [_finding(
+            ts, run, kind="fp8_resume_bad_step", severity="ticket", onset=int(ts.steps[i]),
+            last=int(ts.steps[i]), magnitude=float(h[i]),
+            summary=(f"first FP8 step of {subject_of(ts)} after the resume at step {r} {what}: headroom "
+                     f"{h[i]:.1f} bits (stale amax history restored?)"),
+            active=True, detected=int(ts.steps[i]),
+        )]
+    return []
+
+
+def detect_fp8(tensors: list[TensorSeries], run: str, sup: Suppression, cfg: Fp8Config) -> list[Finding]:
+    """All FP8 findings of one run."""
+    out: list[Finding] = []
+    for ts in tensors:
+        if len(ts.steps) == 0:
+            continue
+        quiet = sup.suppressed(ts.steps)
+        seg = sup.segment_ids(ts.steps)
+        # Baselines also wait until the amax history no longer holds warm-up values.
+        settling = quiet | (ts.steps < sup.start_step + (ts.history_len or 0))
+        out += detect_nonfinite(ts, run, cfg)
+        out += detect_clipping(ts, run, quiet, cfg)
+        out += detect_jumps(ts, run, quiet, cfg)
+        out += detect_headroom_trend(ts, run, settling, seg, cfg)
+        out += detect_stale_scale(ts, run, settling, cfg)
+        out += detect_underflow_rise(ts, run, settling, cfg)
+        out += detect_resume_step(ts, run, sup, cfg)
+    return out

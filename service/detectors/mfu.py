@@ -1,0 +1,79 @@
+"""MFU gap: measured model-FLOPs utilisation against the expected one (advisor prediction or a
+configured value), sustained over several windows.
+
+MFU per step = model FLOPs of the step / (job step time x summed peak FLOP/s). Per window the median
+is taken, gap = 1 - measured / expected. The reference suggests firing when the gap stays above 0.2,
+or exceeds the run's own healthy gap by 0.1 (an uncalibrated prediction is 20-30% off, so the
+second test catches a run that got worse even when the first is always true or never true).
+
+Finding kind `mfu_gap` (ticket); magnitude: the gap (0-1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._stats import nanmedian, runs_of_true
+from .findings import Finding
+from .series import RunSeries
+from .suppression import Suppression
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class MfuConfig:
+    """Thresholds of the MFU-gap detector."""
+
+    window_steps: int = 200
+    """Steps per window (median MFU); windows are judged once complete."""
+    gap: float = 0.2
+    """Absolute gap that counts."""
+    own_gap_excess: float = 0.1
+    """Or the gap exceeding the run's own early gap (median of its first windows) by this much."""
+    own_windows: int = 5
+    """Windows after warm-up that set the run's own gap."""
+    persist_windows: int = 3
+    """Consecutive windows (a checkpoint stall or one slow window is not a gap)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gap < 1:
+            raise ValueError("gap must be in (0, 1)")
+
+
+def detect_mfu_gap(series: RunSeries, sup: Suppression, cfg: MfuConfig) -> list[Finding]:
+    """`mfu_gap` findings of one run (silent without expected MFU or peak FLOP/s)."""
+    s = series.steps
+    if not series.expected_mfu or not series.peak_flops_total or len(s.steps) < cfg.window_steps:
+        return []
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mfu = s.flops / (s.step_seconds * series.peak_flops_total)
+    mfu[sup.suppressed(s.steps) | ~np.isfinite(mfu)] = np.nan
+    w = cfg.window_steps
+    n_win = len(s.steps) // w
+    win = nanmedian(mfu[: n_win * w].reshape(n_win, w), axis=1)
+    gap = 1 - win / series.expected_mfu
+    valid = np.flatnonzero(np.isfinite(gap))
+    own = float(np.median(gap[valid[: cfg.own_windows]])) if len(valid) >= cfg.own_windows else np.inf
+    # The own-gap test uses only windows before the one judged: windows after the first own_windows.
+    own_test = np.zeros(n_win, dtype=bool)
+    if len(valid) >= cfg.own_windows:
+        after = np.arange(n_win) > valid[cfg.own_windows - 1]
+        own_test = after & (np.nan_to_num(gap, nan=-np.inf) > own + cfg.own_gap_excess)
+    flag = (np.nan_to_num(gap, nan=-np.inf) > cfg.gap) | own_test
+    for a, b in runs_of_true(flag):
+        if b - a < cfg.persist_windows:
+            continue
+        fired = a + cfg.persist_windows - 1
+        active = b == n_win
+        mag = float(gap[b - 1])
+        onset = int(s.steps[a * w])
+        measured = float(win[b - 1])
+        return [Finding(
+            kind="mfu_gap", severity="ticket", run=series.run, subject_kind="run", subject="",
+            onset_step=onset, last_step=int(s.steps[b * w - 1]), magnitude=mag,
+            summary=(f"MFU {measured:.1%} vs expected {series.expected_mfu:.1%} (gap {mag:.0%}) "
+                     f"since step {onset}"),
+            active=active, detected_step=int(s.steps[(fired + 1) * w - 1]),
+        )]
+    return []

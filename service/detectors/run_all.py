@@ -1,0 +1,66 @@
+"""Run every detector over one run: the one entry point the collector and the post-mortem call.
+
+Usage::
+
+    findings = detect(series)                       # the run against itself
+    findings = detect(series, baseline=other_run)   # loss compared with a named baseline run
+    open_now = [f for f in findings if f.active]    # what the collector exports
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .checkpoints import CheckpointConfig, detect_checkpoints, detect_no_rollback_target
+from .findings import Finding
+from .fp8 import Fp8Config, detect_fp8
+from .grad_norm import GradNormConfig, detect_grad_norm
+from .loss import LossConfig, detect_loss
+from .mfu import MfuConfig, detect_mfu_gap
+from .series import RunSeries
+from .stragglers import StragglerConfig, detect_stragglers
+from .suppression import SuppressionConfig, suppression_for
+
+_SEVERITY_ORDER = {"page": 0, "ticket": 1, "info": 2}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DetectorConfig:
+    """Every detector threshold, grouped per detector family (each group documents its fields).
+
+    One object so the collector and the post-mortem share exactly the same thresholds; groups so a
+    family's thresholds sit next to the code that uses them.
+    """
+
+    suppression: SuppressionConfig = field(default_factory=SuppressionConfig)
+    """Warm-up, after-resume and phase-change windows."""
+    grad_norm: GradNormConfig = field(default_factory=GradNormConfig)
+    """Spikes, recurrence, drift, non-finite gradients."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """Loss divergence and non-finite loss."""
+    fp8: Fp8Config = field(default_factory=Fp8Config)
+    """FP8 headroom, jumps, trend, stale scale, underflow, non-finite, resume step."""
+    stragglers: StragglerConfig = field(default_factory=StragglerConfig)
+    """Slow ranks, intermittent slowness, stage imbalance."""
+    mfu: MfuConfig = field(default_factory=MfuConfig)
+    """MFU gap against the expected MFU."""
+    checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Failed/overdue saves, rollback targets, stalls."""
+
+
+def detect(
+    series: RunSeries, *, baseline: RunSeries | None = None, config: DetectorConfig | None = None
+) -> list[Finding]:
+    """All findings of one run, resolved ones included (`active` says which are open), ordered
+    page, ticket, info, then by onset step. Pure and deterministic."""
+    cfg = config or DetectorConfig()
+    sup = suppression_for(series, cfg.suppression)
+    found: list[Finding] = []
+    found += detect_grad_norm(series, sup, cfg.grad_norm)
+    found += detect_loss(series, sup, cfg.loss, baseline=baseline)
+    found += detect_fp8(series.tensors, series.run, sup, cfg.fp8)
+    found += detect_stragglers(series, sup, cfg.stragglers)
+    found += detect_mfu_gap(series, sup, cfg.mfu)
+    found += detect_checkpoints(series, cfg.checkpoints)
+    found += detect_no_rollback_target(series, cfg.checkpoints, open_pages=found)
+    return sorted(found, key=lambda f: (_SEVERITY_ORDER[f.severity], f.onset_step, f.kind, f.subject_kind, f.subject))

@@ -1,0 +1,128 @@
+"""Detector inputs: per-run series as the collector reduces them from the store (and the
+evaluation suite builds them from synthetic runs). Plain numpy arrays indexed by step order.
+
+Everything here is already reduced across ranks except `RankSteps`, which keeps one row per
+(step, rank) because straggler detection needs the per-rank view.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(kw_only=True, slots=True)
+class RunSteps:
+    """Run-level series, one entry per step (ascending, unique)."""
+
+    steps: np.ndarray
+    """int64 step numbers."""
+    loss: np.ndarray
+    """float64 mean loss over ranks (NaN where unknown)."""
+    grad_norm: np.ndarray
+    """float64 global gradient norm (pre-clip when the job reports it, else the agent's)."""
+    grad_nonfinite: np.ndarray
+    """int64 count of parameters with non-finite gradients."""
+    step_seconds: np.ndarray
+    """float64 slowest rank's step time (the job's pace)."""
+    ts: np.ndarray
+    """float64 Unix seconds at the end of the step (max over ranks)."""
+    tokens: np.ndarray
+    """float64 tokens processed by the whole job in the step (NaN where unknown)."""
+    flops: np.ndarray
+    """float64 model FLOPs of the whole job in the step (NaN where unknown)."""
+    loss_nonfinite: np.ndarray | None = None
+    """int64 ranks that reported a non-finite loss (optional: `loss` is NaN both for 'unknown' and
+    for a reported NaN, so this tells them apart; +-inf in `loss` counts without it)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class GroupGradNorms:
+    """Per parameter group (layer) gradient norm series."""
+
+    steps: np.ndarray
+    groups: list[str]
+    norms: np.ndarray
+    """float64 [len(steps), len(groups)]."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TensorSeries:
+    """One monitored FP8 tensor (module fqn + role), reduced over ranks (amax: max; headroom: min)."""
+
+    tensor: str
+    role: str
+    format: str
+    steps: np.ndarray
+    amax: np.ndarray
+    headroom_bits: np.ndarray
+    lag_bits: np.ndarray
+    """NaN where unknown."""
+    sat_frac: np.ndarray
+    """NaN on steps without expensive-tier stats."""
+    underflow_frac: np.ndarray
+    nonfinite: np.ndarray
+    """float64 counts, NaN where unknown."""
+    shadow: bool = False
+    history_len: int | None = None
+    """Delayed-scaling amax history length L of the recipe (registration fp8.history_len), optional:
+    for the first L steps of the run the history still holds warm-up amaxes, so headroom settles
+    for reasons of its own and the trend/stale/underflow baselines ignore those steps."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RankSteps:
+    """Per-rank step timing: matrices [len(steps), len(ranks)], NaN where a rank did not report."""
+
+    steps: np.ndarray
+    ranks: np.ndarray
+    step_seconds: np.ndarray
+    compute_seconds: np.ndarray
+    wait_seconds: np.ndarray
+    pp_stage: np.ndarray
+    """int64 per rank (-1 unknown): the cohort key."""
+    node: list[str] = field(default_factory=list)
+    """hostname per rank when known."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointEvent:
+    generation: int
+    step: int
+    status: str
+    """started | persisted | failed | verified."""
+    ts: float
+    stall_seconds: float | None = None
+    persist_seconds: float | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class RunEvent:
+    event: str
+    """start, stop, restart, resume, failure, node_replaced, phase_change, rollback, note."""
+    ts: float
+    step: int | None
+    detail: str | None = None
+    rank: int | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class RunSeries:
+    """Everything the detectors see of one run."""
+
+    run: str
+    steps: RunSteps
+    groups: GroupGradNorms | None = None
+    tensors: list[TensorSeries] = field(default_factory=list)
+    ranks: RankSteps | None = None
+    checkpoints: list[CheckpointEvent] = field(default_factory=list)
+    events: list[RunEvent] = field(default_factory=list)
+    expected_mfu: float | None = None
+    """Predicted (advisor) or configured MFU; None: the MFU-gap detector stays silent."""
+    peak_flops_total: float | None = None
+    """Sum over devices of the declared peak FLOP/s, to turn flops/step_seconds into MFU."""
+    checkpoint_interval_seconds: float | None = None
+    """Configured or recommended; None: overdue checks stay silent."""
+    now: float | None = None
+    """The time the detectors evaluate at (for 'stalled' and 'overdue'); passed in, never read."""

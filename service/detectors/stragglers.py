@@ -1,0 +1,255 @@
+"""Straggler detectors: a slow rank among the ranks doing the same work, intermittent slowness, and a
+whole pipeline stage being slower (stage imbalance, not a rank fault).
+
+Cohort = ranks of the same pipeline stage. Per window of steps, each rank's median compute time is
+compared with its cohort: r = t / median(cohort), robust z = (t - median) / (1.4826 MAD) with the
+MAD floored at 1% of the median (near-identical ranks must not give infinite z). Compute time is used
+rather than step time because in synchronous training every rank's step lasts as long as the
+slowest one's: the slow rank shows high compute and low wait, the ranks waiting on it the reverse.
+Without a compute/wait split the step time is used and a single slow rank cannot be singled out.
+
+Finding kinds (subject: rank, or stage) and magnitudes:
+
+- `straggler` (page when the job slowdown >= 3%, else ticket): r of the rank (e.g. 1.31).
+- `straggler_intermittent` (same severity rule): fraction of the rank's steps that were slow.
+- `stage_imbalance` (ticket): the stage's median time / median of the other stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import stats
+
+from ._stats import MAD_TO_SIGMA, nanmedian, runs_of_true
+from .findings import Finding, Severity
+from .series import RankSteps, RunSeries
+from .suppression import Suppression
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class StragglerConfig:
+    """Thresholds of the straggler detectors."""
+
+    window_steps: int = 50
+    """Steps per window; windows are judged once complete."""
+    ratio: float = 1.10
+    """A straggler's window median is at least this multiple of its cohort's."""
+    z: float = 4.0
+    """... and this many robust standard deviations above it."""
+    mad_floor_frac: float = 0.01
+    """Floor on the cohort's robust scale, as a fraction of its median."""
+    persist_windows: int = 3
+    """Consecutive flagged windows before a straggler is reported."""
+    min_cohort: int = 3
+    """Smaller cohorts have no meaningful median; they are skipped."""
+    tail_ratio: float = 1.3
+    """A step is 'slow' for the intermittent test when it takes this multiple of the cohort median."""
+    tail_windows: int = 6
+    """Windows pooled by the intermittent test."""
+    tail_min_frac: float = 0.05
+    """Minimum fraction of slow steps (effect-size floor)."""
+    tail_base_floor: float = 0.01
+    """Floor on the cohort's own slow-step fraction used as the null rate."""
+    tail_p: float = 1e-6
+    """Binomial tail probability that flags a pooled window."""
+    tail_persist_windows: int = 2
+    """Consecutive flagged window ends before an intermittent straggler is reported."""
+    stage_ratio: float = 1.15
+    """A stage this much slower than the median of the other stages is imbalance."""
+    page_slowdown: float = 0.03
+    """Estimated job slowdown at which a straggler pages instead of opening a ticket."""
+
+
+def _work_time(rs: RankSteps) -> tuple[np.ndarray, str]:
+    if rs.compute_seconds.size and np.isfinite(rs.compute_seconds).mean() > 0.5:
+        return rs.compute_seconds.astype(float), "compute"
+    return rs.step_seconds.astype(float), "step"
+
+
+def _cohorts(rs: RankSteps, min_cohort: int) -> dict[int, np.ndarray]:
+    out: dict[int, np.ndarray] = {}
+    for stage in np.unique(rs.pp_stage):
+        cols = np.flatnonzero(rs.pp_stage == stage)
+        if len(cols) >= min_cohort:
+            out[int(stage)] = cols
+    return out
+
+
+def _rank_name(rs: RankSteps, col: int) -> str:
+    node = f" on {rs.node[col]}" if col < len(rs.node) and rs.node[col] else ""
+    return f"rank {int(rs.ranks[col])}{node}"
+
+
+def _severity(slowdown: float, cfg: StragglerConfig) -> Severity:
+    return "page" if slowdown >= cfg.page_slowdown else "ticket"
+
+
+def _impact(rs: RankSteps, t: np.ndarray, cohort_med: np.ndarray, col: int, rows: np.ndarray) -> tuple[float, float]:
+    """(job slowdown fraction, GPU-hours lost) over `rows`: the job waits for its slowest rank, so
+    each step loses what this rank took beyond its cohort's median."""
+    lost = np.clip(np.nan_to_num(t[rows, col] - cohort_med[rows], nan=0.0), 0, None)
+    job = np.nanmax(rs.step_seconds[rows], axis=1)
+    job = np.where(np.isfinite(job), job, 0.0)
+    denom = float(np.sum(job - lost))
+    slowdown = float(lost.sum()) / denom if denom > 0 else 0.0
+    return slowdown, float(lost.sum()) * len(rs.ranks) / 3600.0
+
+
+def detect_stragglers(series: RunSeries, sup: Suppression, cfg: StragglerConfig) -> list[Finding]:
+    """`straggler`, `straggler_intermittent` and `stage_imbalance` findings of one run."""
+    rs = series.ranks
+    if rs is None or len(rs.steps) < cfg.window_steps or len(rs.ranks) == 0:
+        return []
+    t, basis = _work_time(rs)
+    t[sup.suppressed(rs.steps)] = np.nan
+    wait = rs.wait_seconds.astype(float) if rs.wait_seconds.size else np.full_like(t, np.nan)
+    w = cfg.window_steps
+    n_win = len(rs.steps) // w
+    rows_of = [np.arange(i * w, (i + 1) * w) for i in range(n_win)]
+    win_med = np.stack([nanmedian(t[r], axis=0) for r in rows_of])  # [n_win, R]
+    win_wait = np.stack([nanmedian(wait[r], axis=0) for r in rows_of])
+    cohorts = _cohorts(rs, cfg.min_cohort)
+    step_cohort_med = np.full_like(t, np.nan)
+    for cols in cohorts.values():
+        step_cohort_med[:, cols] = nanmedian(t[:, cols], axis=1)[:, None]
+    out: list[Finding] = []
+    persistent: set[int] = set()
+    last_step = int(rs.steps[-1])
+
+    for stage, cols in cohorts.items():
+        cm = nanmedian(win_med[:, cols], axis=1)
+        mad = nanmedian(np.abs(win_med[:, cols] - cm[:, None]), axis=1)
+        scale = np.maximum(MAD_TO_SIGMA * mad, cfg.mad_floor_frac * cm)
+        wait_cm = nanmedian(win_wait[:, cols], axis=1)
+        for col in cols:
+            r = win_med[:, col] / cm
+            z = (win_med[:, col] - cm) / scale
+            flag = np.nan_to_num(r) > cfg.ratio
+            flag &= np.nan_to_num(z) > cfg.z
+            # The slow rank waits least; a rank that waits more than its peers is a victim.
+            flag &= ~(np.nan_to_num(win_wait[:, col], nan=-np.inf) > np.nan_to_num(wait_cm, nan=np.inf))
+            for a, b in runs_of_true(flag):
+                if b - a < cfg.persist_windows:
+                    continue
+                persistent.add(int(col))
+                fired_w = a + cfg.persist_windows - 1
+                rows = np.arange(a * w, b * w)
+                step_r = t[rows, col] / step_cohort_med[rows, col]
+                first = int(rows[np.argmax(np.nan_to_num(step_r) > cfg.ratio)])
+                active = b == n_win
+                span = np.arange(first, len(rs.steps) if active else b * w)
+                slowdown, gpu_h = _impact(rs, t, step_cohort_med[:, col], int(col), span)
+                mag = float(r[b - 1])
+                others = np.setdiff1d(np.arange(len(rs.ranks)), [col])
+                vw = nanmedian(wait[np.ix_(rows, others)], axis=0)
+                own_wait = float(np.nan_to_num(nanmedian(wait[rows, col], axis=0), nan=0.0))
+                victims = int(np.sum(np.nan_to_num(vw) > 2 * own_wait + 0.01))
+                onset = int(rs.steps[first])
+                wait_note = f"; {victims} ranks wait on it" if victims else ""
+                out.append(Finding(
+                    kind="straggler", severity=_severity(slowdown, cfg), run=series.run, subject_kind="rank",
+                    subject=str(int(rs.ranks[col])), onset_step=onset,
+                    last_step=int(rs.steps[span[-1]]), magnitude=mag,
+                    summary=(f"{_rank_name(rs, int(col))} {basis} time {mag:.2f}x its pipeline stage {stage} "
+                             f"since step {onset}{wait_note}; job ~{slowdown:.1%} slower, "
+                             f"{gpu_h:.1f} GPU-hours lost"),
+                    active=active, detected_step=int(rs.steps[rows_of[fired_w][-1]]),
+                ))
+                break  # one finding per rank: the first persistent episode (later ones update it live)
+
+    out += _intermittent(series, rs, t, step_cohort_med, cohorts, persistent, basis, cfg)
+    out += _stage_imbalance(series, rs, win_med, cohorts, rows_of, last_step, cfg)
+    return out
+
+
+def _intermittent(
+    series: RunSeries, rs: RankSteps, t: np.ndarray, step_cohort_med: np.ndarray,
+    cohorts: dict[int, np.ndarray], persistent: set[int], basis: str, cfg: StragglerConfig,
+) -> list[Finding]:
+    w = cfg.window_steps
+    n_win = len(rs.steps) // w
+    k = cfg.tail_windows
+    if n_win < k:
+        return []
+    ratio = t / step_cohort_med
+    valid = np.isfinite(ratio)
+    slow = valid & (np.nan_to_num(ratio) > cfg.tail_ratio)
+    n_slow = slow[: n_win * w].reshape(n_win, w, -1).sum(axis=1)  # [n_win, R]
+    n_valid = valid[: n_win * w].reshape(n_win, w, -1).sum(axis=1)
+    kernel = np.ones(k, dtype=int)
+    pooled_slow = np.stack([np.convolve(n_slow[:, c], kernel)[k - 1 : n_win] for c in range(n_slow.shape[1])], 1)
+    pooled_valid = np.stack([np.convolve(n_valid[:, c], kernel)[k - 1 : n_win] for c in range(n_valid.shape[1])], 1)
+    frac = pooled_slow / np.maximum(pooled_valid, 1)
+    out: list[Finding] = []
+    for stage, cols in cohorts.items():
+        base = np.maximum(np.median(frac[:, cols], axis=1), cfg.tail_base_floor)
+        for col in cols:
+            if int(col) in persistent:
+                continue
+            p = stats.binom.sf(pooled_slow[:, col] - 1, pooled_valid[:, col], base)
+            flag = (p < cfg.tail_p) & (frac[:, col] >= cfg.tail_min_frac)
+            for a, b in runs_of_true(flag):
+                if b - a < cfg.tail_persist_windows:
+                    continue
+                fired_w = a + cfg.tail_persist_windows - 1 + (k - 1)  # pooled index -> window index
+                # Onset: pooled window a covers windows a .. a+k-1; the first of them with more slow
+                # steps than a stray hiccup, and its first slow step.
+                busy = np.flatnonzero(n_slow[a : fired_w + 1, col] >= 2)
+                first_win = a + (int(busy[0]) if len(busy) else 0)
+                slow_rows = np.flatnonzero(slow[first_win * w : (fired_w + 1) * w, col]) + first_win * w
+                first = int(slow_rows[0]) if len(slow_rows) else first_win * w
+                active = b == len(flag)
+                end = len(rs.steps) if active else (b + k - 1) * w
+                span = np.arange(first, end)
+                slowdown, gpu_h = _impact(rs, t, step_cohort_med[:, col], int(col), span)
+                f = float(frac[b - 1, col])
+                onset = int(rs.steps[first])
+                out.append(Finding(
+                    kind="straggler_intermittent", severity=_severity(slowdown, cfg), run=series.run,
+                    subject_kind="rank", subject=str(int(rs.ranks[col])), onset_step=onset,
+                    last_step=int(rs.steps[end - 1]), magnitude=f,
+                    summary=(f"{_rank_name(rs, int(col))} intermittently slow: {f:.0%} of its steps take "
+                             f">{cfg.tail_ratio:g}x its pipeline stage {stage} (peers {base[b - 1]:.0%}) since "
+                             f"step {onset}; job ~{slowdown:.1%} slower, {gpu_h:.1f} GPU-hours lost"),
+                    active=active, detected_step=int(rs.steps[(fired_w + 1) * w - 1]),
+                ))
+                break
+    return out
+
+
+def _stage_imbalance(
+    series: RunSeries, rs: RankSteps, win_med: np.ndarray, cohorts: dict[int, np.ndarray],
+    rows_of: list[np.ndarray], last_step: int, cfg: StragglerConfig,
+) -> list[Finding]:
+    if len(cohorts) < 2:
+        return []
+    stages = sorted(cohorts)
+    sm = np.stack([nanmedian(win_med[:, cohorts[s]], axis=1) for s in stages], axis=1)  # [n_win, S]
+    out: list[Finding] = []
+    for i, stage in enumerate(stages):
+        others = nanmedian(np.delete(sm, i, axis=1), axis=1)
+        ratio = sm[:, i] / others
+        flag = np.nan_to_num(ratio) > cfg.stage_ratio
+        for a, b in runs_of_true(flag):
+            if b - a < cfg.persist_windows:
+                continue
+            fired_w = a + cfg.persist_windows - 1
+            active = b == len(flag)
+            mag = float(ratio[b - 1])
+            span_rows = np.concatenate(rows_of[a:b])
+            job = np.nanmax(rs.step_seconds[span_rows], axis=1)
+            # The pipeline runs at its slowest stage's pace: balanced, this time would shrink by 1 - 1/r.
+            gpu_h = float(np.nansum(job)) * (1 - 1 / mag) * len(rs.ranks) / 3600.0
+            onset = int(rs.steps[rows_of[a][0]])
+            out.append(Finding(
+                kind="stage_imbalance", severity="ticket", run=series.run, subject_kind="stage",
+                subject=str(stage), onset_step=onset, last_step=int(rs.steps[span_rows[-1]]), magnitude=mag,
+                summary=(f"pipeline stage {stage} is {mag:.2f}x slower than the other stages since step {onset} "
+                         f"(all {len(cohorts[stage])} ranks: partitioning or data, not one rank); "
+                         f"~{gpu_h:.1f} GPU-hours lost"),
+                active=active, detected_step=int(rs.steps[rows_of[fired_w][-1]]),
+            ))
+            break
+    return out

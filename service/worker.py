@@ -1,0 +1,92 @@
+"""Background analysis: every few seconds, reduce and run the detectors for each live run.
+
+One daemon thread per collector process. Each run is processed in its own session and its own
+try block, so one bad run cannot stop the others; errors are logged, rate-limited.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from sqlalchemy.orm import Session
+
+from trainvitals.service import pipeline
+from trainvitals.service.settings import Settings
+from trainvitals.service.store import queries
+
+logger = logging.getLogger("trainvitals.service")
+
+
+class AnalysisWorker:
+    """Usage::
+
+    worker = AnalysisWorker(sessionmaker, settings)
+    worker.start()   # or worker.run_once() synchronously (tests, replay)
+    worker.stop()
+    """
+
+    def __init__(
+        self,
+        session_factory: Callable[[], Session],
+        settings: Settings,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._session_factory = session_factory
+        self._settings = settings
+        self._clock = clock
+        self._config = pipeline.PipelineConfig(
+            settle_seconds=settings.settle_seconds, rank_window_steps=settings.rank_window_steps
+        )
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_log = 0.0
+        self.cycles = 0
+        self.errors = 0
+
+    def run_once(self) -> int:
+        """One pass over live runs; returns steps reduced."""
+        now = self._clock()
+        total = 0
+        with self._session_factory() as session:
+            runs = queries.live_runs(
+                session,
+                now=now,
+                finished_grace_seconds=self._settings.finished_run_grace_seconds,
+                idle_seconds=self._settings.idle_run_seconds,
+            )
+            run_ids = [r.run_id for r in runs]
+        for run_id in run_ids:
+            with self._session_factory() as session:
+                try:
+                    run = queries.get_run(session, run_id=run_id)
+                    if run is not None:
+                        total += pipeline.process_run(session, run, now=now, config=self._config)
+                except Exception as exc:  # noqa: BLE001 - keep analysing the other runs
+                    session.rollback()
+                    self.errors += 1
+                    if now - self._last_log > 60:
+                        self._last_log = now
+                        logger.exception(
+                            "analysis of run %s failed (%d errors so far): %r", run_id, self.errors, exc
+                        )
+        self.cycles += 1
+        return total
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._settings.analysis_interval_seconds):
+            self.run_once()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="trainvitals-analysis", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None

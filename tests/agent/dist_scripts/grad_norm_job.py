@@ -1,0 +1,76 @@
+"""Run under torchrun: a tiny model under DDP or FSDP2 (fully_shard) on CPU/gloo with the agent
+recording to a file; every rank also writes clip_grad_norm_'s total norm per step for comparison."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import trainvitals.agent as tv
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 16)) for _ in range(3)
+        )
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.head(h)
+
+
+def main() -> None:
+    mode, out_dir = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = Tiny()
+    if mode == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers:
+            fully_shard(layer)
+        wrapped = fully_shard(model)
+    else:
+        wrapped = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    agent = tv.attach(
+        wrapped,
+        opt,
+        run=f"gn-{mode}",
+        config=tv.AgentConfig(
+            fp8=sys.argv[3] if len(sys.argv) > 3 else "auto",
+            collector="",
+            record_file=f"{out_dir}/rec-{{rank}}.jsonl",
+            spill_dir=f"{out_dir}/spool",
+        ),
+    )
+    gen = torch.Generator().manual_seed(rank)
+    totals = []
+    for step in range(5):
+        x = torch.randint(0, 32, (4, 6), generator=gen)
+        loss = wrapped(x).logsumexp(-1).mean() * (1 + step)
+        loss.backward()
+        total = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), float("inf"))
+        if hasattr(total, "full_tensor"):
+            total = total.full_tensor()
+        totals.append(total.item())
+        opt.step()
+        opt.zero_grad()
+        agent.step(loss=loss, step=step)
+    agent.close()
+    with open(f"{out_dir}/totals-{rank}.json", "w") as fh:
+        json.dump(totals, fh)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

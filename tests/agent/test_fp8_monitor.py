@@ -1,0 +1,146 @@
+"""FP8 monitor in shadow mode: the headroom a delayed-scaling recipe would see (fp8.md)."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from trainvitals.agent._fp8_monitor import FP8_MAX, Fp8Monitor
+
+
+def _run(monitor: Fp8Monitor, model: nn.Module, scale: float) -> tuple[dict, bool]:
+    x = torch.full((4, 8), scale)
+    x[0, 0] = -scale  # amax is |x|, the sign must not matter
+    model(x).sum().backward()
+    vec, expensive = monitor.end_step()
+    assert vec is not None
+    records = monitor.records(0, vec.tolist(), expensive)
+    return {(r["tensor"], r["role"]): r for r in records}, expensive
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def test_amax_headroom_lag_and_staleness_follow_delayed_scaling() -> None:
+    model = _model()
+    mon = Fp8Monitor(
+        model,
+        history_len=4,
+        margin=1,
+        amax_algo="max",
+        mode="shadow",
+        module_filter=lambda n, m: isinstance(m, nn.Linear),
+        expensive_every=0,
+    )
+    first, _ = _run(mon, model, 1.0)
+    rec = first[("0", "input")]
+    assert rec["amax"] == 1.0 and rec["format"] == "e4m3" and rec["shadow"] is True
+    assert "headroom_bits" not in rec  # no history yet: a recipe would have no scale either
+    assert first[("0", "grad_output")]["format"] == "e5m2"
+    assert first[("0", "weight")]["amax"] == pytest.approx(model[0].weight.abs().max().item())
+
+    steady, _ = _run(mon, model, 1.0)
+    assert steady[("0", "input")]["headroom_bits"] == pytest.approx(1.0)  # margin + log2(A/amax) = 1 + 0
+    jump, _ = _run(mon, model, 8.0)  # an 8x jump (fp8.md: H = -3 bits at margin 0)
+    assert jump[("0", "input")]["headroom_bits"] == pytest.approx(1.0 - 3.0)
+    assert jump[("0", "input")]["lag_bits"] == pytest.approx(3.0)
+    back, _ = _run(mon, model, 1.0)  # 'max' holds the spike in the history: headroom goes high
+    assert back[("0", "input")]["headroom_bits"] == pytest.approx(1.0 + 3.0)
+    assert back[("0", "input")]["staleness_steps"] == 0
+    later, _ = _run(mon, model, 1.0)
+    assert later[("0", "input")]["staleness_steps"] == 1
+    for _ in range(3):  # after L = 4 steps the spike leaves the history
+        out, _ = _run(mon, model, 1.0)
+    assert out[("0", "input")]["headroom_bits"] == pytest.approx(1.0)
+    mon.close()
+
+
+def test_most_recent_algorithm_uses_only_the_last_amax() -> None:
+    model = _model()
+    mon = Fp8Monitor(
+        model,
+        history_len=16,
+        margin=0,
+        amax_algo="most_recent",
+        mode="shadow",
+        module_filter=lambda n, m: n == "0",
+        expensive_every=0,
+    )
+    _run(mon, model, 4.0)
+    out, _ = _run(mon, model, 1.0)
+    assert out[("0", "input")]["headroom_bits"] == pytest.approx(2.0)  # log2(4 / 1)
+    assert len(out) == 3  # the filter kept one module, three roles
+    mon.close()
+
+
+def test_expensive_tier_counts_saturation_and_underflow_exactly() -> None:
+    model = nn.Linear(4, 1, bias=False)
+    mon = Fp8Monitor(
+        model,
+        history_len=1,
+        margin=0,
+        mode="shadow",
+        module_filter=lambda n, m: isinstance(m, nn.Linear),
+        expensive_every=2,
+    )
+    x = torch.ones(2, 4)
+    model(x).sum().backward()
+    mon.end_step()  # step 0: history [1.0] -> the shadow scale for the next step is 448 / 1
+    model(x).sum().backward()
+    mon.end_step()  # step 1
+    assert mon.expensive_next
+    x = torch.tensor([[2.0, 1.0, 1e-6, 0.0], [1.0, 1.0, 1.0, 1.0]])  # history now 1.0 -> s = 448
+    model(x).sum().backward()
+    vec, expensive = mon.end_step()
+    assert expensive
+    rec = {r["role"]: r for r in mon.records(2, vec.tolist(), expensive)}["input"]
+    # 2.0 * 448 > 448 saturates (1 of 8); 1e-6 * 448 < 2^-10 flushes to zero (1 of 8; exact 0 is not counted).
+    assert rec["sat_frac"] == pytest.approx(1 / 8)
+    assert rec["underflow_frac"] == pytest.approx(1 / 8)
+    assert rec["headroom_bits"] == pytest.approx(-1.0)
+    assert rec["nonfinite"] == 0
+    assert rec["crest_bits"] == pytest.approx(math.log2(2.0 / 1.0))
+    mon.close()
+    assert mon.hooks == 0
+
+
+def test_fp8_max_constants_match_torch() -> None:
+    assert FP8_MAX["e4m3"] == torch.finfo(torch.float8_e4m3fn).max
+    assert FP8_MAX["e5m2"] == torch.finfo(torch.float8_e5m2).max
+
+
+def test_recipe_mode_reads_the_emulated_recipe_and_sees_a_jump_clip() -> None:
+    """A model that really trains through FP8 (the emulated delayed-scaling Linear): the monitor
+    reads the recipe's own amax history and scale, and an 8x jump shows as H = -3 bits (fp8.md)."""
+    from trainvitals.agent.fp8_emulation import DelayedScalingRecipe, convert_linears
+
+    model = _model()
+    assert convert_linears(model, DelayedScalingRecipe(history_len=8, margin=0)) == 2
+    mon = Fp8Monitor(model, mode="auto", expensive_every=0)
+    assert {t.recipe for t in mon.tensors} == {True} and len(mon.tensors) == 6
+    for _ in range(3):
+        steady, _ = _run(mon, model, 1.0)
+    assert steady[("0", "input")]["headroom_bits"] == pytest.approx(0.0, abs=1e-6)
+    assert steady[("0", "input")]["shadow"] is False
+    jump, _ = _run(mon, model, 8.0)
+    assert jump[("0", "input")]["headroom_bits"] == pytest.approx(-3.0, abs=1e-6)
+    assert jump[("0", "input")]["amax"] == pytest.approx(8.0)
+    after, _ = _run(mon, model, 1.0)
+    assert after[("0", "input")]["headroom_bits"] == pytest.approx(3.0, abs=1e-6)  # 'max' holds the spike
+    mon.close()
+
+
+def test_recipe_mode_with_history_of_one() -> None:
+    from trainvitals.agent.fp8_emulation import DelayedScalingRecipe, convert_linears
+
+    model = _model()
+    convert_linears(model, DelayedScalingRecipe(history_len=1, amax_compute_algo="most_recent"))
+    mon = Fp8Monitor(model, mode="recipe", history_len=1, amax_algo="most_recent", expensive_every=0)
+    _run(mon, model, 2.0)
+    out, _ = _run(mon, model, 4.0)
+    assert out[("0", "input")]["amax"] == pytest.approx(4.0)
+    assert out[("0", "input")]["headroom_bits"] == pytest.approx(-1.0, abs=1e-6)
+    mon.close()

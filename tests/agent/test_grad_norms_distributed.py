@@ -1,0 +1,46 @@
+"""Gradient norms under DDP and FSDP2 (fully_shard) in real torchrun jobs on CPU/gloo: the sum over
+ranks of owned sums of squares equals clip_grad_norm_'s total norm, with no extra collective."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainvitals.wire import Batch
+
+SCRIPT = Path(__file__).parent / "dist_scripts" / "grad_norm_job.py"
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+
+
+def _global_sq_by_step(out: Path, ranks: int) -> dict[int, float]:
+    total: dict[int, float] = {}
+    for rank in range(ranks):
+        for line in (out / f"rec-{rank}.jsonl").read_bytes().splitlines()[1:]:
+            for rec in Batch.model_validate_json(line).records:
+                if rec.kind == "grad" and rec.group == "__global__":
+                    total[rec.step] = total.get(rec.step, 0.0) + rec.owned_sq
+    return total
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_global_norm_matches_clip_grad_norm(mode: str, tmp_path: Path) -> None:
+    ranks = 2
+    result = subprocess.run(
+        [str(TORCHRUN), "--standalone", f"--nproc_per_node={ranks}", str(SCRIPT), mode, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = json.loads((tmp_path / "totals-0.json").read_text())
+    assert expected == json.loads((tmp_path / "totals-1.json").read_text())
+    ours = _global_sq_by_step(tmp_path, ranks)
+    assert sorted(ours) == list(range(len(expected)))
+    for step, total in enumerate(expected):
+        assert math.sqrt(ours[step]) == pytest.approx(total, rel=1e-5), step

@@ -1,0 +1,209 @@
+"""Lightning callback: real short CPU `Trainer.fit` runs of a tiny random model, no downloads.
+
+Every assertion compares what the agent recorded with what the LightningModule itself saw.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as lp
+import pytest
+import pytorch_lightning
+import torch
+from torch import nn
+
+from trainvitals.agent import AgentConfig
+from trainvitals.agent.integrations.lightning import TrainvitalsLightningCallback
+from trainvitals.wire import Batch, RunRegistration
+
+BATCH, SEQ, VOCAB = 4, 8, 32
+
+
+def _data() -> torch.utils.data.DataLoader:
+    ids = torch.randint(0, VOCAB, (256, SEQ), generator=torch.Generator().manual_seed(0))
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=BATCH)
+
+
+def _module_class(namespace: Any) -> type:
+    """A tiny next-token model that records, per batch, the loss and lr it really used."""
+
+    class TinyLM(namespace.LightningModule):  # type: ignore[misc, name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])
+            self.emb = nn.Embedding(VOCAB, 16)
+            self.head = nn.Linear(16, VOCAB)
+            self.seen: list[tuple[float, float]] = []  # (loss, lr) per batch, read here in the test
+            self.grad_norms: list[float] = []  # per optimizer step, when Lightning says grads are final
+
+        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+            (ids,) = batch
+            h = self.emb(ids[:, :-1])
+            for layer in self.layers:
+                h = torch.relu(layer(h))
+            loss = nn.functional.cross_entropy(self.head(h).flatten(0, 1), ids[:, 1:].flatten())
+            self.seen.append((loss.item(), self.trainer.optimizers[0].param_groups[0]["lr"]))
+            return loss
+
+        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            self.grad_norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.SGD(self.parameters(), lr=0.5)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    return TinyLM
+
+
+def _fit(
+    tmp: Path,
+    *,
+    name: str,
+    max_steps: int = 12,
+    accumulate: int = 1,
+    namespace: Any = lp,
+    ckpt_path: str | None = None,
+    save_to: Path | None = None,
+    collector: str = "",
+) -> tuple[Any, TrainvitalsLightningCallback, list[Any], RunRegistration]:
+    torch.manual_seed(0)
+    module = _module_class(namespace)()
+    config = AgentConfig(
+        collector=collector, record_file=str(tmp / f"{name}-{{rank}}.jsonl"), spill_dir=str(tmp / "spool")
+    )
+    callback = TrainvitalsLightningCallback(
+        run=f"pl-{name}", config=config, count_tokens=lambda b: b[0].numel()
+    )
+    trainer = namespace.Trainer(
+        max_steps=max_steps,
+        accumulate_grad_batches=accumulate,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+    trainer.fit(module, _data(), ckpt_path=ckpt_path)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
+    lines = (tmp / f"{name}-0.jsonl").read_bytes().splitlines()
+    registration = RunRegistration.model_validate_json(lines[0])
+    records = [r for line in lines[1:] for r in Batch.model_validate_json(line).records]
+    return module, callback, records, registration
+
+
+def test_one_step_record_per_optimizer_step_matching_what_the_module_saw(tmp_path: Path) -> None:
+    module, callback, records, registration = _fit(tmp_path, name="basic")
+    steps = [r for r in records if r.kind == "step"]
+    assert [s.step for s in steps] == list(range(12))  # Lightning's logger numbering
+    assert [s.loss for s in steps] == pytest.approx([loss for loss, _ in module.seen], rel=1e-6)
+    assert all(s.loss is not None and math.isfinite(s.loss) for s in steps)
+    assert [s.lr for s in steps] == pytest.approx([lr for _, lr in module.seen], rel=1e-12)
+    assert steps[0].lr == 0.5 and steps[-1].lr == pytest.approx(0.5 * 0.9**11)
+    assert all(s.tokens == BATCH * SEQ for s in steps)
+
+    # This step's gradients, not the previous step's: Lightning runs backward inside
+    # optimizer.step(closure), after a plain step pre-hook would have read them.
+    grads = [r for r in records if r.kind == "grad" and r.group == "__global__"]
+    assert [g.step for g in grads] == list(range(12))
+    assert [math.sqrt(g.owned_sq) for g in grads] == pytest.approx(module.grad_norms, rel=1e-5)
+    assert {r.group for r in records if r.kind == "grad"} >= {"layers.0", "layers.1", "head", "emb"}
+
+    events = [r for r in records if r.kind == "event"]
+    assert events[0].event == "start" and events[-1].event == "stop"
+    assert [e.event for e in events] == ["start", "stop"]
+    assert registration.run == "pl-basic" and registration.tags["framework"] == "lightning"
+
+    optimizer = module.trainer.optimizers[0]
+    assert len(optimizer._optimizer_step_pre_hooks) == 0
+    assert callback.agent is not None and callback.agent.hooks == 0
+    assert callback._grad_hooks is not None and callback._grad_hooks.hooks == 0
+    assert callback._errors.errors == 0
+
+
+def test_gradient_accumulation_gives_one_record_per_optimizer_step(tmp_path: Path) -> None:
+    module, _, records, _ = _fit(tmp_path, name="accum", max_steps=4, accumulate=3)
+    assert len(module.seen) == 12  # 12 batches, 4 optimizer steps
+    steps = [r for r in records if r.kind == "step"]
+    assert [s.step for s in steps] == [0, 1, 2, 3]
+    for i, s in enumerate(steps):
+        micro = [loss for loss, _ in module.seen[3 * i : 3 * i + 3]]
+        assert s.loss == pytest.approx(sum(micro) / 3, rel=1e-6)  # the step's mean loss
+        assert s.tokens == 3 * BATCH * SEQ
+        assert s.lr == pytest.approx(0.5 * 0.9**i)
+    grads = [r for r in records if r.kind == "grad" and r.group == "__global__"]
+    assert [g.step for g in grads] == [0, 1, 2, 3]
+    assert [math.sqrt(g.owned_sq) for g in grads] == pytest.approx(module.grad_norms, rel=1e-5)
+
+
+def test_resume_from_checkpoint_is_an_event_and_step_numbers_continue(tmp_path: Path) -> None:
+    ckpt = tmp_path / "six.ckpt"
+    _, _, first, _ = _fit(tmp_path, name="first", max_steps=6, save_to=ckpt)
+    # save_checkpoint after fit: the agent is closed, nothing more is recorded.
+    assert not any(r.kind == "event" and r.event == "note" for r in first)
+    module, _, records, _ = _fit(tmp_path, name="resumed", max_steps=12, ckpt_path=str(ckpt))
+    steps = [r for r in records if r.kind == "step"]
+    assert [s.step for s in steps] == list(range(6, 12))
+    assert [s.loss for s in steps] == pytest.approx([loss for loss, _ in module.seen], rel=1e-6)
+    resumes = [r for r in records if r.kind == "event" and r.event == "resume"]
+    assert len(resumes) == 1 and resumes[0].step == 5
+    assert str(ckpt) in (resumes[0].detail or "")
+
+
+def test_the_same_callback_works_with_the_standalone_pytorch_lightning_trainer(tmp_path: Path) -> None:
+    module, callback, records, _ = _fit(tmp_path, name="legacy", max_steps=3, namespace=pytorch_lightning)
+    assert isinstance(callback, lp.Callback) and isinstance(callback, pytorch_lightning.Callback)
+    assert [r.step for r in records if r.kind == "step"] == [0, 1, 2]
+    assert len(module.trainer.optimizers[0]._optimizer_step_pre_hooks) == 0
+
+
+def test_a_failing_fit_records_the_failure_and_removes_the_hook(tmp_path: Path) -> None:
+    class Boom(RuntimeError):
+        pass
+
+    TinyLM = _module_class(lp)
+
+    class Failing(TinyLM):  # type: ignore[misc, valid-type]
+        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+            if batch_idx == 3:
+                raise Boom("loss exploded")
+            return super().training_step(batch, batch_idx)
+
+    config = AgentConfig(
+        collector="", record_file=str(tmp_path / "boom-{rank}.jsonl"), spill_dir=str(tmp_path)
+    )
+    callback = TrainvitalsLightningCallback(run="pl-boom", config=config)
+    module = Failing()
+    trainer = lp.Trainer(
+        max_steps=12,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+    with pytest.raises(Boom):
+        trainer.fit(module, _data())
+    lines = (tmp_path / "boom-0.jsonl").read_bytes().splitlines()
+    records = [r for line in lines[1:] for r in Batch.model_validate_json(line).records]
+    assert [r.step for r in records if r.kind == "step"] == [0, 1, 2]
+    events = [r for r in records if r.kind == "event"]
+    assert [e.event for e in events] == ["start", "failure", "stop"]
+    assert "Boom: loss exploded" in (events[1].detail or "")
+    assert len(trainer.optimizers[0]._optimizer_step_pre_hooks) == 0
+
+
+def test_steps_reach_a_real_collector(collector: Any, tmp_path: Path) -> None:
+    from trainvitals.service.store import queries
+
+    _fit(tmp_path, name="live", max_steps=8, collector=collector.url)
+    with collector.app.state.sessionmaker() as session:
+        assert queries.count_step_rows(session, run_id="pl-live") == 8
+        assert queries.list_runs(session)[0].status == "finished"
