@@ -163,9 +163,18 @@ class Agent:
 
     @guarded()
     def _before_optimizer_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        # Gradients are final here (DDP/FSDP reductions done) and not yet zeroed.
-        assert self._grads is not None
-        self._pending_grads = self._grads.compute()
+        # Gradients are final here (DDP/FSDP reductions done) and not yet zeroed -- unless the
+        # loop computes them inside optimizer.step(closure); then grads_ready() has run already.
+        if self._pending_grads is None and self._grads is not None:
+            self._pending_grads = self._grads.compute()
+
+    @guarded()
+    def grads_ready(self) -> None:
+        """Measure gradient norms now. Call it where gradients are final when that is not at
+        optimizer.step() entry: closure-based optimizers (LBFGS, Lightning), or before clipping to
+        report pre-clip group norms. The optimizer hook then does not measure again this step."""
+        if self._grads is not None:
+            self._pending_grads = self._grads.compute()
 
     @guarded()
     def step(
@@ -327,6 +336,22 @@ class Agent:
             return ck.track(dcp.async_save(state_dict, checkpoint_id=checkpoint_id, **kwargs))
 
     @guarded()
+    def checkpoint_saved(
+        self,
+        *,
+        step: int | None = None,
+        path: str | None = None,
+        generation: int | None = None,
+        stall_seconds: float | None = None,
+    ) -> None:
+        """Record a save that already happened (framework callbacks see saves after the fact);
+        size and checksum are computed on the background thread."""
+        step = self._step if step is None else step
+        self._checkpoints.saved(
+            step=step, generation=step if generation is None else generation, path=path, stall=stall_seconds
+        )
+
+    @guarded()
     def loaded(self, *, step: int, path: str | None = None, generation: int | None = None) -> None:
         """Record a resume from a checkpoint; the next step() continues from `step` + 1."""
         detail = f"loaded generation {step if generation is None else generation}" + (
@@ -415,6 +440,12 @@ class NoopAgent:
         return dcp.async_save(state_dict, checkpoint_id=checkpoint_id, **kwargs)
 
     def loaded(self, **kwargs: Any) -> None:
+        return None
+
+    def checkpoint_saved(self, **kwargs: Any) -> None:
+        return None
+
+    def grads_ready(self) -> None:
         return None
 
     def step(self, *args: Any, **kwargs: Any) -> None:

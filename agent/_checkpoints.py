@@ -88,6 +88,9 @@ class CheckpointRecorder:
         else:
             self._track_async(handle.future, base, t0=t0, stall=stall)
 
+    def saved(self, *, step: int, generation: int, path: str | None, stall: float | None) -> None:
+        self._finish({"step": step, "generation": generation, "path": path}, stall=stall, persist=None)
+
     def _track_async(self, future: Any, base: dict[str, Any], *, t0: float, stall: float) -> None:
         def done(fut: Any) -> None:
             persist = time.perf_counter() - t0
@@ -105,7 +108,7 @@ class CheckpointRecorder:
 
         future.add_done_callback(done)
 
-    def _finish(self, base: dict[str, Any], *, stall: float, persist: float) -> None:
+    def _finish(self, base: dict[str, Any], *, stall: float | None, persist: float | None) -> None:
         path = base.get("path")
         if path is None or not os.path.exists(path):
             self._record(status="persisted", stall_seconds=stall, persist_seconds=persist, **base)

@@ -199,9 +199,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         s = module.scale
         overflow = module.recipe.e5m2_overflow
         x_hat = quantize_dequantize(x, s[_INPUT], module.formats[_INPUT], e5m2_overflow=overflow)
-        w_hat = quantize_dequantize(
-            weight, s[_WEIGHT], module.formats[_WEIGHT], e5m2_overflow=overflow
-        )
+        w_hat = quantize_dequantize(weight, s[_WEIGHT], module.formats[_WEIGHT], e5m2_overflow=overflow)
         if record:
             module.amax_history[0, _FWD] = torch.stack((_amax(x), _amax(weight)))
             module._update_scales(_FWD)
@@ -290,8 +288,11 @@ class Fp8Linear(nn.Linear):
         before the swap keeps updating them)."""
         # Build on the meta device so no weight is allocated or initialised just to be replaced.
         new = cls(
-            linear.in_features, linear.out_features, bias=linear.bias is not None,
-            device="meta", recipe=recipe,
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            device="meta",
+            recipe=recipe,
         )
         new.weight = linear.weight
         new.bias = linear.bias

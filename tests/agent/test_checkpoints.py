@@ -1,0 +1,95 @@
+"""Checkpoint generations: started / persisted / failed, stall and persist times, size, checksum."""
+
+import hashlib
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+import trainvitals.agent as tv
+from trainvitals.agent._checkpoints import content_digest
+from trainvitals.wire import Batch
+
+
+def _agent(tmp_path: Path) -> tuple[tv.Agent, nn.Module]:
+    model = nn.Linear(4, 4)
+    agent = tv.attach(
+        model,
+        None,
+        run="ck",
+        config=tv.AgentConfig(
+            collector="", spill_dir=str(tmp_path / "spool"), record_file=str(tmp_path / "rec.jsonl")
+        ),
+    )
+    assert isinstance(agent, tv.Agent)
+    return agent, model
+
+
+def _checkpoint_records(tmp_path: Path) -> list:
+    lines = (tmp_path / "rec.jsonl").read_bytes().splitlines()[1:]
+    return [r for line in lines for r in Batch.model_validate_json(line).records if r.kind == "checkpoint"]
+
+
+def test_save_records_started_then_persisted_with_size_and_checksum(tmp_path: Path) -> None:
+    agent, model = _agent(tmp_path)
+    path = tmp_path / "gen7.pt"
+    agent.save(model.state_dict(), str(path), step=7)
+    agent.close()
+    started, persisted = _checkpoint_records(tmp_path)
+    assert (started.status, persisted.status) == ("started", "persisted")
+    assert persisted.step == persisted.generation == 7
+    assert persisted.bytes == path.stat().st_size
+    assert persisted.checksum == "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+    assert persisted.stall_seconds is not None and persisted.stall_seconds >= 0
+
+
+def test_failed_save_is_recorded_and_the_jobs_exception_propagates(tmp_path: Path) -> None:
+    agent, _ = _agent(tmp_path)
+    with pytest.raises(OSError, match="disk full"), agent.checkpoint(step=3, path=str(tmp_path / "x")):
+        raise OSError("disk full")
+    agent.close()
+    statuses = [(r.status, r.error) for r in _checkpoint_records(tmp_path)]
+    assert statuses[0] == ("started", None)
+    assert statuses[1][0] == "failed" and "disk full" in statuses[1][1]
+
+
+def test_async_save_persists_when_its_future_completes(tmp_path: Path) -> None:
+    agent, _ = _agent(tmp_path)
+    fut: Future[None] = Future()
+    with agent.checkpoint(step=5, path=None) as ck:
+        ck.track(fut)
+    time.sleep(0.05)
+    fut.set_result(None)
+    agent.close()
+    rec = _checkpoint_records(tmp_path)
+    assert [r.status for r in rec] == ["started", "persisted"]
+    assert rec[1].persist_seconds >= 0.05 > rec[1].stall_seconds
+
+
+def test_dcp_save_directory_checksum_and_after_the_fact_record(tmp_path: Path) -> None:
+    agent, model = _agent(tmp_path)
+    ckpt = tmp_path / "dcp-10"
+    agent.dcp_save({"model": model.state_dict()}, checkpoint_id=str(ckpt), step=10)
+    agent.checkpoint_saved(step=20, path=str(ckpt))
+    agent.close()
+    rec = _checkpoint_records(tmp_path)
+    size, digest = content_digest(ckpt)
+    assert [(r.step, r.status) for r in rec] == [(10, "started"), (10, "persisted"), (20, "persisted")]
+    assert rec[1].bytes == size and rec[1].checksum == digest and size > 0
+
+
+def test_resume_is_an_event_and_sets_the_step(tmp_path: Path) -> None:
+    agent, _ = _agent(tmp_path)
+    agent.step(loss=1.0)
+    agent.step(loss=1.0)
+    agent.loaded(step=100, path="/ckpt/100")
+    agent.step(loss=1.0)
+    agent.step(loss=1.0, step=50)  # the counter going down is a resume too
+    agent.close()
+    lines = (tmp_path / "rec.jsonl").read_bytes().splitlines()[1:]
+    records = [r for line in lines for r in Batch.model_validate_json(line).records]
+    assert [r.step for r in records if r.kind == "step"] == [0, 1, 101, 50]
+    resumes = [r for r in records if r.kind == "event" and r.event == "resume"]
+    assert [r.step for r in resumes] == [100, 50]
