@@ -62,7 +62,8 @@ def main() -> None:
     for fam, outs in faults.items():
         hit = [o for o in outs if o.detected]
         kinds = Counter(o.kind for o in hit if o.kind)
-        onset = [o.onset_step - o.injected_step for o in hit if o.onset_step is not None and o.injected_step is not None]
+        onset = [o.onset_step - o.injected_step for o in hit
+                 if o.onset_step is not None and o.injected_step is not None]
         delay = [o.detected_step - o.injected_step for o in hit
                  if o.detected_step is not None and o.injected_step is not None]
         lead = [o.lead_steps for o in hit if o.lead_steps is not None]
@@ -74,11 +75,14 @@ def main() -> None:
         print(f"{fam:<23} {len(hit):>3}/{len(outs):<4}  {kinds.most_common(1)[0][0] if kinds else '-':<22} "
               f"{_span(onset):>14} {delay_s:>14} {_span(lead):>16}  {mis:>7}  {_counts(pages)}")
     missed = [o.scenario for outs in faults.values() for o in outs if not o.detected]
-    early = [o.scenario for outs in faults.values() for o in outs if o.lead_steps is not None and o.lead_steps <= 0]
-    print(f"\nmissed: {', '.join(missed) or 'none'}; detected only after the loss moved: {', '.join(early) or 'none'}")
+    early = [o.scenario for outs in faults.values() for o in outs
+             if o.lead_steps is not None and o.lead_steps <= 0]
+    print(f"\nmissed: {', '.join(missed) or 'none'}; "
+          f"detected only after the loss moved: {', '.join(early) or 'none'}")
 
     healthy = run(HEALTHY_FAMILIES, range(args.first_seed, args.first_seed + args.healthy_seeds))
-    print(f"\nHealthy runs: {args.healthy_seeds} seeds each (odd seeds: FP8 history L = 1024, even: L = 16)\n")
+    print(f"\nHealthy runs: {args.healthy_seeds} seeds each "
+          "(odd seeds: FP8 history L = 1024, even: L = 16)\n")
     header = f"{'family':<22} {'runs':>5} {'paged runs':>10} {'ticketed runs':>13}  pages / tickets raised"
     print(header)
     print("-" * len(header))

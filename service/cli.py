@@ -1,13 +1,32 @@
-"""The `trainvitals` console script: serve, db, query, replay, demo (plan/advise from the advisors)."""
+"""The `trainvitals` console script: serve, db, token, query, replay, demo, plan, advise."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 from trainvitals.service.store.db import DEFAULT_SQLITE_URL
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@contextmanager
+def _session(url: str, *, migrate: bool = False) -> Iterator[Any]:
+    from trainvitals.service.store import db
+
+    if migrate:
+        db.upgrade(url)
+    engine = db.make_engine(url)
+    try:
+        with db.make_sessionmaker(engine)() as session:
+            yield session
+    finally:
+        engine.dispose()
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -19,8 +38,16 @@ def _serve(args: argparse.Namespace) -> int:
     overrides = {
         k: v for k, v in {"db": args.db, "host": args.host, "port": args.port}.items() if v is not None
     }
+    if args.insecure_no_auth:
+        overrides["auth"] = False
     settings = Settings(**overrides)
-    if settings.host not in ("127.0.0.1", "localhost", "::1"):
+    if not settings.auth:
+        print(
+            "trainvitals: WARNING: authentication is OFF (--insecure-no-auth): anyone who can reach "
+            f"{settings.host}:{settings.port} can write and read every run. Local demos only.",
+            file=sys.stderr,
+        )
+    if settings.host not in _LOOPBACK:
         print(f"trainvitals: listening on {settings.host}: reachable beyond this machine", file=sys.stderr)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level)
     return 0
@@ -37,21 +64,72 @@ def _db(args: argparse.Namespace) -> int:
     return 0
 
 
-def _query_runs(args: argparse.Namespace) -> int:
-    import dataclasses
+def _token(args: argparse.Namespace) -> int:
+    from trainvitals.service import auth
 
-    from trainvitals.service.store import db, queries
-
-    engine = db.make_engine(args.db)
-    with db.make_sessionmaker(engine)() as session:
-        out = [
-            dataclasses.asdict(o)
-            for r in queries.list_runs(session)
-            if (o := queries.run_overview(session, run_id=r.run_id)) is not None
-        ]
-    engine.dispose()
-    print(json.dumps(out, indent=2))
+    with _session(args.db, migrate=True) as session:
+        if args.token_command == "create":
+            token = auth.create_token(session, project=args.project, scope=args.scope, name=args.name)
+            print(token)
+            print(
+                f"(project {args.project!r}, scope {args.scope!r}: shown once, stored hashed)",
+                file=sys.stderr,
+            )
+            return 0
+        if not auth.revoke_token(session, token=args.token):
+            print("no such token", file=sys.stderr)
+            return 1
+    print("revoked")
     return 0
+
+
+def _emit(data: Any, fmt: str) -> None:
+    from trainvitals.service.tables import to_csv
+
+    if fmt == "csv":
+        sys.stdout.write(to_csv(data))
+    else:
+        print(json.dumps(data, indent=2, default=str))
+
+
+def _query(args: argparse.Namespace) -> int:
+    from trainvitals.service.store import queries
+
+    with _session(args.db) as session:
+        if args.query_command == "runs":
+            data: Any = [
+                dataclasses.asdict(o)
+                for r in queries.list_runs(session)
+                if (o := queries.run_overview(session, run_id=r.run_id)) is not None
+            ]
+        elif queries.get_run(session, run_id=args.run) is None:
+            print(f"no run {args.run!r} in {args.db}", file=sys.stderr)
+            return 1
+        elif args.query_command == "timeline":
+            data = queries.tensor_timeline(
+                session, run_id=args.run, tensor=args.tensor, role=args.role, start=args.start, end=args.end
+            )
+        elif args.query_command == "worst-tensors":
+            data = queries.worst_tensors(session, run_id=args.run, start=args.start, end=args.end, k=args.k)
+        elif args.query_command == "step-times":
+            data = queries.step_time_matrix(session, run_id=args.run, start=args.start, end=args.end)
+        elif args.query_command == "findings":
+            data = queries.findings(session, run_id=args.run, active_only=args.active)
+        elif args.query_command == "checkpoints":
+            data = queries.checkpoint_generations(session, run_id=args.run)
+        else:
+            data = queries.rollback_target(session, run_id=args.run, before_step=args.before_step)
+    _emit(data, args.format)
+    return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from trainvitals.service.replay import replay_files
+
+    with _session(args.db, migrate=True) as session:
+        report = replay_files(session, args.files, analyse=not args.no_analysis)
+    print(json.dumps(dataclasses.asdict(report), indent=2))
+    return 0 if report.rejected_lines == 0 else 1
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -66,6 +144,28 @@ def _demo(args: argparse.Namespace) -> int:
     )
 
 
+def _add_db(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--db", default=DEFAULT_SQLITE_URL, help=f"SQLAlchemy URL (default {DEFAULT_SQLITE_URL})")
+
+
+def _add_query(
+    sub: Any,
+    name: str,
+    help_: str,
+    *,
+    run: bool = True,
+    extra: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> None:
+    p = sub.add_parser(name, help=help_)
+    _add_db(p)
+    if run:
+        p.add_argument("--run", required=True)
+    p.add_argument("--format", choices=("json", "csv"), default="json")
+    if extra is not None:
+        extra(p)
+    p.set_defaults(func=_query)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainvitals", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -76,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--db", help=f"SQLAlchemy URL (default {DEFAULT_SQLITE_URL}; env TRAINVITALS_DB)")
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
+    serve.add_argument(
+        "--insecure-no-auth", action="store_true", help="accept requests without tokens (demos)"
+    )
     serve.add_argument("--log-level", default="warning")
     serve.set_defaults(func=_serve)
 
@@ -83,15 +186,65 @@ def build_parser() -> argparse.ArgumentParser:
     dbsub = dbp.add_subparsers(dest="db_command", required=True)
     for name, default in (("upgrade", "head"), ("downgrade", "base")):
         p = dbsub.add_parser(name)
-        p.add_argument("--db", default=DEFAULT_SQLITE_URL)
+        _add_db(p)
         p.add_argument("--revision", default=default)
     dbp.set_defaults(func=_db)
 
-    query = sub.add_parser("query", help="post-mortem queries")
+    token = sub.add_parser("token", help="bearer tokens scoped to a project")
+    tsub = token.add_subparsers(dest="token_command", required=True)
+    create = tsub.add_parser("create", help="print a new token (stored hashed)")
+    _add_db(create)
+    create.add_argument("--project", required=True)
+    create.add_argument("--scope", choices=("ingest", "read"), required=True)
+    create.add_argument("--name")
+    revoke = tsub.add_parser("revoke")
+    _add_db(revoke)
+    revoke.add_argument("token")
+    token.set_defaults(func=_token)
+
+    query = sub.add_parser("query", help="post-mortem queries (JSON or CSV)")
     qsub = query.add_subparsers(dest="query_command", required=True)
-    q_runs = qsub.add_parser("runs", help="every run with an overview")
-    q_runs.add_argument("--db", default=DEFAULT_SQLITE_URL)
-    q_runs.set_defaults(func=_query_runs)
+
+    def step_range(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--start", type=int)
+        p.add_argument("--end", type=int)
+
+    def timeline(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--tensor", required=True, help="module name, e.g. layers.3.fc")
+        p.add_argument("--role", choices=("input", "weight", "grad_output"))
+        step_range(p)
+
+    def worst(p: argparse.ArgumentParser) -> None:
+        step_range(p)
+        p.add_argument("-k", type=int, default=10)
+
+    def matrix(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--start", type=int, required=True)
+        p.add_argument("--end", type=int, required=True)
+
+    _add_query(qsub, "runs", "every run with an overview", run=False)
+    _add_query(qsub, "timeline", "a tensor's headroom and amax per step", extra=timeline)
+    _add_query(qsub, "worst-tensors", "tensors with the least headroom in a step range", extra=worst)
+    _add_query(qsub, "step-times", "per-rank step seconds for a step range", extra=matrix)
+    _add_query(
+        qsub,
+        "findings",
+        "detector findings with onset steps",
+        extra=lambda p: p.add_argument("--active", action="store_true"),
+    )
+    _add_query(qsub, "checkpoints", "checkpoint generations and their status")
+    _add_query(
+        qsub,
+        "rollback",
+        "the generation to roll back to",
+        extra=lambda p: p.add_argument("--before-step", type=int),
+    )
+
+    replay = sub.add_parser("replay", help="ingest recorded wire-format JSONL (agent spool/record files)")
+    replay.add_argument("files", nargs="+")
+    _add_db(replay)
+    replay.add_argument("--no-analysis", action="store_true", help="store only; skip reduction and detectors")
+    replay.set_defaults(func=_replay)
 
     demo = sub.add_parser("demo", help="collector + a multi-rank training job with the agent attached")
     demo.add_argument("--ranks", type=int, default=4)

@@ -41,7 +41,9 @@ def run_demo(*, ranks: int, seconds: float, port: int, workdir: str, keep_servin
     print(f"[demo] collector: {url}  (SQLite {work / 'trainvitals.db'})", flush=True)
     serve_log = open(work / "collector.log", "wb")  # noqa: SIM115 - closed below
     collector = subprocess.Popen(
-        [exe, "serve", "--db", db_url, "--port", str(port)], stdout=serve_log, stderr=subprocess.STDOUT
+        [exe, "serve", "--db", db_url, "--port", str(port), "--insecure-no-auth"],
+        stdout=serve_log,
+        stderr=subprocess.STDOUT,
     )
     try:
         _wait_healthy(url, collector)

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 
 from trainvitals.service import pipeline
 from trainvitals.service.api.routes import health, ingest, runs
+from trainvitals.service.auth import TokenVerifier
 from trainvitals.service.exposition import IngestCounters, TrainvitalsCollector, make_registry
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import db
@@ -40,6 +41,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.sessionmaker = sessions
     app.state.worker = worker
     app.state.counters = IngestCounters()
+    app.state.verifier = TokenVerifier(settings.token_cache_seconds)
     app.state.collector = TrainvitalsCollector(
         sessions, settings, app.state.counters, expected_mfu=pipeline.expected_mfu
     )

@@ -11,6 +11,7 @@ Rules (DESIGN.md "Shape"):
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -49,66 +50,110 @@ def newest_incarnation(rows: Iterable[StepIn]) -> list[StepIn]:
     return list(best.values())
 
 
-def _median(values: Sequence[float | None]) -> float | None:
-    vals = [v for v in values if v is not None]
-    return float(np.median(vals)) if vals else None
+def _col(rows: Sequence[StepIn], name: str) -> np.ndarray:
+    return np.array([np.nan if (v := getattr(r, name)) is None else v for r in rows], dtype=np.float64)
 
 
-def summarize_steps(
-    rows: Sequence[StepIn],
-    *,
-    peak_flops_total: float | None,
-    agent_grad_norms: dict[int, tuple[float, int]] | None = None,
-) -> list[dict[str, Any]]:
+def _group_reduce(values: np.ndarray, starts: np.ndarray, counts: np.ndarray, how: str) -> np.ndarray:
+    """Per-group nan-aware reductions over contiguous groups (vectorised with reduceat)."""
+    present = ~np.isnan(values)
+    n = np.add.reduceat(present.astype(np.int64), starts)
+    if how == "sum":
+        out = np.add.reduceat(np.where(present, values, 0.0), starts)
+    elif how == "mean":
+        out = np.add.reduceat(np.where(present, values, 0.0), starts) / np.maximum(n, 1)
+    elif how == "max":
+        out = np.maximum.reduceat(np.where(present, values, -np.inf), starts)
+    else:
+        raise ValueError(how)
+    return np.where(n > 0, out, np.nan)
+
+
+def _group_quantiles(values: np.ndarray, starts: np.ndarray, counts: np.ndarray, qs: Sequence[float]) -> np.ndarray:
+    """[len(qs), groups] nan-aware quantiles. Groups of the most common size (every rank reported:
+    nearly all steps) go through one vectorised call; only the odd ones are looped."""
+    out = np.empty((len(qs), len(counts)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN groups give NaN, which is the answer
+        sizes, freq = np.unique(counts, return_counts=True)
+        common = sizes[np.argmax(freq)]
+        sel = np.flatnonzero(counts == common)
+        idx = starts[sel][:, None] + np.arange(common)[None, :]
+        out[:, sel] = np.nanquantile(values[idx], qs, axis=1)
+        for g in np.flatnonzero(counts != common):
+            out[:, g] = np.nanquantile(values[starts[g] : starts[g] + counts[g]], qs)
+    return out
+
+
+def summarize_steps(rows: Sequence[StepIn], *, peak_flops_total: float | None,
+                    agent_grad_norms: dict[int, tuple[float, int]] | None = None) -> list[dict[str, Any]]:
     """One summary dict per step (keys = StepSummary columns except run_id)."""
-    by_step: dict[int, list[StepIn]] = defaultdict(list)
-    for r in newest_incarnation(rows):
-        by_step[r.step].append(r)
+    kept = sorted(newest_incarnation(rows), key=lambda r: (r.step, r.rank))
+    if not kept:
+        return []
     agent_grad_norms = agent_grad_norms or {}
+    steps = np.array([r.step for r in kept], dtype=np.int64)
+    ranks = np.array([r.rank for r in kept], dtype=np.int64)
+    uniq, starts, counts = np.unique(steps, return_index=True, return_counts=True)
+    secs = _col(kept, "step_seconds")
+    q = _group_quantiles(secs, starts, counts, (0.0, 0.5, 0.9, 0.99, 1.0))
+    # Slowest rank per step: index of the group maximum (groups are contiguous).
+    slowest = np.array([ranks[a + int(np.argmax(secs[a : a + c]))] for a, c in zip(starts, counts, strict=True)])
+    medians = {name: _group_quantiles(_col(kept, name), starts, counts, (0.5,))[0]
+               for name in ("compute_seconds", "wait_seconds", "data_seconds")}
+    raw_loss = _col(kept, "loss")
+    bad_loss = np.isinf(raw_loss) | np.array([r.loss is not None and r.loss != r.loss for r in kept])
+    loss = _group_reduce(np.where(bad_loss, np.nan, raw_loss), starts, counts, "mean")
+    loss_nonfinite = np.add.reduceat(bad_loss.astype(np.int64), starts)
+    tokens = _group_reduce(_col(kept, "tokens"), starts, counts, "sum")
+    flops = _group_reduce(_col(kept, "flops"), starts, counts, "sum")
+    ts = _group_reduce(_col(kept, "ts"), starts, counts, "max")
+    # The job's own (pre-clip) total: every rank reports the same one, take any.
+    job_norm = _group_reduce(_col(kept, "grad_norm"), starts, counts, "max")
+    has_stages = any(r.pp_stage is not None for r in kept)
+
+    def opt(x: float) -> float | None:
+        return None if np.isnan(x) else float(x)
+
     out = []
-    for step in sorted(by_step):
-        rs = by_step[step]
-        times = np.array([r.step_seconds for r in rs])
-        q = np.quantile(times, [0.0, 0.5, 0.9, 0.99, 1.0])
-        slowest = rs[int(np.argmax(times))].rank
-        losses = [r.loss for r in rs if r.loss is not None]
-        tokens = [r.tokens for r in rs if r.tokens is not None]
-        flops = [r.flops for r in rs if r.flops is not None]
-        job_norms = [r.grad_norm for r in rs if r.grad_norm is not None]
+    for i, step in enumerate(uniq.tolist()):
         agent_norm, nonfinite = agent_grad_norms.get(step, (None, 0))
-        total_flops = float(sum(flops)) if flops else None
+        norm = opt(job_norm[i]) if not np.isnan(job_norm[i]) else agent_norm
+        if norm is not None and not np.isfinite(norm):
+            nonfinite = max(nonfinite, 1)  # a NaN/inf total is a non-finite gradient even if unattributed
         mfu = None
-        if total_flops is not None and peak_flops_total and q[4] > 0:
-            mfu = total_flops / (float(q[4]) * peak_flops_total)
-        stages: dict[str, list[float]] = defaultdict(list)
-        for r in rs:
-            if r.pp_stage is not None:
-                stages[str(r.pp_stage)].append(r.step_seconds)
-        out.append(
-            {
-                "step": step,
-                "ranks": len(rs),
-                "ts": max(r.ts for r in rs),
-                "step_seconds_min": float(q[0]),
-                "step_seconds_p50": float(q[1]),
-                "step_seconds_p90": float(q[2]),
-                "step_seconds_p99": float(q[3]),
-                "step_seconds_max": float(q[4]),
-                "slowest_rank": slowest,
-                "compute_seconds_p50": _median([r.compute_seconds for r in rs]),
-                "wait_seconds_p50": _median([r.wait_seconds for r in rs]),
-                "data_seconds_p50": _median([r.data_seconds for r in rs]),
-                "loss": float(np.mean(losses)) if losses else None,
-                # The job's own (pre-clip) total is what spikes show in; all ranks report the same one.
-                "grad_norm": float(job_norms[0]) if job_norms else agent_norm,
-                "agent_grad_norm": agent_norm,
-                "grad_nonfinite": int(nonfinite),
-                "tokens": float(sum(tokens)) if tokens else None,
-                "flops": total_flops,
-                "mfu": mfu,
-                "stage_step_seconds_p50": {k: float(np.median(v)) for k, v in stages.items()} or None,
-            }
-        )
+        if not np.isnan(flops[i]) and peak_flops_total and q[4, i] > 0:
+            mfu = float(flops[i]) / (float(q[4, i]) * peak_flops_total)
+        stages = None
+        if has_stages:
+            by_stage: dict[str, list[float]] = defaultdict(list)
+            for r in kept[starts[i] : starts[i] + counts[i]]:
+                if r.pp_stage is not None:
+                    by_stage[str(r.pp_stage)].append(r.step_seconds)
+            stages = {k: float(np.median(v)) for k, v in by_stage.items()} or None
+        out.append({
+            "step": step,
+            "ranks": int(counts[i]),
+            "ts": float(ts[i]),
+            "step_seconds_min": float(q[0, i]),
+            "step_seconds_p50": float(q[1, i]),
+            "step_seconds_p90": float(q[2, i]),
+            "step_seconds_p99": float(q[3, i]),
+            "step_seconds_max": float(q[4, i]),
+            "slowest_rank": int(slowest[i]),
+            "compute_seconds_p50": opt(medians["compute_seconds"][i]),
+            "wait_seconds_p50": opt(medians["wait_seconds"][i]),
+            "data_seconds_p50": opt(medians["data_seconds"][i]),
+            "loss": opt(loss[i]),
+            "loss_nonfinite": int(loss_nonfinite[i]),
+            "grad_norm": norm,
+            "agent_grad_norm": agent_norm,
+            "grad_nonfinite": int(nonfinite),
+            "tokens": opt(tokens[i]),
+            "flops": opt(flops[i]),
+            "mfu": mfu,
+            "stage_step_seconds_p50": stages,
+        })
     return out
 
 

@@ -15,6 +15,10 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="bind address; loopback unless you mean it")
     port: int = 8000
     migrate_on_start: bool = True
+    auth: bool = Field(
+        True, description="require bearer tokens; off only for local demos (--insecure-no-auth)"
+    )
+    token_cache_seconds: float = Field(30.0, ge=0, description="token lookups are cached this long")
     max_body_bytes: int = Field(32 * 1024 * 1024, description="larger requests get 413")
     finished_run_grace_seconds: float = Field(300.0, description="finished runs stay in /metrics this long")
     idle_run_seconds: float = Field(3600.0, description="runs silent this long leave /metrics")

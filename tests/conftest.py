@@ -81,8 +81,9 @@ class CollectorServer:
     """The real collector app served by uvicorn in a thread; stop() and start() again on the same
     port to simulate an outage."""
 
-    def __init__(self, db_url: str, port: int | None = None) -> None:
+    def __init__(self, db_url: str, port: int | None = None, *, auth: bool = False) -> None:
         self.db_url = db_url
+        self.auth = auth
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._server: uvicorn.Server | None = None
@@ -90,7 +91,7 @@ class CollectorServer:
         self.app = None
 
     def start(self) -> CollectorServer:
-        self.app = create_app(Settings(db=self.db_url, port=self.port))
+        self.app = create_app(Settings(db=self.db_url, port=self.port, auth=self.auth))
         config = uvicorn.Config(
             self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
         )

@@ -99,6 +99,7 @@ def upgrade() -> None:
         sa.Column("wait_seconds_p50", sa.Float(), nullable=True),
         sa.Column("data_seconds_p50", sa.Float(), nullable=True),
         sa.Column("loss", sa.Float(), nullable=True),
+        sa.Column("loss_nonfinite", sa.Integer(), nullable=False),
         sa.Column("grad_norm", sa.Float(), nullable=True),
         sa.Column("agent_grad_norm", sa.Float(), nullable=True),
         sa.Column("grad_nonfinite", sa.BigInteger(), nullable=False),

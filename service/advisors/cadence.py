@@ -81,8 +81,15 @@ def weibull_scale(mtbf_s: float, shape: float) -> float:
     return mtbf_s / gamma(1 + 1 / shape)
 
 
-def expected_waste(interval_s: float, *, stall_s: float, mtbf_s: float, downtime_s: float,
-                   persist_s: float = 0.0, shape: float = 1.0) -> float:
+def expected_waste(
+    interval_s: float,
+    *,
+    stall_s: float,
+    mtbf_s: float,
+    downtime_s: float,
+    persist_s: float = 0.0,
+    shape: float = 1.0,
+) -> float:
     """Expected fraction of wall time not kept as progress, for a fixed interval T.
 
     Failures form a renewal process (time between failures X, mean M, Weibull shape kappa; 1 =
@@ -104,20 +111,30 @@ def expected_waste(interval_s: float, *, stall_s: float, mtbf_s: float, downtime
     return 1.0 - interval_s * kept / mtbf_s
 
 
-def optimal_interval_renewal(*, stall_s: float, mtbf_s: float, downtime_s: float, persist_s: float = 0.0,
-                             shape: float = 1.0) -> float:
+def optimal_interval_renewal(
+    *, stall_s: float, mtbf_s: float, downtime_s: float, persist_s: float = 0.0, shape: float = 1.0
+) -> float:
     """Numerical minimiser of `expected_waste` (used for Weibull failures, kappa != 1)."""
     guess = optimal_interval(stall_s=stall_s, mtbf_s=mtbf_s)
     res = minimize_scalar(
-        lambda log_t: expected_waste(math.exp(log_t), stall_s=stall_s, mtbf_s=mtbf_s,
-                                     downtime_s=downtime_s, persist_s=persist_s, shape=shape),
-        bounds=(math.log(guess / 20), math.log(min(guess * 20, 50 * mtbf_s))), method="bounded",
-        options={"xatol": 1e-4})
+        lambda log_t: expected_waste(
+            math.exp(log_t),
+            stall_s=stall_s,
+            mtbf_s=mtbf_s,
+            downtime_s=downtime_s,
+            persist_s=persist_s,
+            shape=shape,
+        ),
+        bounds=(math.log(guess / 20), math.log(min(guess * 20, 50 * mtbf_s))),
+        method="bounded",
+        options={"xatol": 1e-4},
+    )
     return float(math.exp(res.x))
 
 
-def hazard_schedule(*, stall_s: float, mtbf_s: float, shape: float, segments: int = 8,
-                    steady_s: float) -> tuple[float, ...]:
+def hazard_schedule(
+    *, stall_s: float, mtbf_s: float, shape: float, segments: int = 8, steady_s: float
+) -> tuple[float, ...]:
     """Local-hazard rule T(t) = sqrt(2 delta / h(t)) for the first segments after a restart.
 
     h(t) = (kappa/eta)(t/eta)^(kappa-1) is evaluated mid-segment; intervals are capped at the
@@ -137,8 +154,16 @@ def hazard_schedule(*, stall_s: float, mtbf_s: float, shape: float, segments: in
     return tuple(out)
 
 
-def schedule_waste(schedule_s: Sequence[float], *, steady_s: float, stall_s: float, mtbf_s: float,
-                   downtime_s: float, persist_s: float = 0.0, shape: float = 1.0) -> float:
+def schedule_waste(
+    schedule_s: Sequence[float],
+    *,
+    steady_s: float,
+    stall_s: float,
+    mtbf_s: float,
+    downtime_s: float,
+    persist_s: float = 0.0,
+    shape: float = 1.0,
+) -> float:
     """Expected waste of a schedule (given intervals after each restart, then `steady_s`)."""
     eta = weibull_scale(mtbf_s, shape)
     offset = downtime_s + persist_s
@@ -181,9 +206,14 @@ class RetentionAdvice:
     """What bound the answer."""
 
 
-def advise_retention(*, interval_s: float, latency_s: float | None, acceptable_risk: float,
-                     checkpoint_bytes: float | None = None,
-                     storage_budget_bytes: float | None = None) -> RetentionAdvice:
+def advise_retention(
+    *,
+    interval_s: float,
+    latency_s: float | None,
+    acceptable_risk: float,
+    checkpoint_bytes: float | None = None,
+    storage_budget_bytes: float | None = None,
+) -> RetentionAdvice:
     """Retention k from SDC detection latency, acceptable risk and storage budget."""
     if not 0 < acceptable_risk < 1:
         raise ValueError(f"acceptable_risk: must be in (0, 1), got {acceptable_risk!r}")
@@ -192,9 +222,16 @@ def advise_retention(*, interval_s: float, latency_s: float | None, acceptable_r
         limit = int(storage_budget_bytes // checkpoint_bytes)
     if latency_s is None or latency_s <= 0:
         keep = 2 if limit is None else max(1, min(2, limit))
-        return RetentionAdvice(keep=keep, keep_for_risk=2, keep_deterministic=2, risk_at_keep=0.0,
-                               storage_limit=limit, keep_every=1, promote_after_s=None,
-                               notes=("no SDC latency given: keep 2 (a save can be cut off mid-write)",))
+        return RetentionAdvice(
+            keep=keep,
+            keep_for_risk=2,
+            keep_deterministic=2,
+            risk_at_keep=0.0,
+            storage_limit=limit,
+            keep_every=1,
+            promote_after_s=None,
+            notes=("no SDC latency given: keep 2 (a save can be cut off mid-write)",),
+        )
     k_risk = 1
     while irrecoverable_probability(k_risk, interval_s=interval_s, latency_s=latency_s) > acceptable_risk:
         k_risk += 1
@@ -208,20 +245,32 @@ def advise_retention(*, interval_s: float, latency_s: float | None, acceptable_r
         if limit >= 1:
             # Space the kept generations further apart: solve P_irr(limit, S) = risk for S.
             def f(spacing: float) -> float:
-                return irrecoverable_probability(limit, interval_s=spacing,
-                                                 latency_s=latency_s) - acceptable_risk
+                return (
+                    irrecoverable_probability(limit, interval_s=spacing, latency_s=latency_s)
+                    - acceptable_risk
+                )
+
             hi = interval_s
             while f(hi) > 0 and hi < 1e6 * latency_s:
                 hi *= 2
             if f(hi) <= 0:
                 spacing = brentq(f, interval_s, hi) if f(interval_s) > 0 else interval_s
                 every = max(1, math.ceil(spacing / interval_s))
-                notes.append(f"keep 1 of every {every} checkpoints so {limit} generations span "
-                             f"{every * interval_s * limit / 3600:.1f} h")
+                notes.append(
+                    f"keep 1 of every {every} checkpoints so {limit} generations span "
+                    f"{every * interval_s * limit / 3600:.1f} h"
+                )
     risk = irrecoverable_probability(keep, interval_s=interval_s * every, latency_s=latency_s)
-    return RetentionAdvice(keep=keep, keep_for_risk=k_risk, keep_deterministic=k_det, risk_at_keep=risk,
-                           storage_limit=limit, keep_every=every,
-                           promote_after_s=latency_s * math.log(1 / acceptable_risk), notes=tuple(notes))
+    return RetentionAdvice(
+        keep=keep,
+        keep_for_risk=k_risk,
+        keep_deterministic=k_det,
+        risk_at_keep=risk,
+        storage_limit=limit,
+        keep_every=every,
+        promote_after_s=latency_s * math.log(1 / acceptable_risk),
+        notes=tuple(notes),
+    )
 
 
 # --- multi-tier --------------------------------------------------------------------------------
@@ -240,8 +289,9 @@ class TierSpec:
 
     def __post_init__(self) -> None:
         if self.survives not in RADIUS_LEVELS:
-            raise ValueError(f"tier {self.name}: survives must be one of {RADIUS_LEVELS}, "
-                             f"got {self.survives!r}")
+            raise ValueError(
+                f"tier {self.name}: survives must be one of {RADIUS_LEVELS}, got {self.survives!r}"
+            )
         if not self.cost_s > 0:
             raise ValueError(f"tier {self.name}: cost_s must be > 0, got {self.cost_s!r}")
 
@@ -363,29 +413,46 @@ class CadenceAdvice:
     def as_dict(self) -> dict[str, Any]:
         r = self.retention
         return {
-            "young_interval_s": self.young_interval_s, "daly_first_order_s": self.daly_first_order_s,
-            "daly_interval_s": self.daly_interval_s, "optimal_interval_s": self.optimal_interval_s,
-            "recommended_interval_s": self.recommended_interval_s, "band_s": list(self.band_s),
-            "confidence_band_s": list(self.confidence_band_s), "expected_waste": self.expected_waste,
-            "expected_waste_young": self.expected_waste_young, "mtbf_s": self.mtbf_s,
-            "downtime_s": self.downtime_s, "shape": self.shape,
-            "retention": {"keep": r.keep, "keep_for_risk": r.keep_for_risk,
-                          "keep_deterministic": r.keep_deterministic, "risk_at_keep": r.risk_at_keep,
-                          "storage_limit": r.storage_limit, "keep_every": r.keep_every,
-                          "promote_after_s": r.promote_after_s, "notes": list(r.notes)},
-            "tiers": [{"name": t.name, "interval_s": t.interval_s, "rate_per_hour": t.rate_per_hour}
-                      for t in self.tiers],
+            "young_interval_s": self.young_interval_s,
+            "daly_first_order_s": self.daly_first_order_s,
+            "daly_interval_s": self.daly_interval_s,
+            "optimal_interval_s": self.optimal_interval_s,
+            "recommended_interval_s": self.recommended_interval_s,
+            "band_s": list(self.band_s),
+            "confidence_band_s": list(self.confidence_band_s),
+            "expected_waste": self.expected_waste,
+            "expected_waste_young": self.expected_waste_young,
+            "mtbf_s": self.mtbf_s,
+            "downtime_s": self.downtime_s,
+            "shape": self.shape,
+            "retention": {
+                "keep": r.keep,
+                "keep_for_risk": r.keep_for_risk,
+                "keep_deterministic": r.keep_deterministic,
+                "risk_at_keep": r.risk_at_keep,
+                "storage_limit": r.storage_limit,
+                "keep_every": r.keep_every,
+                "promote_after_s": r.promote_after_s,
+                "notes": list(r.notes),
+            },
+            "tiers": [
+                {"name": t.name, "interval_s": t.interval_s, "rate_per_hour": t.rate_per_hour}
+                for t in self.tiers
+            ],
             "schedule_s": list(self.schedule_s) if self.schedule_s else None,
-            "schedule_gain": self.schedule_gain, "high_density_interval_s": self.high_density_interval_s,
-            "assumptions": list(self.assumptions), "warnings": list(self.warnings),
+            "schedule_gain": self.schedule_gain,
+            "high_density_interval_s": self.high_density_interval_s,
+            "assumptions": list(self.assumptions),
+            "warnings": list(self.warnings),
         }
 
 
 def _interval(stall: float, mtbf: float, downtime: float, persist: float, shape: float) -> float:
     if shape == 1.0:
         return optimal_interval(stall_s=stall, mtbf_s=mtbf)
-    return optimal_interval_renewal(stall_s=stall, mtbf_s=mtbf, downtime_s=downtime, persist_s=persist,
-                                    shape=shape)
+    return optimal_interval_renewal(
+        stall_s=stall, mtbf_s=mtbf, downtime_s=downtime, persist_s=persist, shape=shape
+    )
 
 
 def advise_cadence(inputs: CadenceInputs) -> CadenceAdvice:
@@ -400,13 +467,16 @@ def advise_cadence(inputs: CadenceInputs) -> CadenceAdvice:
     if log is not None:
         if log.median_downtime_s is not None:
             restart = max(0.0, log.median_downtime_s - i.detect_s)
-            assumptions.append(f"R from the log's median incident downtime ({log.median_downtime_s:.0f} s "
-                               "incl. detection)")
+            assumptions.append(
+                f"R from the log's median incident downtime ({log.median_downtime_s:.0f} s incl. detection)"
+            )
         mtbf = 1 / log.rate_per_s
         rate_lo, rate_hi = log.rate_ci_per_s
-        assumptions.append(f"M = {mtbf / 3600:.2f} h from {log.n_incidents} incidents ({log.n_events} raw "
-                           f"events, cluster factor {log.cluster_factor:.2f}) over "
-                           f"{log.exposure_s / 3600:.0f} h")
+        assumptions.append(
+            f"M = {mtbf / 3600:.2f} h from {log.n_incidents} incidents ({log.n_events} raw "
+            f"events, cluster factor {log.cluster_factor:.2f}) over "
+            f"{log.exposure_s / 3600:.0f} h"
+        )
         tests = log.tests
         trending = tests.trend is not None and tests.trend.rejects
         if trending and tests.trend is not None:
@@ -414,14 +484,18 @@ def advise_cadence(inputs: CadenceInputs) -> CadenceAdvice:
             scale = log.current_rate_per_s / log.rate_per_s
             mtbf /= scale
             rate_lo, rate_hi = rate_lo * scale, rate_hi * scale
-            warnings.append(f"trend (Crow-AMSAA beta = {tests.trend.estimate:.2f}) rejects a constant rate: "
-                            f"using the current intensity, M = {mtbf / 3600:.2f} h")
+            warnings.append(
+                f"trend (Crow-AMSAA beta = {tests.trend.estimate:.2f}) rejects a constant rate: "
+                f"using the current intensity, M = {mtbf / 3600:.2f} h"
+            )
         if tests.weibull is not None and tests.weibull.rejects:
             lo, hi = tests.weibull.ci or (tests.weibull.estimate,) * 2
             if trending or log.weibull_scale_s is None:
                 # Gaps of a non-stationary process are not identically distributed: no renewal fit.
-                warnings.append(f"Weibull shape {tests.weibull.estimate:.2f} (CI {lo:.2f}-{hi:.2f}) not "
-                                "used: the rate is not stationary")
+                warnings.append(
+                    f"Weibull shape {tests.weibull.estimate:.2f} (CI {lo:.2f}-{hi:.2f}) not "
+                    "used: the rate is not stationary"
+                )
             else:
                 shape = tests.weibull.estimate
                 # The truncation-corrected fit also gives the mean of the unmerged process, which the
@@ -429,19 +503,24 @@ def advise_cadence(inputs: CadenceInputs) -> CadenceAdvice:
                 fitted = log.weibull_scale_s * gamma(1 + 1 / shape)
                 rate_lo, rate_hi = rate_lo * mtbf / fitted, rate_hi * mtbf / fitted
                 mtbf = fitted
-                warnings.append(f"Weibull shape {shape:.2f} (CI {lo:.2f}-{hi:.2f}) rejects exponential "
-                                "inter-arrivals: interval from the Weibull renewal model")
+                warnings.append(
+                    f"Weibull shape {shape:.2f} (CI {lo:.2f}-{hi:.2f}) rejects exponential "
+                    "inter-arrivals: interval from the Weibull renewal model"
+                )
         if tests.dispersion is not None and tests.dispersion.rejects:
             high_density = True
             phi = max(1.0, tests.dispersion.estimate)
             centre = 1 / mtbf
             rate_lo = centre - (centre - rate_lo) * math.sqrt(phi)
             rate_hi = centre + (rate_hi - centre) * math.sqrt(phi)
-            warnings.append(f"counts over-dispersed (var/mean = {phi:.2f}): confidence band widened "
-                            "(quasi-Poisson); shorten the interval during high-density periods")
+            warnings.append(
+                f"counts over-dispersed (var/mean = {phi:.2f}): confidence band widened "
+                "(quasi-Poisson); shorten the interval during high-density periods"
+            )
         if tests.cv is not None and tests.cv.rejects:
-            warnings.append(f"inter-arrival CV {tests.cv.estimate:.2f} > 1: failures cluster beyond "
-                            "incident merging")
+            warnings.append(
+                f"inter-arrival CV {tests.cv.estimate:.2f} > 1: failures cluster beyond incident merging"
+            )
         rate_lo = max(rate_lo, 1e-12)
     else:
         assert i.mtbf_s is not None
@@ -452,28 +531,49 @@ def advise_cadence(inputs: CadenceInputs) -> CadenceAdvice:
     stall, persist = i.stall_s, i.persist_s
     assumptions.append("interruptions arrive as a renewal process; one incident = one interruption")
     if persist > 0:
-        assumptions.append(f"async saves: only the {stall:.0f} s stall enters the interval; the "
-                           f"{persist:.0f} s persist lag adds rework (a failure before it lands "
-                           "falls back one generation)")
+        assumptions.append(
+            f"async saves: only the {stall:.0f} s stall enters the interval; the "
+            f"{persist:.0f} s persist lag adds rework (a failure before it lands "
+            "falls back one generation)"
+        )
 
     optimum = optimal_interval(stall_s=stall, mtbf_s=mtbf)
     recommended = _interval(stall, mtbf, downtime, persist, shape)
-    confidence = tuple(sorted((_interval(stall, 1 / rate_hi, downtime, persist, shape),
-                               _interval(stall, 1 / rate_lo, downtime, persist, shape))))
+    confidence = tuple(
+        sorted(
+            (
+                _interval(stall, 1 / rate_hi, downtime, persist, shape),
+                _interval(stall, 1 / rate_lo, downtime, persist, shape),
+            )
+        )
+    )
     young = young_interval(stall_s=stall, mtbf_s=mtbf)
-    waste = expected_waste(recommended, stall_s=stall, mtbf_s=mtbf, downtime_s=downtime, persist_s=persist,
-                           shape=shape)
-    waste_young = expected_waste(young, stall_s=stall, mtbf_s=mtbf, downtime_s=downtime, persist_s=persist,
-                                 shape=shape)
+    waste = expected_waste(
+        recommended, stall_s=stall, mtbf_s=mtbf, downtime_s=downtime, persist_s=persist, shape=shape
+    )
+    waste_young = expected_waste(
+        young, stall_s=stall, mtbf_s=mtbf, downtime_s=downtime, persist_s=persist, shape=shape
+    )
     schedule = gain = None
     if shape < 1.0:
         schedule = hazard_schedule(stall_s=stall, mtbf_s=mtbf, shape=shape, steady_s=recommended)
-        gain = waste - schedule_waste(schedule, steady_s=recommended, stall_s=stall, mtbf_s=mtbf,
-                                      downtime_s=downtime, persist_s=persist, shape=shape)
+        gain = waste - schedule_waste(
+            schedule,
+            steady_s=recommended,
+            stall_s=stall,
+            mtbf_s=mtbf,
+            downtime_s=downtime,
+            persist_s=persist,
+            shape=shape,
+        )
 
-    retention = advise_retention(interval_s=recommended, latency_s=i.sdc_latency_s,
-                                 acceptable_risk=i.acceptable_risk, checkpoint_bytes=i.checkpoint_bytes,
-                                 storage_budget_bytes=i.storage_budget_bytes)
+    retention = advise_retention(
+        interval_s=recommended,
+        latency_s=i.sdc_latency_s,
+        acceptable_risk=i.acceptable_risk,
+        checkpoint_bytes=i.checkpoint_bytes,
+        storage_budget_bytes=i.storage_budget_bytes,
+    )
     tiers: tuple[TierAdvice, ...] = ()
     if i.tiers:
         if log is not None and log.radius_counts:
@@ -485,14 +585,26 @@ def advise_cadence(inputs: CadenceInputs) -> CadenceAdvice:
     return CadenceAdvice(
         young_interval_s=young,
         daly_first_order_s=daly_first_order(stall_s=stall, mtbf_s=mtbf, restart_s=restart),
-        daly_interval_s=daly_higher_order(stall_s=stall, mtbf_s=mtbf), optimal_interval_s=optimum,
-        recommended_interval_s=recommended, band_s=flat_basin_band(recommended, i.basin_tolerance),
-        confidence_band_s=(confidence[0], confidence[1]), expected_waste=waste,
-        expected_waste_young=waste_young, mtbf_s=mtbf, downtime_s=downtime, shape=shape,
-        retention=retention, tiers=tiers, schedule_s=schedule, schedule_gain=gain,
-        high_density_interval_s=(_interval(stall, mtbf / 3, downtime, persist, shape)
-                                 if high_density else None),
-        assumptions=tuple(assumptions), warnings=tuple(warnings))
+        daly_interval_s=daly_higher_order(stall_s=stall, mtbf_s=mtbf),
+        optimal_interval_s=optimum,
+        recommended_interval_s=recommended,
+        band_s=flat_basin_band(recommended, i.basin_tolerance),
+        confidence_band_s=(confidence[0], confidence[1]),
+        expected_waste=waste,
+        expected_waste_young=waste_young,
+        mtbf_s=mtbf,
+        downtime_s=downtime,
+        shape=shape,
+        retention=retention,
+        tiers=tiers,
+        schedule_s=schedule,
+        schedule_gain=gain,
+        high_density_interval_s=(
+            _interval(stall, mtbf / 3, downtime, persist, shape) if high_density else None
+        ),
+        assumptions=tuple(assumptions),
+        warnings=tuple(warnings),
+    )
 
 
 # --- from the collector's observed records -------------------------------------------------------
@@ -500,11 +612,19 @@ def advise_cadence(inputs: CadenceInputs) -> CadenceAdvice:
 _OK_STATUSES = {"ok", "success", "succeeded", "completed", "complete", "done"}
 
 
-def advise_from_records(checkpoints: Sequence[Mapping[str, Any]], failures: Sequence[Mapping[str, Any]], *,
-                        exposure_s: float | None = None, mtbf_s: float | None = None,
-                        restart_s: float = 600.0, detect_s: float = 60.0, sdc_latency_s: float | None = None,
-                        acceptable_risk: float = 0.01, storage_budget_bytes: float | None = None,
-                        tiers: Sequence[TierSpec] = ()) -> CadenceAdvice:
+def advise_from_records(
+    checkpoints: Sequence[Mapping[str, Any]],
+    failures: Sequence[Mapping[str, Any]],
+    *,
+    exposure_s: float | None = None,
+    mtbf_s: float | None = None,
+    restart_s: float = 600.0,
+    detect_s: float = 60.0,
+    sdc_latency_s: float | None = None,
+    acceptable_risk: float = 0.01,
+    storage_budget_bytes: float | None = None,
+    tiers: Sequence[TierSpec] = (),
+) -> CadenceAdvice:
     """Cadence advice from a run's observed checkpoint records and failure events.
 
     checkpoints: dicts with stall_s (or write_stall_s), optional persist_s, size_bytes and status
@@ -523,15 +643,23 @@ def advise_from_records(checkpoints: Sequence[Mapping[str, Any]], failures: Sequ
         log = analyze_log([parse_event(f) for f in failures], exposure_s=exposure_s)
     elif mtbf_s is None:
         raise ValueError("failures: no failure events and no mtbf_s given")
-    advice = advise_cadence(CadenceInputs(
-        stall_s=float(np.median(stalls)), persist_s=float(np.median(persists)) if persists else 0.0,
-        mtbf_s=None if log is not None else mtbf_s, log=log, restart_s=restart_s, detect_s=detect_s,
-        sdc_latency_s=sdc_latency_s, acceptable_risk=acceptable_risk,
-        checkpoint_bytes=float(np.median(sizes)) if sizes else None,
-        storage_budget_bytes=storage_budget_bytes, tiers=tuple(tiers)))
+    advice = advise_cadence(
+        CadenceInputs(
+            stall_s=float(np.median(stalls)),
+            persist_s=float(np.median(persists)) if persists else 0.0,
+            mtbf_s=None if log is not None else mtbf_s,
+            log=log,
+            restart_s=restart_s,
+            detect_s=detect_s,
+            sdc_latency_s=sdc_latency_s,
+            acceptable_risk=acceptable_risk,
+            checkpoint_bytes=float(np.median(sizes)) if sizes else None,
+            storage_budget_bytes=storage_budget_bytes,
+            tiers=tuple(tiers),
+        )
+    )
     failed = len(checkpoints) - len(ok)
     if failed:
-        note = (f"{failed} of {len(checkpoints)} saves failed: never keep fewer than 2 validated "
-                "generations")
+        note = f"{failed} of {len(checkpoints)} saves failed: never keep fewer than 2 validated generations"
         advice = dataclasses.replace(advice, warnings=advice.warnings + (note,))
     return advice

@@ -47,6 +47,7 @@ def _dump(data: Any) -> str:
         if isinstance(v, list | tuple):
             return [clean(x) for x in v]
         return v
+
     return json.dumps(clean(data), indent=2, sort_keys=False)
 
 
@@ -73,8 +74,10 @@ def _format_recommendation(rec: Recommendation) -> str:
         lines.append("no layout fits" + (f"; minimum GPUs: {rec.min_gpus}" if rec.min_gpus else ""))
     else:
         c = rec.config
-        lines.append(f"config: tp={c.tp} pp={c.pp} dp={c.dp} ep={c.ep} zero={c.zero} "
-                     f"micro_batch={c.micro_batch} global_batch={c.global_batch}")
+        lines.append(
+            f"config: tp={c.tp} pp={c.pp} dp={c.dp} ep={c.ep} zero={c.zero} "
+            f"micro_batch={c.micro_batch} global_batch={c.global_batch}"
+        )
         assert rec.result is not None
         lines.append(_format_plan(rec.result))
     lines += [f"warning: {w}" for w in rec.warnings if rec.result is None or w not in rec.result.warnings]
@@ -93,11 +96,15 @@ def run_plan(args: argparse.Namespace) -> int:
             model = parse_model(data)
             seq = model.seq_len
             global_batch = par.get("global_batch")
-            rec = recommend(model=model, hardware=parse_hardware(data), gpus=gpus,
-                            micro_batch=int(par.get("micro_batch", 1)),
-                            global_batch_tokens=global_batch * seq if global_batch else None,
-                            recompute=str(par.get("recompute", "selective")),
-                            critical_batch_tokens=args.critical_batch_tokens)
+            rec = recommend(
+                model=model,
+                hardware=parse_hardware(data),
+                gpus=gpus,
+                micro_batch=int(par.get("micro_batch", 1)),
+                global_batch_tokens=global_batch * seq if global_batch else None,
+                recompute=str(par.get("recompute", "selective")),
+                critical_batch_tokens=args.critical_batch_tokens,
+            )
             print(_dump(rec.as_dict()) if args.json else _format_recommendation(rec))
             return 0 if rec.feasible else 1
         result = plan(parse_plan_input(data))
@@ -123,8 +130,9 @@ def _parse_mix(text: str) -> dict[str, float]:
     for item in text.split(","):
         radius, _, share = item.partition("=")
         if radius not in RADIUS_LEVELS:
-            raise argparse.ArgumentTypeError(f"--radius-mix: unknown radius {radius!r} "
-                                             f"({', '.join(RADIUS_LEVELS)})")
+            raise argparse.ArgumentTypeError(
+                f"--radius-mix: unknown radius {radius!r} ({', '.join(RADIUS_LEVELS)})"
+            )
         mix[radius] = float(share)
     return mix
 
@@ -132,6 +140,7 @@ def _parse_mix(text: str) -> dict[str, float]:
 def _format_advice(a: CadenceAdvice) -> str:
     def mins(s: float) -> str:
         return f"{s / 60:.1f} min"
+
     lines = [
         f"recommended interval: {mins(a.recommended_interval_s)} (flat-basin band {mins(a.band_s[0])}-"
         f"{mins(a.band_s[1])}; confidence band {mins(a.confidence_band_s[0])}-"
@@ -144,8 +153,11 @@ def _format_advice(a: CadenceAdvice) -> str:
     ]
     lines += [f"tier {t.name}: every {mins(t.interval_s)}" for t in a.tiers]
     if a.schedule_s:
-        lines.append("after a restart: " + ", ".join(mins(s) for s in a.schedule_s)
-                     + f" (saves {a.schedule_gain:.2%} of wall time)")
+        lines.append(
+            "after a restart: "
+            + ", ".join(mins(s) for s in a.schedule_s)
+            + f" (saves {a.schedule_gain:.2%} of wall time)"
+        )
     lines += [f"assumes: {x}" for x in a.assumptions] + [f"warning: {w}" for w in a.warnings]
     return "\n".join(lines)
 
@@ -156,35 +168,68 @@ def run_advise(args: argparse.Namespace) -> int:
         log = None
         if args.events:
             exposure = args.exposure_h * 3600 if args.exposure_h else None
-            log = analyze_log(load_events(args.events), exposure_s=exposure, window_s=args.window_s,
-                              domain_window_s=args.domain_window_s)
+            log = analyze_log(
+                load_events(args.events),
+                exposure_s=exposure,
+                window_s=args.window_s,
+                domain_window_s=args.domain_window_s,
+            )
         mtbf = args.mtbf_s if args.mtbf_s is not None else (args.mtbf_h * 3600 if args.mtbf_h else None)
         if log is None and mtbf is None:
             raise ValueError("give --mtbf-s/--mtbf-h or --events FILE")
-        latency = args.sdc_latency_s if args.sdc_latency_s is not None else (
-            args.sdc_latency_h * 3600 if args.sdc_latency_h is not None else None)
-        advice = advise_cadence(CadenceInputs(
-            stall_s=args.stall_s, persist_s=args.persist_s, mtbf_s=mtbf if log is None else None, log=log,
-            restart_s=args.restart_s, detect_s=args.detect_s, sdc_latency_s=latency,
-            acceptable_risk=args.risk,
-            checkpoint_bytes=args.checkpoint_gib * GIB if args.checkpoint_gib else None,
-            storage_budget_bytes=args.storage_budget_gib * GIB if args.storage_budget_gib else None,
-            tiers=tuple(args.tier or ()), radius_mix=args.radius_mix))
+        latency = (
+            args.sdc_latency_s
+            if args.sdc_latency_s is not None
+            else (args.sdc_latency_h * 3600 if args.sdc_latency_h is not None else None)
+        )
+        advice = advise_cadence(
+            CadenceInputs(
+                stall_s=args.stall_s,
+                persist_s=args.persist_s,
+                mtbf_s=mtbf if log is None else None,
+                log=log,
+                restart_s=args.restart_s,
+                detect_s=args.detect_s,
+                sdc_latency_s=latency,
+                acceptable_risk=args.risk,
+                checkpoint_bytes=args.checkpoint_gib * GIB if args.checkpoint_gib else None,
+                storage_budget_bytes=args.storage_budget_gib * GIB if args.storage_budget_gib else None,
+                tiers=tuple(args.tier or ()),
+                radius_mix=args.radius_mix,
+            )
+        )
     except (ValueError, OSError) as exc:
         print(f"trainvitals advise: {exc}", file=sys.stderr)
         return 2
     if args.json:
         out = advice.as_dict()
         if log is not None:
-            out["log"] = {"events": log.n_events, "incidents": log.n_incidents,
-                          "cluster_factor": log.cluster_factor, "exposure_s": log.exposure_s,
-                          "rate_per_hour": log.rate_per_s * 3600,
-                          "rate_ci_per_hour": [r * 3600 for r in log.rate_ci_per_s],
-                          "radius_counts": log.radius_counts,
-                          "tests": {t.name: {"estimate": t.estimate, "ci": t.ci, "p_value": t.p_value,
-                                             "rejects": t.rejects, "detail": t.detail}
-                                    for t in (log.tests.dispersion, log.tests.cv, log.tests.weibull,
-                                              log.tests.trend, log.tests.cascade) if t is not None}}
+            out["log"] = {
+                "events": log.n_events,
+                "incidents": log.n_incidents,
+                "cluster_factor": log.cluster_factor,
+                "exposure_s": log.exposure_s,
+                "rate_per_hour": log.rate_per_s * 3600,
+                "rate_ci_per_hour": [r * 3600 for r in log.rate_ci_per_s],
+                "radius_counts": log.radius_counts,
+                "tests": {
+                    t.name: {
+                        "estimate": t.estimate,
+                        "ci": t.ci,
+                        "p_value": t.p_value,
+                        "rejects": t.rejects,
+                        "detail": t.detail,
+                    }
+                    for t in (
+                        log.tests.dispersion,
+                        log.tests.cv,
+                        log.tests.weibull,
+                        log.tests.trend,
+                        log.tests.cascade,
+                    )
+                    if t is not None
+                },
+            }
         print(_dump(out))
     else:
         print(_format_advice(advice))
@@ -196,8 +241,12 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="predict memory, step time and MFU for a parallelism config")
     p.add_argument("--config", required=True, help="JSON or YAML file with model, parallelism, hardware")
     p.add_argument("--recommend", action="store_true", help="climb the ladder and choose tp/pp/dp/ep")
-    p.add_argument("--critical-batch-tokens", type=float, default=DEFAULT_CRITICAL_BATCH_TOKENS,
-                   help="tokens per step past which more data parallelism stops helping")
+    p.add_argument(
+        "--critical-batch-tokens",
+        type=float,
+        default=DEFAULT_CRITICAL_BATCH_TOKENS,
+        help="tokens per step past which more data parallelism stops helping",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run_plan)
     return p
@@ -213,8 +262,12 @@ def add_advise_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--events", help="failure event log (CSV or JSON)")
     p.add_argument("--exposure-h", type=float, help="observed period of the log, hours")
     p.add_argument("--window-s", type=float, help="incident merge window (default max(300, median restart))")
-    p.add_argument("--domain-window-s", type=float, default=3600.0,
-                   help="merge window for events sharing a failure-domain tag, s")
+    p.add_argument(
+        "--domain-window-s",
+        type=float,
+        default=3600.0,
+        help="merge window for events sharing a failure-domain tag, s",
+    )
     p.add_argument("--restart-s", type=float, default=600.0, help="restart/recovery time R, s")
     p.add_argument("--detect-s", type=float, default=60.0, help="failure detection time D, s")
     p.add_argument("--sdc-latency-s", type=float, help="mean SDC detection latency, s")
@@ -222,8 +275,12 @@ def add_advise_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--risk", type=float, default=0.01, help="acceptable probability of an unrecoverable SDC")
     p.add_argument("--checkpoint-gib", type=float, help="size of one checkpoint generation, GiB")
     p.add_argument("--storage-budget-gib", type=float, help="storage for retained generations, GiB")
-    p.add_argument("--tier", type=_parse_tier, action="append",
-                   help="NAME:COST_S:SURVIVES, fastest first (SURVIVES in rank,node,rack,pod,cluster)")
+    p.add_argument(
+        "--tier",
+        type=_parse_tier,
+        action="append",
+        help="NAME:COST_S:SURVIVES, fastest first (SURVIVES in rank,node,rack,pod,cluster)",
+    )
     p.add_argument("--radius-mix", type=_parse_mix, help="without a log: e.g. node=0.9,rack=0.1")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run_advise)

@@ -95,14 +95,26 @@ class StepTime:
 
     @property
     def total_s(self) -> float:
-        return (self.compute_s + self.tp_comm_s + self.pp_comm_s + self.ep_comm_s + self.bubble_s
-                + self.dp_comm_exposed_s)
+        return (
+            self.compute_s
+            + self.tp_comm_s
+            + self.pp_comm_s
+            + self.ep_comm_s
+            + self.bubble_s
+            + self.dp_comm_exposed_s
+        )
 
     def as_dict(self) -> dict[str, float]:
-        return {"compute_s": self.compute_s, "tp_comm_s": self.tp_comm_s, "pp_comm_s": self.pp_comm_s,
-                "ep_comm_s": self.ep_comm_s, "dp_comm_exposed_s": self.dp_comm_exposed_s,
-                "dp_comm_total_s": self.dp_comm_total_s, "bubble_s": self.bubble_s,
-                "total_s": self.total_s}
+        return {
+            "compute_s": self.compute_s,
+            "tp_comm_s": self.tp_comm_s,
+            "pp_comm_s": self.pp_comm_s,
+            "ep_comm_s": self.ep_comm_s,
+            "dp_comm_exposed_s": self.dp_comm_exposed_s,
+            "dp_comm_total_s": self.dp_comm_total_s,
+            "bubble_s": self.bubble_s,
+            "total_s": self.total_s,
+        }
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -121,8 +133,13 @@ class MfuPrediction:
     """FLOP counting convention of the number."""
 
     def as_dict(self) -> dict[str, float | bool | str]:
-        return {"predicted": self.predicted, "low": self.low, "high": self.high,
-                "calibrated": self.calibrated, "convention": self.convention}
+        return {
+            "predicted": self.predicted,
+            "low": self.low,
+            "high": self.high,
+            "calibrated": self.calibrated,
+            "convention": self.convention,
+        }
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -149,11 +166,17 @@ class PlanResult:
     """Things the user should know (e.g. does not fit)."""
 
     def as_dict(self) -> dict[str, Any]:
-        return {"memory": self.memory.as_dict(), "step_time": self.step.as_dict(),
-                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu.as_dict(),
-                "binding_wall": self.binding_wall, "model_flops_per_token": self.model_flops_per_token,
-                "params_total": self.params_total, "params_active": self.params_active,
-                "warnings": list(self.warnings)}
+        return {
+            "memory": self.memory.as_dict(),
+            "step_time": self.step.as_dict(),
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu.as_dict(),
+            "binding_wall": self.binding_wall,
+            "model_flops_per_token": self.model_flops_per_token,
+            "params_total": self.params_total,
+            "params_active": self.params_active,
+            "warnings": list(self.warnings),
+        }
 
 
 def model_flops_per_token(plan: PlanInput) -> float:
@@ -199,8 +222,17 @@ def predict_step(plan: PlanInput, calibration: Calibration) -> StepTime:
     if p.ep > 1:
         n_a2a = 6 if p.recompute == "full" else 4
         bw = intra if p.ep * p.tp * p.cp <= hw.gpus_per_node else inter
-        ep_comm = (m.layers / p.pp) * micro * n_a2a * m.active_experts * (p.ep - 1) / p.ep \
-            * mb_act_bytes / p.tp / bw
+        ep_comm = (
+            (m.layers / p.pp)
+            * micro
+            * n_a2a
+            * m.active_experts
+            * (p.ep - 1)
+            / p.ep
+            * mb_act_bytes
+            / p.tp
+            / bw
+        )
 
     dense = m.params_total - m.expert_params
     stage_params = dense / (p.tp * p.pp) + m.expert_params / (p.tp * p.pp * p.ep)
@@ -215,9 +247,15 @@ def predict_step(plan: PlanInput, calibration: Calibration) -> StepTime:
 
     critical = compute + tp_comm + pp_comm + ep_comm
     bubble = critical * (p.pp - 1) / (p.vpp * micro) if p.pp > 1 else 0.0
-    return StepTime(compute_s=compute, tp_comm_s=tp_comm, pp_comm_s=pp_comm, ep_comm_s=ep_comm,
-                    dp_comm_exposed_s=calibration.dp_exposed * dp_total, dp_comm_total_s=dp_total,
-                    bubble_s=bubble)
+    return StepTime(
+        compute_s=compute,
+        tp_comm_s=tp_comm,
+        pp_comm_s=pp_comm,
+        ep_comm_s=ep_comm,
+        dp_comm_exposed_s=calibration.dp_exposed * dp_total,
+        dp_comm_total_s=dp_total,
+        bubble_s=bubble,
+    )
 
 
 def _mfu_from_step(plan: PlanInput, step: StepTime) -> float:
@@ -229,8 +267,12 @@ def _mfu_from_step(plan: PlanInput, step: StepTime) -> float:
 def _binding_wall(plan: PlanInput, memory: MemoryBreakdown, step: StepTime) -> str:
     if not memory.fits:
         return "memory"
-    overheads = {"tp_comm": step.tp_comm_s, "pp_bubble": step.bubble_s + step.pp_comm_s,
-                 "dp_comm": step.dp_comm_exposed_s, "ep_comm": step.ep_comm_s}
+    overheads = {
+        "tp_comm": step.tp_comm_s,
+        "pp_bubble": step.bubble_s + step.pp_comm_s,
+        "dp_comm": step.dp_comm_exposed_s,
+        "ep_comm": step.ep_comm_s,
+    }
     name, worst = max(overheads.items(), key=lambda kv: kv[1])
     if worst > 0.1 * step.total_s:
         return name
@@ -247,49 +289,73 @@ def plan(plan_input: PlanInput, calibration: Calibration | None = None) -> PlanR
     predicted = _mfu_from_step(plan_input, step)
     calibrated = plan_input.hardware.gpu.name in CALIBRATED_GPUS
     band = cal.band if calibrated else UNCALIBRATED_BAND
-    mfu = MfuPrediction(predicted=predicted, low=predicted * (1 - band), high=predicted * (1 + band),
-                        calibrated=calibrated)
+    mfu = MfuPrediction(
+        predicted=predicted, low=predicted * (1 - band), high=predicted * (1 + band), calibrated=calibrated
+    )
     warnings: list[str] = []
     if not memory.fits:
-        warnings.append(f"does not fit: {memory.tenants / 2**30:.1f} GiB of tenants > "
-                        f"{(memory.capacity - memory.overhead) / 2**30:.1f} GiB usable "
-                        f"({plan_input.hardware.usable_hbm_fraction:.0%} of HBM)")
+        warnings.append(
+            f"does not fit: {memory.tenants / 2**30:.1f} GiB of tenants > "
+            f"{(memory.capacity - memory.overhead) / 2**30:.1f} GiB usable "
+            f"({plan_input.hardware.usable_hbm_fraction:.0%} of HBM)"
+        )
     if not calibrated:
-        warnings.append(f"{plan_input.hardware.gpu.name} is not in the calibration set; band widened "
-                        f"to +-{UNCALIBRATED_BAND:.0%}")
+        warnings.append(
+            f"{plan_input.hardware.gpu.name} is not in the calibration set; band widened "
+            f"to +-{UNCALIBRATED_BAND:.0%}"
+        )
     p = plan_input.parallelism
     if p.pp > 1 and p.micro_batches < 4 * p.pp:
-        warnings.append(f"only {p.micro_batches} micro-batches for pp={p.pp}: bubble "
-                        f"{(p.pp - 1) / (p.micro_batches + p.pp - 1):.0%}; aim for m >= 4*pp")
+        warnings.append(
+            f"only {p.micro_batches} micro-batches for pp={p.pp}: bubble "
+            f"{(p.pp - 1) / (p.micro_batches + p.pp - 1):.0%}; aim for m >= 4*pp"
+        )
     tokens = p.global_batch * plan_input.model.seq_len
-    return PlanResult(memory=memory, step=step, tokens_per_s=tokens / step.total_s, mfu=mfu,
-                      binding_wall=_binding_wall(plan_input, memory, step),
-                      model_flops_per_token=model_flops_per_token(plan_input),
-                      params_total=plan_input.model.params_total,
-                      params_active=plan_input.model.params_active, warnings=tuple(warnings))
+    return PlanResult(
+        memory=memory,
+        step=step,
+        tokens_per_s=tokens / step.total_s,
+        mfu=mfu,
+        binding_wall=_binding_wall(plan_input, memory, step),
+        model_flops_per_token=model_flops_per_token(plan_input),
+        params_total=plan_input.model.params_total,
+        params_active=plan_input.model.params_active,
+        warnings=tuple(warnings),
+    )
 
 
-def predict_mfu(registration: Mapping[str, Any], *,
-                calibration: Calibration | None = None) -> MfuPrediction:
+def predict_mfu(registration: Mapping[str, Any], *, calibration: Calibration | None = None) -> MfuPrediction:
     """MFU prediction for a run registration dict (keys model/parallelism/hardware)."""
     return plan(parse_plan_input(registration, strict=False), calibration).mfu
 
 
 # --- calibration on seed 002 -------------------------------------------------------------------
 
+
 def _kf_row(label: str, model: str, gpus: int, tp: int, mfu_pct: float) -> CalibrationRow:
     # KempnerForge MFU benchmark (2026-04-05): Llama-3 shapes, seq 4096, full AC, FSDP2, 4 H200/node.
-    shapes = {"7B": {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn_hidden": 14336},
-              "13B": {"layers": 40, "hidden": 5120, "heads": 40, "kv_heads": 8, "ffn_hidden": 17920},
-              "70B": {"layers": 80, "hidden": 8192, "heads": 64, "kv_heads": 8, "ffn_hidden": 28672}}
+    shapes = {
+        "7B": {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn_hidden": 14336},
+        "13B": {"layers": 40, "hidden": 5120, "heads": 40, "kv_heads": 8, "ffn_hidden": 17920},
+        "70B": {"layers": 80, "hidden": 8192, "heads": 64, "kv_heads": 8, "ffn_hidden": 28672},
+    }
     micro, accum = {"7B": (4, 2), "13B": (4, 4), "70B": (2, 4)}[model]
     if model == "7B" and gpus <= 2 and tp == 1:
         micro, accum = 2, 4
     dp = gpus // tp
-    config = {"model": {**shapes[model], "vocab": 128256, "seq_len": 4096, "gated_mlp": True},
-              "parallelism": {"gpus": gpus, "tp": tp, "dp": dp, "zero": "fsdp", "micro_batch": micro,
-                              "global_batch": micro * accum * dp, "recompute": "full"},
-              "hardware": {"gpu": "H200", "gpus_per_node": 4}}
+    config = {
+        "model": {**shapes[model], "vocab": 128256, "seq_len": 4096, "gated_mlp": True},
+        "parallelism": {
+            "gpus": gpus,
+            "tp": tp,
+            "dp": dp,
+            "zero": "fsdp",
+            "micro_batch": micro,
+            "global_batch": micro * accum * dp,
+            "recompute": "full",
+        },
+        "hardware": {"gpu": "H200", "gpus_per_node": 4},
+    }
     return CalibrationRow(label=label, config=config, mfu=mfu_pct / 100)
 
 
@@ -315,17 +381,29 @@ HELD_OUT_ROWS: tuple[CalibrationRow, ...] = (
 )
 """The other seven rows of the same benchmark report, not quoted in seed 002 (validation set)."""
 
+
 def _predict_rows(params: np.ndarray, plans: Sequence[PlanInput]) -> np.ndarray:
-    cal = Calibration(eta=float(params[0]), tp_efficiency=float(params[1]), dp_exposed=float(params[2]),
-                      band=0.0, mean_abs_error=0.0, max_abs_error=0.0, loo_mean_abs_error=0.0,
-                      loo_max_abs_error=0.0, source="")
+    cal = Calibration(
+        eta=float(params[0]),
+        tp_efficiency=float(params[1]),
+        dp_exposed=float(params[2]),
+        band=0.0,
+        mean_abs_error=0.0,
+        max_abs_error=0.0,
+        loo_mean_abs_error=0.0,
+        loo_max_abs_error=0.0,
+        source="",
+    )
     return np.array([_mfu_from_step(pl, predict_step(pl, cal)) for pl in plans])
 
 
 def _fit(plans: Sequence[PlanInput], measured: np.ndarray) -> np.ndarray:
     # Fit in log space so a 10% miss on a 25% run weighs like a 10% miss on a 55% run.
-    result = least_squares(lambda x: np.log(_predict_rows(x, plans) / measured),
-                           x0=np.array([0.6, 0.7, 0.5]), bounds=([0.05, 0.05, 0.0], [1.0, 1.0, 1.0]))
+    result = least_squares(
+        lambda x: np.log(_predict_rows(x, plans) / measured),
+        x0=np.array([0.6, 0.7, 0.5]),
+        bounds=([0.05, 0.05, 0.0], [1.0, 1.0, 1.0]),
+    )
     return result.x
 
 
@@ -348,13 +426,28 @@ def calibrate(rows: Sequence[CalibrationRow] = SEED_002_ROWS, *, source: str = "
         sub = _fit([plans[j] for j in keep], measured[keep])
         loo.append(abs(_predict_rows(sub, [plans[i]])[0] / measured[i] - 1))
     loo_arr = np.array(loo)
-    return Calibration(eta=float(params[0]), tp_efficiency=float(params[1]), dp_exposed=float(params[2]),
-                       band=float(loo_arr.max()), mean_abs_error=float(in_sample.mean()),
-                       max_abs_error=float(in_sample.max()), loo_mean_abs_error=float(loo_arr.mean()),
-                       loo_max_abs_error=float(loo_arr.max()), source=source)
+    return Calibration(
+        eta=float(params[0]),
+        tp_efficiency=float(params[1]),
+        dp_exposed=float(params[2]),
+        band=float(loo_arr.max()),
+        mean_abs_error=float(in_sample.mean()),
+        max_abs_error=float(in_sample.max()),
+        loo_mean_abs_error=float(loo_arr.mean()),
+        loo_max_abs_error=float(loo_arr.max()),
+        source=source,
+    )
 
 
 DEFAULT_CALIBRATION = Calibration(
-    eta=0.7424, tp_efficiency=0.6874, dp_exposed=0.6446, band=0.1175, mean_abs_error=0.0500,
-    max_abs_error=0.0924, loo_mean_abs_error=0.0829, loo_max_abs_error=0.1175, source="seed 002")
+    eta=0.7424,
+    tp_efficiency=0.6874,
+    dp_exposed=0.6446,
+    band=0.1175,
+    mean_abs_error=0.0500,
+    max_abs_error=0.0924,
+    loo_mean_abs_error=0.0829,
+    loo_max_abs_error=0.1175,
+    source="seed 002",
+)
 """`calibrate(SEED_002_ROWS)` frozen as constants (a test checks they still match the fit)."""

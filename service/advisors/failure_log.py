@@ -110,8 +110,11 @@ class PoissonTests:
 
     @property
     def rejected(self) -> tuple[str, ...]:
-        return tuple(t.name for t in (self.dispersion, self.cv, self.weibull, self.trend, self.cascade)
-                     if t is not None and t.rejects)
+        return tuple(
+            t.name
+            for t in (self.dispersion, self.cv, self.weibull, self.trend, self.cascade)
+            if t is not None and t.rejects
+        )
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -140,8 +143,9 @@ class LogAnalysis:
     """Scale of the truncation-corrected Weibull fit of incident inter-arrivals (with tests.weibull)."""
     radius_counts: dict[str, int] = field(default_factory=dict)
     """Incidents per blast radius."""
-    tests: PoissonTests = field(default_factory=lambda: PoissonTests(dispersion=None, cv=None, weibull=None,
-                                                                      trend=None, cascade=None))
+    tests: PoissonTests = field(
+        default_factory=lambda: PoissonTests(dispersion=None, cv=None, weibull=None, trend=None, cascade=None)
+    )
     """Poisson-assumption tests on incident times."""
 
 
@@ -204,10 +208,14 @@ def parse_event(raw: Mapping[str, Any]) -> FailureEvent:
     restart_start = raw.get("restart_start")
     restart_end = raw.get("restart_end")
     return FailureEvent(
-        timestamp_s=_time(raw["timestamp"], "timestamp"), ranks=ranks, nodes=tuple(_list(raw.get("nodes"))),
-        domains=_domains(raw.get("domains", raw.get("tags"))), cause=str(raw.get("cause") or ""),
+        timestamp_s=_time(raw["timestamp"], "timestamp"),
+        ranks=ranks,
+        nodes=tuple(_list(raw.get("nodes"))),
+        domains=_domains(raw.get("domains", raw.get("tags"))),
+        cause=str(raw.get("cause") or ""),
         restart_start_s=None if restart_start in (None, "") else _time(restart_start, "restart_start"),
-        restart_end_s=None if restart_end in (None, "") else _time(restart_end, "restart_end"))
+        restart_end_s=None if restart_end in (None, "") else _time(restart_end, "restart_end"),
+    )
 
 
 def load_events(path: str | Path) -> tuple[FailureEvent, ...]:
@@ -251,12 +259,17 @@ def _radius(events: Sequence[FailureEvent]) -> str:
 def _incident(events: list[FailureEvent]) -> Incident:
     ends = [e.restart_end_s for e in events if e.restart_end_s is not None]
     start = events[0].timestamp_s
-    return Incident(start_s=start, end_s=events[-1].timestamp_s, n_events=len(events),
-                    nodes=tuple(sorted({n for e in events for n in e.nodes})),
-                    ranks=tuple(sorted({r for e in events for r in e.ranks})),
-                    domains=tuple(sorted({d for e in events for d in e.domains})),
-                    causes=tuple(sorted({e.cause for e in events if e.cause})),
-                    blast_radius=_radius(events), downtime_s=max(ends) - start if ends else None)
+    return Incident(
+        start_s=start,
+        end_s=events[-1].timestamp_s,
+        n_events=len(events),
+        nodes=tuple(sorted({n for e in events for n in e.nodes})),
+        ranks=tuple(sorted({r for e in events for r in e.ranks})),
+        domains=tuple(sorted({d for e in events for d in e.domains})),
+        causes=tuple(sorted({e.cause for e in events if e.cause})),
+        blast_radius=_radius(events),
+        downtime_s=max(ends) - start if ends else None,
+    )
 
 
 def default_window_s(events: Sequence[FailureEvent]) -> float:
@@ -265,8 +278,9 @@ def default_window_s(events: Sequence[FailureEvent]) -> float:
     return max(300.0, float(np.median(durations))) if durations else 300.0
 
 
-def merge_incidents(events: Sequence[FailureEvent], *, window_s: float | None = None,
-                    domain_window_s: float = 3600.0) -> tuple[Incident, ...]:
+def merge_incidents(
+    events: Sequence[FailureEvent], *, window_s: float | None = None, domain_window_s: float = 3600.0
+) -> tuple[Incident, ...]:
     """Merge events closer than window_s, or closer than domain_window_s when they share a domain tag."""
     ordered = sorted(events, key=lambda e: e.timestamp_s)
     window = default_window_s(ordered) if window_s is None else window_s
@@ -301,8 +315,9 @@ def garwood_interval(n: int, exposure_s: float, confidence: float = 0.9) -> tupl
     return float(lo), float(chi2.ppf(1 - a / 2, 2 * n + 2) / (2 * exposure_s))
 
 
-def dispersion_test(times_s: Sequence[float], *, start_s: float, end_s: float, bin_s: float = 86400.0,
-                    alpha: float = 0.05) -> TestResult | None:
+def dispersion_test(
+    times_s: Sequence[float], *, start_s: float, end_s: float, bin_s: float = 86400.0, alpha: float = 0.05
+) -> TestResult | None:
     """Index of dispersion of counts per bin: sum (c - mean)^2 / mean ~ chi2(bins - 1) under Poisson."""
     n_bins = int((end_s - start_s) // bin_s)
     if n_bins < 5 or len(times_s) < 5:
@@ -314,8 +329,14 @@ def dispersion_test(times_s: Sequence[float], *, start_s: float, end_s: float, b
     stat = float(((counts - mean) ** 2).sum() / mean)
     p = float(chi2.sf(stat, n_bins - 1))
     ratio = float(counts.var(ddof=1) / mean)
-    return TestResult(name="dispersion", estimate=ratio, ci=None, p_value=p, rejects=p < alpha,
-                      detail=f"var/mean of {n_bins} bins of {bin_s / 3600:.0f} h = {ratio:.2f}")
+    return TestResult(
+        name="dispersion",
+        estimate=ratio,
+        ci=None,
+        p_value=p,
+        rejects=p < alpha,
+        detail=f"var/mean of {n_bins} bins of {bin_s / 3600:.0f} h = {ratio:.2f}",
+    )
 
 
 def cv_test(inter_arrivals_s: Sequence[float], *, alpha: float = 0.05) -> TestResult | None:
@@ -325,8 +346,14 @@ def cv_test(inter_arrivals_s: Sequence[float], *, alpha: float = 0.05) -> TestRe
         return None
     cv = float(x.std(ddof=1) / x.mean())
     p = float(norm.sf((cv - 1) * math.sqrt(len(x))))
-    return TestResult(name="cv", estimate=cv, ci=None, p_value=p, rejects=p < alpha,
-                      detail=f"CV = {cv:.2f} over {len(x)} inter-arrivals (1 for Poisson)")
+    return TestResult(
+        name="cv",
+        estimate=cv,
+        ci=None,
+        p_value=p,
+        rejects=p < alpha,
+        detail=f"CV = {cv:.2f} over {len(x)} inter-arrivals (1 for Poisson)",
+    )
 
 
 def weibull_mle(samples: Sequence[float], *, truncation_s: float = 0.0) -> tuple[float, float]:
@@ -356,20 +383,28 @@ def weibull_mle(samples: Sequence[float], *, truncation_s: float = 0.0) -> tuple
     scale = float((y**shape).mean() ** (1 / shape))
     w_trunc = truncation_s / unit
     if w_trunc > 0:
+
         def nll(params: np.ndarray) -> float:
             k, eta = math.exp(params[0]), math.exp(params[1])
-            return -float((math.log(k) - k * math.log(eta) + (k - 1) * log_y - (y / eta) ** k).sum()
-                          + len(y) * (w_trunc / eta) ** k)
+            return -float(
+                (math.log(k) - k * math.log(eta) + (k - 1) * log_y - (y / eta) ** k).sum()
+                + len(y) * (w_trunc / eta) ** k
+            )
 
-        res = minimize(nll, x0=np.log([shape, scale]), method="Nelder-Mead",
-                       options={"xatol": 1e-6, "fatol": 1e-9, "maxiter": 2000})
+        res = minimize(
+            nll,
+            x0=np.log([shape, scale]),
+            method="Nelder-Mead",
+            options={"xatol": 1e-6, "fatol": 1e-9, "maxiter": 2000},
+        )
         shape = min(hi, max(lo, math.exp(res.x[0])))
         scale = math.exp(res.x[1])
     return shape, unit * scale
 
 
-def weibull_test(inter_arrivals_s: Sequence[float], *, alpha: float = 0.05,
-                 truncation_s: float = 0.0) -> TestResult | None:
+def weibull_test(
+    inter_arrivals_s: Sequence[float], *, alpha: float = 0.05, truncation_s: float = 0.0
+) -> TestResult | None:
     """Shape MLE with Wald CI on log(shape): Var(k_hat) ~ 0.608 k^2 / n; exponential is k = 1."""
     x = [v for v in inter_arrivals_s if v > 0]
     if len(x) < 10:
@@ -380,12 +415,19 @@ def weibull_test(inter_arrivals_s: Sequence[float], *, alpha: float = 0.05,
     ci = (shape * math.exp(-z * se), shape * math.exp(z * se))
     p = float(2 * norm.sf(abs(math.log(shape)) / se))
     reading = "infant mortality" if shape < 1 else "wear-out" if shape > 1 else "exponential"
-    return TestResult(name="weibull_shape", estimate=shape, ci=ci, p_value=p, rejects=p < alpha,
-                      detail=f"shape {shape:.2f} ({reading}), {1 - alpha:.0%} CI {ci[0]:.2f}-{ci[1]:.2f}")
+    return TestResult(
+        name="weibull_shape",
+        estimate=shape,
+        ci=ci,
+        p_value=p,
+        rejects=p < alpha,
+        detail=f"shape {shape:.2f} ({reading}), {1 - alpha:.0%} CI {ci[0]:.2f}-{ci[1]:.2f}",
+    )
 
 
-def crow_amsaa_test(times_s: Sequence[float], *, start_s: float, end_s: float,
-                    alpha: float = 0.05) -> TestResult | None:
+def crow_amsaa_test(
+    times_s: Sequence[float], *, start_s: float, end_s: float, alpha: float = 0.05
+) -> TestResult | None:
     """Power-law NHPP trend: beta = n / sum ln(T/t_i), CI from 2n beta / beta_hat ~ chi2(2n).
 
     The decision uses the Lewis-Robinson statistic (the Laplace trend statistic divided by the
@@ -405,13 +447,19 @@ def crow_amsaa_test(times_s: Sequence[float], *, start_s: float, end_s: float,
     cv = float(gaps.std(ddof=1) / gaps.mean()) if n > 2 else 1.0
     p = float(2 * norm.sf(abs(laplace) / max(cv, 1e-9)))
     reading = "burn-in (falling rate)" if beta < 1 else "ageing (rising rate)"
-    return TestResult(name="crow_amsaa", estimate=beta, ci=ci, p_value=p, rejects=p < alpha,
-                      detail=f"beta {beta:.2f}: {reading}, CI {ci[0]:.2f}-{ci[1]:.2f} "
-                             f"(Lewis-Robinson p = {p:.3f})")
+    return TestResult(
+        name="crow_amsaa",
+        estimate=beta,
+        ci=ci,
+        p_value=p,
+        rejects=p < alpha,
+        detail=f"beta {beta:.2f}: {reading}, CI {ci[0]:.2f}-{ci[1]:.2f} (Lewis-Robinson p = {p:.3f})",
+    )
 
 
-def cascade_test(inter_arrivals_s: Sequence[float], *, short_fraction: float = 0.1,
-                 alpha: float = 0.05) -> TestResult | None:
+def cascade_test(
+    inter_arrivals_s: Sequence[float], *, short_fraction: float = 0.1, alpha: float = 0.05
+) -> TestResult | None:
     """Inter-arrivals shorter than 10% of the mean, versus the exponential's 1 - e^-0.1 share."""
     x = np.asarray(inter_arrivals_s, dtype=float)
     if len(x) < 10:
@@ -421,14 +469,28 @@ def cascade_test(inter_arrivals_s: Sequence[float], *, short_fraction: float = 0
     p0 = 1 - math.exp(-short_fraction)
     expected = p0 * len(x)
     p = float(binom.sf(observed - 1, len(x), p0))
-    return TestResult(name="cascade", estimate=observed / expected, ci=None, p_value=p, rejects=p < alpha,
-                      detail=f"{observed} gaps < {threshold / 60:.0f} min vs {expected:.1f} expected")
+    return TestResult(
+        name="cascade",
+        estimate=observed / expected,
+        ci=None,
+        p_value=p,
+        rejects=p < alpha,
+        detail=f"{observed} gaps < {threshold / 60:.0f} min vs {expected:.1f} expected",
+    )
 
 
-def analyze_log(events: Sequence[FailureEvent], *, exposure_s: float | None = None,
-                start_s: float | None = None, end_s: float | None = None, window_s: float | None = None,
-                domain_window_s: float = 3600.0, confidence: float = 0.9, alpha: float = 0.05,
-                bin_s: float = 86400.0) -> LogAnalysis:
+def analyze_log(
+    events: Sequence[FailureEvent],
+    *,
+    exposure_s: float | None = None,
+    start_s: float | None = None,
+    end_s: float | None = None,
+    window_s: float | None = None,
+    domain_window_s: float = 3600.0,
+    confidence: float = 0.9,
+    alpha: float = 0.05,
+    bin_s: float = 86400.0,
+) -> LogAnalysis:
     """Incidents, rate with exact bounds, and Poisson tests for one log.
 
     The observation window defaults to [first event, last event or restart end]; pass start_s/end_s
@@ -452,18 +514,28 @@ def analyze_log(events: Sequence[FailureEvent], *, exposure_s: float | None = No
     weibull = weibull_test(gaps, alpha=alpha, truncation_s=window)
     tests = PoissonTests(
         dispersion=dispersion_test(starts, start_s=start, end_s=end_s, bin_s=bin_s, alpha=alpha),
-        cv=cv_test(gaps, alpha=alpha), weibull=weibull,
+        cv=cv_test(gaps, alpha=alpha),
+        weibull=weibull,
         trend=crow_amsaa_test(starts, start_s=start, end_s=end_s, alpha=alpha),
-        cascade=cascade_test(gaps, alpha=alpha))
+        cascade=cascade_test(gaps, alpha=alpha),
+    )
     rate = n / exposure
     current = rate * tests.trend.estimate if tests.trend is not None and tests.trend.rejects else rate
     downtimes = [inc.downtime_s for inc in incidents if inc.downtime_s is not None]
     radius: dict[str, int] = {}
     for inc in incidents:
         radius[inc.blast_radius] = radius.get(inc.blast_radius, 0) + 1
-    return LogAnalysis(incidents=incidents, n_events=len(events), n_incidents=n,
-                       cluster_factor=len(events) / n, exposure_s=exposure, rate_per_s=rate,
-                       rate_ci_per_s=garwood_interval(n, exposure, confidence), current_rate_per_s=current,
-                       median_downtime_s=float(np.median(downtimes)) if downtimes else None,
-                       weibull_scale_s=weibull_mle(gaps, truncation_s=window)[1] if weibull else None,
-                       radius_counts=radius, tests=tests)
+    return LogAnalysis(
+        incidents=incidents,
+        n_events=len(events),
+        n_incidents=n,
+        cluster_factor=len(events) / n,
+        exposure_s=exposure,
+        rate_per_s=rate,
+        rate_ci_per_s=garwood_interval(n, exposure, confidence),
+        current_rate_per_s=current,
+        median_downtime_s=float(np.median(downtimes)) if downtimes else None,
+        weibull_scale_s=weibull_mle(gaps, truncation_s=window)[1] if weibull else None,
+        radius_counts=radius,
+        tests=tests,
+    )

@@ -61,24 +61,71 @@ class GpuSpec:
 GPU_TABLE: dict[str, GpuSpec] = {
     spec.name: spec
     for spec in (
-        GpuSpec(name="A100", peak_bf16_tflops=312.0, peak_fp8_tflops=None, hbm_gib=80.0,
-                intra_node_gbps=600.0, inter_node_gbps=25.0, gpus_per_node=8),
-        GpuSpec(name="H100-SXM", peak_bf16_tflops=989.0, peak_fp8_tflops=1979.0, hbm_gib=80.0,
-                intra_node_gbps=900.0, inter_node_gbps=50.0, gpus_per_node=8),
-        GpuSpec(name="H100-PCIe", peak_bf16_tflops=756.0, peak_fp8_tflops=1513.0, hbm_gib=80.0,
-                intra_node_gbps=64.0, inter_node_gbps=50.0, gpus_per_node=8),
-        GpuSpec(name="H200", peak_bf16_tflops=989.0, peak_fp8_tflops=1979.0, hbm_gib=140.0,
-                intra_node_gbps=900.0, inter_node_gbps=50.0, gpus_per_node=8),
-        GpuSpec(name="B200", peak_bf16_tflops=2250.0, peak_fp8_tflops=4500.0, hbm_gib=180.0,
-                intra_node_gbps=1800.0, inter_node_gbps=50.0, gpus_per_node=8),
-        GpuSpec(name="GB200", peak_bf16_tflops=2500.0, peak_fp8_tflops=5000.0, hbm_gib=186.0,
-                intra_node_gbps=1800.0, inter_node_gbps=100.0, gpus_per_node=72),
+        GpuSpec(
+            name="A100",
+            peak_bf16_tflops=312.0,
+            peak_fp8_tflops=None,
+            hbm_gib=80.0,
+            intra_node_gbps=600.0,
+            inter_node_gbps=25.0,
+            gpus_per_node=8,
+        ),
+        GpuSpec(
+            name="H100-SXM",
+            peak_bf16_tflops=989.0,
+            peak_fp8_tflops=1979.0,
+            hbm_gib=80.0,
+            intra_node_gbps=900.0,
+            inter_node_gbps=50.0,
+            gpus_per_node=8,
+        ),
+        GpuSpec(
+            name="H100-PCIe",
+            peak_bf16_tflops=756.0,
+            peak_fp8_tflops=1513.0,
+            hbm_gib=80.0,
+            intra_node_gbps=64.0,
+            inter_node_gbps=50.0,
+            gpus_per_node=8,
+        ),
+        GpuSpec(
+            name="H200",
+            peak_bf16_tflops=989.0,
+            peak_fp8_tflops=1979.0,
+            hbm_gib=140.0,
+            intra_node_gbps=900.0,
+            inter_node_gbps=50.0,
+            gpus_per_node=8,
+        ),
+        GpuSpec(
+            name="B200",
+            peak_bf16_tflops=2250.0,
+            peak_fp8_tflops=4500.0,
+            hbm_gib=180.0,
+            intra_node_gbps=1800.0,
+            inter_node_gbps=50.0,
+            gpus_per_node=8,
+        ),
+        GpuSpec(
+            name="GB200",
+            peak_bf16_tflops=2500.0,
+            peak_fp8_tflops=5000.0,
+            hbm_gib=186.0,
+            intra_node_gbps=1800.0,
+            inter_node_gbps=100.0,
+            gpus_per_node=72,
+        ),
     )
 }
 
 _ALIASES = {
-    "A100-SXM": "A100", "A100-80GB": "A100", "H100": "H100-SXM", "H100SXM": "H100-SXM",
-    "H100-SXM5": "H100-SXM", "H100PCIE": "H100-PCIe", "H200-SXM": "H200",
+    "A100-SXM": "A100",
+    "A100-80GB": "A100",
+    "H100": "H100-SXM",
+    "H100SXM": "H100-SXM",
+    "H100-SXM5": "H100-SXM",
+    "H100PCIE": "H100-PCIe",
+    "H200-SXM": "H200",
 }
 
 
@@ -91,5 +138,7 @@ def gpu_spec(name: str) -> GpuSpec:
     for known in GPU_TABLE:
         if known.upper() == key.upper():
             return GPU_TABLE[known]
-    raise ValueError(f"hardware.gpu: unknown GPU {name!r}; known: {', '.join(GPU_TABLE)} "
-                     "(or give peak_tflops, hbm_gib, intra_node_gbps, inter_node_gbps explicitly)")
+    raise ValueError(
+        f"hardware.gpu: unknown GPU {name!r}; known: {', '.join(GPU_TABLE)} "
+        "(or give peak_tflops, hbm_gib, intra_node_gbps, inter_node_gbps explicitly)"
+    )

@@ -63,21 +63,40 @@ class MemoryBreakdown:
 
     def as_dict(self) -> dict[str, float | bool]:
         gib = 1024**3
-        return {"params_gib": self.params / gib, "grads_gib": self.grads / gib,
-                "optimizer_gib": self.optimizer / gib, "activations_gib": self.activations / gib,
-                "overhead_gib": self.overhead / gib, "total_gib": self.total / gib,
-                "capacity_gib": self.capacity / gib, "fits": self.fits}
+        return {
+            "params_gib": self.params / gib,
+            "grads_gib": self.grads / gib,
+            "optimizer_gib": self.optimizer / gib,
+            "activations_gib": self.activations / gib,
+            "overhead_gib": self.overhead / gib,
+            "total_gib": self.total / gib,
+            "capacity_gib": self.capacity / gib,
+            "fits": self.fits,
+        }
 
 
-def training_step_bytes(*, n_params: float, layers: int, hidden: int, batch: int, seq: int,
-                        param_bytes: float = BYTES_PARAM, grad_bytes: float = BYTES_GRAD,
-                        optim_bytes: float = BYTES_OPTIM, act_bytes: float = BYTES_ACT,
-                        k: float = ACTIVATION_K) -> MemoryBreakdown:
+def training_step_bytes(
+    *,
+    n_params: float,
+    layers: int,
+    hidden: int,
+    batch: int,
+    seq: int,
+    param_bytes: float = BYTES_PARAM,
+    grad_bytes: float = BYTES_GRAD,
+    optim_bytes: float = BYTES_OPTIM,
+    act_bytes: float = BYTES_ACT,
+    k: float = ACTIVATION_K,
+) -> MemoryBreakdown:
     """Seed 001's single-GPU bill: N(b_p + b_g + b_o) + k L B S d b_a, no overhead."""
-    return MemoryBreakdown(params=n_params * param_bytes, grads=n_params * grad_bytes,
-                           optimizer=n_params * optim_bytes,
-                           activations=k * layers * batch * seq * hidden * act_bytes,
-                           overhead=0.0, capacity=0.0)
+    return MemoryBreakdown(
+        params=n_params * param_bytes,
+        grads=n_params * grad_bytes,
+        optimizer=n_params * optim_bytes,
+        activations=k * layers * batch * seq * hidden * act_bytes,
+        overhead=0.0,
+        capacity=0.0,
+    )
 
 
 def min_gpus_to_hold(total_bytes: float, gpu_bytes: float) -> int:
@@ -121,5 +140,11 @@ def per_gpu_memory(plan: PlanInput) -> MemoryBreakdown:
     # fp32 logits of one micro-batch for the loss (vocab split by TP), on the last stage.
     acts += 4 * p.micro_batch * m.seq_len * m.vocab / (p.tp * p.cp)
     capacity = hw.gpu.hbm_bytes
-    return MemoryBreakdown(params=params, grads=grads, optimizer=optimizer, activations=acts,
-                           overhead=capacity * (1 - hw.usable_hbm_fraction), capacity=capacity)
+    return MemoryBreakdown(
+        params=params,
+        grads=grads,
+        optimizer=optimizer,
+        activations=acts,
+        overhead=capacity * (1 - hw.usable_hbm_fraction),
+        capacity=capacity,
+    )

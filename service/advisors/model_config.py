@@ -25,13 +25,29 @@ from trainvitals.service.advisors.hardware import GpuSpec, gpu_spec
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 # Registration payloads written by other tools use other names for the same fields.
-_MODEL_ALIASES = {"num_layers": "layers", "n_layers": "layers", "hidden_size": "hidden", "dim": "hidden",
-                  "num_heads": "heads", "n_heads": "heads", "num_kv_heads": "kv_heads",
-                  "n_kv_heads": "kv_heads", "ffn_hidden_size": "ffn_hidden", "ffn_dim": "ffn_hidden",
-                  "vocab_size": "vocab", "seq_length": "seq_len", "num_experts": "experts",
-                  "top_k": "active_experts"}
-_PAR_ALIASES = {"world_size": "gpus", "zero_stage": "zero", "micro_batch_size": "micro_batch",
-                "global_batch_size": "global_batch", "virtual_stages": "vpp"}
+_MODEL_ALIASES = {
+    "num_layers": "layers",
+    "n_layers": "layers",
+    "hidden_size": "hidden",
+    "dim": "hidden",
+    "num_heads": "heads",
+    "n_heads": "heads",
+    "num_kv_heads": "kv_heads",
+    "n_kv_heads": "kv_heads",
+    "ffn_hidden_size": "ffn_hidden",
+    "ffn_dim": "ffn_hidden",
+    "vocab_size": "vocab",
+    "seq_length": "seq_len",
+    "num_experts": "experts",
+    "top_k": "active_experts",
+}
+_PAR_ALIASES = {
+    "world_size": "gpus",
+    "zero_stage": "zero",
+    "micro_batch_size": "micro_batch",
+    "global_batch_size": "global_batch",
+    "virtual_stages": "vpp",
+}
 _HW_ALIASES = {"gpu_type": "gpu", "count": "gpus", "peak_tflops_per_gpu": "peak_tflops"}
 
 
@@ -70,8 +86,9 @@ class ModelConfig:
         if self.heads % self.kv_heads:
             raise ValueError(f"model.kv_heads: {self.kv_heads} does not divide model.heads={self.heads}")
         if self.active_experts > self.experts:
-            raise ValueError(f"model.active_experts: {self.active_experts} exceeds "
-                             f"model.experts={self.experts}")
+            raise ValueError(
+                f"model.active_experts: {self.active_experts} exceeds model.experts={self.experts}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -94,8 +111,10 @@ class ModelConfig:
     @property
     def _scale(self) -> float:
         # An explicit params count rescales every architecture-derived count proportionally.
-        counted = self.layers * (self.attention_params_per_layer
-                                 + self.experts * self.mlp_params_per_expert) + self.embedding_params
+        counted = (
+            self.layers * (self.attention_params_per_layer + self.experts * self.mlp_params_per_expert)
+            + self.embedding_params
+        )
         return 1.0 if self.params_override is None else self.params_override / counted
 
     @property
@@ -108,16 +127,18 @@ class ModelConfig:
     @property
     def params_total(self) -> float:
         """All parameters, embeddings included (what memory holds)."""
-        return self._scale * (self.layers * (self.attention_params_per_layer
-                                             + self.experts * self.mlp_params_per_expert)
-                              + self.embedding_params)
+        return self._scale * (
+            self.layers * (self.attention_params_per_layer + self.experts * self.mlp_params_per_expert)
+            + self.embedding_params
+        )
 
     @property
     def params_active(self) -> float:
         """Parameters one token touches (top-k experts only): what 6N counts."""
-        return self._scale * (self.layers * (self.attention_params_per_layer
-                                             + self.active_experts * self.mlp_params_per_expert)
-                              + self.embedding_params)
+        return self._scale * (
+            self.layers * (self.attention_params_per_layer + self.active_experts * self.mlp_params_per_expert)
+            + self.embedding_params
+        )
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -149,18 +170,22 @@ class ParallelismConfig:
 
     def __post_init__(self) -> None:
         if self.tp * self.cp * self.pp * self.dp != self.gpus:
-            raise ValueError(f"parallelism.gpus: {self.gpus} != tp*cp*pp*dp = "
-                             f"{self.tp}*{self.cp}*{self.pp}*{self.dp}")
+            raise ValueError(
+                f"parallelism.gpus: {self.gpus} != tp*cp*pp*dp = {self.tp}*{self.cp}*{self.pp}*{self.dp}"
+            )
         if self.dp % self.ep:
             raise ValueError(f"parallelism.ep: {self.ep} does not divide parallelism.dp={self.dp}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"parallelism.zero: must be 0-3 or 'fsdp', got {self.zero!r}")
         if self.recompute not in RECOMPUTE_MODES:
-            raise ValueError(f"parallelism.recompute: must be one of {RECOMPUTE_MODES}, "
-                             f"got {self.recompute!r}")
+            raise ValueError(
+                f"parallelism.recompute: must be one of {RECOMPUTE_MODES}, got {self.recompute!r}"
+            )
         if self.global_batch % (self.micro_batch * self.dp):
-            raise ValueError(f"parallelism.global_batch: {self.global_batch} is not a multiple of "
-                             f"micro_batch*dp = {self.micro_batch}*{self.dp}")
+            raise ValueError(
+                f"parallelism.global_batch: {self.global_batch} is not a multiple of "
+                f"micro_batch*dp = {self.micro_batch}*{self.dp}"
+            )
 
     @property
     def micro_batches(self) -> int:
@@ -185,8 +210,9 @@ class HardwareConfig:
         if self.precision not in ("bf16", "fp8"):
             raise ValueError(f"hardware.precision: must be 'bf16' or 'fp8', got {self.precision!r}")
         if not 0 < self.usable_hbm_fraction <= 1:
-            raise ValueError(f"hardware.usable_hbm_fraction: must be in (0, 1], "
-                             f"got {self.usable_hbm_fraction!r}")
+            raise ValueError(
+                f"hardware.usable_hbm_fraction: must be in (0, 1], got {self.usable_hbm_fraction!r}"
+            )
 
     @property
     def peak_flops(self) -> float:
@@ -206,8 +232,9 @@ class PlanInput:
     """GPU type and node size."""
 
 
-def _section(data: Mapping[str, Any], name: str, aliases: Mapping[str, str],
-             known: set[str], strict: bool) -> dict[str, Any]:
+def _section(
+    data: Mapping[str, Any], name: str, aliases: Mapping[str, str], known: set[str], strict: bool
+) -> dict[str, Any]:
     raw = data.get(name)
     if not isinstance(raw, Mapping):
         raise ValueError(f"{name}: missing or not a mapping")
@@ -222,8 +249,7 @@ def _section(data: Mapping[str, Any], name: str, aliases: Mapping[str, str],
     return out
 
 
-def _int(section: dict[str, Any], prefix: str, key: str, default: int | None = None,
-         minimum: int = 1) -> int:
+def _int(section: dict[str, Any], prefix: str, key: str, default: int | None = None, minimum: int = 1) -> int:
     if key not in section or section[key] is None:
         if default is None:
             raise ValueError(f"{prefix}.{key}: required")
@@ -265,33 +291,63 @@ def default_ffn_hidden(hidden: int, gated: bool) -> int:
 
 
 def parse_model(data: Mapping[str, Any], *, strict: bool = True) -> ModelConfig:
-    known = {"layers", "hidden", "heads", "kv_heads", "ffn_hidden", "gated_mlp", "vocab", "seq_len",
-             "params", "experts", "active_experts", "tied_embeddings"}
+    known = {
+        "layers",
+        "hidden",
+        "heads",
+        "kv_heads",
+        "ffn_hidden",
+        "gated_mlp",
+        "vocab",
+        "seq_len",
+        "params",
+        "experts",
+        "active_experts",
+        "tied_embeddings",
+    }
     sec = _section(data, "model", _MODEL_ALIASES, known, strict)
     heads = _int(sec, "model", "heads")
     gated = _bool(sec, "model", "gated_mlp", True)
     hidden = _int(sec, "model", "hidden")
     experts = _int(sec, "model", "experts", 1)
     return ModelConfig(
-        layers=_int(sec, "model", "layers"), hidden=hidden, heads=heads,
+        layers=_int(sec, "model", "layers"),
+        hidden=hidden,
+        heads=heads,
         kv_heads=_int(sec, "model", "kv_heads", heads),
         ffn_hidden=_int(sec, "model", "ffn_hidden", default_ffn_hidden(hidden, gated)),
-        gated_mlp=gated, vocab=_int(sec, "model", "vocab"), seq_len=_int(sec, "model", "seq_len"),
-        params_override=_float(sec, "model", "params"), experts=experts,
+        gated_mlp=gated,
+        vocab=_int(sec, "model", "vocab"),
+        seq_len=_int(sec, "model", "seq_len"),
+        params_override=_float(sec, "model", "params"),
+        experts=experts,
         active_experts=_int(sec, "model", "active_experts", min(2, experts)),
         tied_embeddings=_bool(sec, "model", "tied_embeddings", False),
     )
 
 
 def parse_hardware(data: Mapping[str, Any], *, strict: bool = True) -> HardwareConfig:
-    known = {"gpu", "gpus", "gpus_per_node", "peak_tflops", "peak_fp8_tflops", "hbm_gib",
-             "intra_node_gbps", "inter_node_gbps", "precision", "usable_hbm_fraction", "peak_flops"}
+    known = {
+        "gpu",
+        "gpus",
+        "gpus_per_node",
+        "peak_tflops",
+        "peak_fp8_tflops",
+        "hbm_gib",
+        "intra_node_gbps",
+        "inter_node_gbps",
+        "precision",
+        "usable_hbm_fraction",
+        "peak_flops",
+    }
     sec = _section(data, "hardware", _HW_ALIASES, known, strict)
-    explicit = {"peak_bf16_tflops": _float(sec, "hardware", "peak_tflops"),
-                "peak_fp8_tflops": _float(sec, "hardware", "peak_fp8_tflops"),
-                "hbm_gib": _float(sec, "hardware", "hbm_gib"),
-                "intra_node_gbps": _float(sec, "hardware", "intra_node_gbps"),
-                "inter_node_gbps": _float(sec, "hardware", "inter_node_gbps")}
+    explicit = {
+        "peak_bf16_tflops": _float(sec, "hardware", "peak_tflops"),
+        "peak_fp8_tflops": _float(sec, "hardware", "peak_fp8_tflops"),
+        "hbm_gib": _float(sec, "hardware", "hbm_gib"),
+        "intra_node_gbps": _float(sec, "hardware", "intra_node_gbps"),
+        "inter_node_gbps": _float(sec, "hardware", "inter_node_gbps"),
+    }
     peak_flops = _float(sec, "hardware", "peak_flops")
     if peak_flops is not None and explicit["peak_bf16_tflops"] is None:
         explicit["peak_bf16_tflops"] = peak_flops / 1e12
@@ -302,18 +358,27 @@ def parse_hardware(data: Mapping[str, Any], *, strict: bool = True) -> HardwareC
         spec = gpu_spec(name)
         spec = dataclasses.replace(spec, **{k: v for k, v in explicit.items() if v is not None})
     else:
-        missing = [k for k in ("peak_bf16_tflops", "hbm_gib", "intra_node_gbps", "inter_node_gbps")
-                   if explicit[k] is None]
+        missing = [
+            k
+            for k in ("peak_bf16_tflops", "hbm_gib", "intra_node_gbps", "inter_node_gbps")
+            if explicit[k] is None
+        ]
         if missing:
-            raise ValueError("hardware.gpu: required unless peak_tflops, hbm_gib, intra_node_gbps and "
-                             "inter_node_gbps are all given")
+            raise ValueError(
+                "hardware.gpu: required unless peak_tflops, hbm_gib, intra_node_gbps and "
+                "inter_node_gbps are all given"
+            )
         spec = GpuSpec(name="custom", gpus_per_node=8, **{k: v for k, v in explicit.items()})  # type: ignore[arg-type]
     per_node = _int(sec, "hardware", "gpus_per_node", spec.gpus_per_node)
     fraction = sec.get("usable_hbm_fraction", 0.75)
     if isinstance(fraction, bool) or not isinstance(fraction, int | float):
         raise ValueError(f"hardware.usable_hbm_fraction: must be a number, got {fraction!r}")
-    return HardwareConfig(gpu=dataclasses.replace(spec, gpus_per_node=per_node), gpus_per_node=per_node,
-                          precision=str(sec.get("precision", "bf16")), usable_hbm_fraction=float(fraction))
+    return HardwareConfig(
+        gpu=dataclasses.replace(spec, gpus_per_node=per_node),
+        gpus_per_node=per_node,
+        precision=str(sec.get("precision", "bf16")),
+        usable_hbm_fraction=float(fraction),
+    )
 
 
 def _zero(sec: dict[str, Any]) -> int:
@@ -325,10 +390,10 @@ def _zero(sec: dict[str, Any]) -> int:
     return value
 
 
-def parse_parallelism(data: Mapping[str, Any], model: ModelConfig, *, strict: bool = True,
-                      gpus_fallback: int | None = None) -> ParallelismConfig:
-    known = {"gpus", "tp", "pp", "dp", "cp", "ep", "vpp", "zero", "micro_batch", "global_batch",
-             "recompute"}
+def parse_parallelism(
+    data: Mapping[str, Any], model: ModelConfig, *, strict: bool = True, gpus_fallback: int | None = None
+) -> ParallelismConfig:
+    known = {"gpus", "tp", "pp", "dp", "cp", "ep", "vpp", "zero", "micro_batch", "global_batch", "recompute"}
     sec = _section(data, "parallelism", _PAR_ALIASES, known, strict)
     p = "parallelism"
     gpus = _int(sec, p, "gpus", gpus_fallback)
@@ -349,9 +414,19 @@ def parse_parallelism(data: Mapping[str, Any], model: ModelConfig, *, strict: bo
     recompute = sec.get("recompute", "selective")
     if not isinstance(recompute, str):
         raise ValueError(f"parallelism.recompute: must be a string, got {recompute!r}")
-    return ParallelismConfig(gpus=gpus, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=vpp, zero=_zero(sec),
-                             micro_batch=micro, global_batch=_int(sec, p, "global_batch", micro * dp),
-                             recompute=recompute)
+    return ParallelismConfig(
+        gpus=gpus,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        cp=cp,
+        ep=ep,
+        vpp=vpp,
+        zero=_zero(sec),
+        micro_batch=micro,
+        global_batch=_int(sec, p, "global_batch", micro * dp),
+        recompute=recompute,
+    )
 
 
 def parse_plan_input(data: Mapping[str, Any], *, strict: bool = True) -> PlanInput:
@@ -361,11 +436,13 @@ def parse_plan_input(data: Mapping[str, Any], *, strict: bool = True) -> PlanInp
     if strict:
         extra = set(data) - {"model", "parallelism", "hardware"}
         if extra:
-            raise ValueError(f"{sorted(extra)[0]}: unknown top-level key "
-                             "(known: model, parallelism, hardware)")
+            raise ValueError(
+                f"{sorted(extra)[0]}: unknown top-level key (known: model, parallelism, hardware)"
+            )
     model = parse_model(data, strict=strict)
     hardware = parse_hardware(data, strict=strict)
     hw_gpus = data["hardware"].get("gpus", data["hardware"].get("count"))
-    parallelism = parse_parallelism(data, model, strict=strict,
-                                    gpus_fallback=hw_gpus if isinstance(hw_gpus, int) else None)
+    parallelism = parse_parallelism(
+        data, model, strict=strict, gpus_fallback=hw_gpus if isinstance(hw_gpus, int) else None
+    )
     return PlanInput(model=model, parallelism=parallelism, hardware=hardware)

@@ -70,25 +70,59 @@ class Recommendation:
         cfg = None
         if self.config is not None:
             c = self.config
-            cfg = {"gpus": c.gpus, "tp": c.tp, "pp": c.pp, "dp": c.dp, "cp": c.cp, "ep": c.ep,
-                   "vpp": c.vpp, "zero": c.zero, "micro_batch": c.micro_batch,
-                   "global_batch": c.global_batch, "recompute": c.recompute}
-        return {"feasible": self.feasible, "config": cfg,
-                "plan": self.result.as_dict() if self.result else None,
-                "binding_wall": self.result.binding_wall if self.result else "memory",
-                "mfu": self.result.mfu.as_dict() if self.result else None,
-                "ladder": [{"wall": s.wall, "axis": s.axis, "detail": s.detail} for s in self.steps],
-                "min_gpus": self.min_gpus, "useful_gpus": self.useful_gpus,
-                "warnings": list(self.warnings)}
+            cfg = {
+                "gpus": c.gpus,
+                "tp": c.tp,
+                "pp": c.pp,
+                "dp": c.dp,
+                "cp": c.cp,
+                "ep": c.ep,
+                "vpp": c.vpp,
+                "zero": c.zero,
+                "micro_batch": c.micro_batch,
+                "global_batch": c.global_batch,
+                "recompute": c.recompute,
+            }
+        return {
+            "feasible": self.feasible,
+            "config": cfg,
+            "plan": self.result.as_dict() if self.result else None,
+            "binding_wall": self.result.binding_wall if self.result else "memory",
+            "mfu": self.result.mfu.as_dict() if self.result else None,
+            "ladder": [{"wall": s.wall, "axis": s.axis, "detail": s.detail} for s in self.steps],
+            "min_gpus": self.min_gpus,
+            "useful_gpus": self.useful_gpus,
+            "warnings": list(self.warnings),
+        }
 
 
-def _layout(model: ModelConfig, hardware: HardwareConfig, *, gpus: int, tp: int, pp: int, ep: int,
-            zero: int, micro_batch: int, global_tokens: float, recompute: str) -> PlanInput:
+def _layout(
+    model: ModelConfig,
+    hardware: HardwareConfig,
+    *,
+    gpus: int,
+    tp: int,
+    pp: int,
+    ep: int,
+    zero: int,
+    micro_batch: int,
+    global_tokens: float,
+    recompute: str,
+) -> PlanInput:
     dp = gpus // (tp * pp)
     # Micro-batches per pipeline: as many as the target global batch allows, at least one.
     m = max(1, round(global_tokens / (model.seq_len * micro_batch * dp)))
-    par = ParallelismConfig(gpus=gpus, tp=tp, pp=pp, dp=dp, ep=ep, zero=zero, micro_batch=micro_batch,
-                            global_batch=micro_batch * dp * m, recompute=recompute)
+    par = ParallelismConfig(
+        gpus=gpus,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        ep=ep,
+        zero=zero,
+        micro_batch=micro_batch,
+        global_batch=micro_batch * dp * m,
+        recompute=recompute,
+    )
     return PlanInput(model=model, parallelism=par, hardware=hardware)
 
 
@@ -104,8 +138,14 @@ def _divisors(n: int, limit: int) -> Iterator[int]:
     yield from (d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
-def _climb(model: ModelConfig, hardware: HardwareConfig, gpus: int, micro_batch: int,
-           global_tokens: float, recompute: str) -> tuple[PlanInput | None, list[LadderStep]]:
+def _climb(
+    model: ModelConfig,
+    hardware: HardwareConfig,
+    gpus: int,
+    micro_batch: int,
+    global_tokens: float,
+    recompute: str,
+) -> tuple[PlanInput | None, list[LadderStep]]:
     steps: list[LadderStep] = []
     usable = hardware.gpu.hbm_bytes * hardware.usable_hbm_fraction
     static = STATIC_BYTES_PER_PARAM * model.params_total
@@ -114,13 +154,23 @@ def _climb(model: ModelConfig, hardware: HardwareConfig, gpus: int, micro_batch:
     ddp = _layout(model, hardware, gpus=gpus, tp=1, pp=1, ep=1, zero=1, **kw)
     if static <= usable and _fits(ddp):
         return ddp, steps
-    steps.append(LadderStep(wall="state > 1 GPU", axis="FSDP/ZeRO-3",
-                            detail=f"{STATIC_BYTES_PER_PARAM} B/param x {model.params_total:.3g} = "
-                                   f"{_gib(static)} > {_gib(usable)} usable per GPU"))
+    steps.append(
+        LadderStep(
+            wall="state > 1 GPU",
+            axis="FSDP/ZeRO-3",
+            detail=f"{STATIC_BYTES_PER_PARAM} B/param x {model.params_total:.3g} = "
+            f"{_gib(static)} > {_gib(usable)} usable per GPU",
+        )
+    )
     if static > gpus * usable:
         where = "1 node" if gpus <= hardware.gpus_per_node else f"{gpus} GPUs"
-        steps.append(LadderStep(wall=f"state > {where}", axis="(forces multi-node)",
-                                detail=f"{_gib(static)} of state > {gpus} x {_gib(usable)}"))
+        steps.append(
+            LadderStep(
+                wall=f"state > {where}",
+                axis="(forces multi-node)",
+                detail=f"{_gib(static)} of state > {gpus} x {_gib(usable)}",
+            )
+        )
         return None, steps
     fsdp = _layout(model, hardware, gpus=gpus, tp=1, pp=1, ep=1, zero=3, **kw)
     if _fits(fsdp):
@@ -129,10 +179,15 @@ def _climb(model: ModelConfig, hardware: HardwareConfig, gpus: int, micro_batch:
     # TP: the largest head-dividing degree that stays inside one node.
     tp = max(d for d in _divisors(gpus, hardware.gpus_per_node) if model.heads % d == 0)
     working = per_gpu_memory(fsdp)
-    steps.append(LadderStep(wall="weights/GPU", axis="TP + FSDP",
-                            detail=f"FSDP alone: {_gib(working.tenants)} per GPU (gathered weights "
-                                   f"{_gib(working.params)}, activations {_gib(working.activations)}); "
-                                   f"tp={tp} splits both"))
+    steps.append(
+        LadderStep(
+            wall="weights/GPU",
+            axis="TP + FSDP",
+            detail=f"FSDP alone: {_gib(working.tenants)} per GPU (gathered weights "
+            f"{_gib(working.params)}, activations {_gib(working.activations)}); "
+            f"tp={tp} splits both",
+        )
+    )
     with_tp = _layout(model, hardware, gpus=gpus, tp=tp, pp=1, ep=1, zero=3, **kw)
     if _fits(with_tp):
         return with_tp, steps
@@ -141,9 +196,14 @@ def _climb(model: ModelConfig, hardware: HardwareConfig, gpus: int, micro_batch:
     if model.experts > 1:
         dp_max = gpus // tp
         ep_options = [e for e in _divisors(model.experts, dp_max) if dp_max % e == 0]
-        steps.append(LadderStep(wall="6N compute/token", axis="+ EP (MoE)",
-                                detail=f"sparse model: {model.params_active:.3g} active of "
-                                       f"{model.params_total:.3g} params; EP shards the experts"))
+        steps.append(
+            LadderStep(
+                wall="6N compute/token",
+                axis="+ EP (MoE)",
+                detail=f"sparse model: {model.params_active:.3g} active of "
+                f"{model.params_total:.3g} params; EP shards the experts",
+            )
+        )
     pp_steps_added = False
     for pp in _divisors(gpus // tp, model.layers):
         for ep in ep_options:
@@ -152,14 +212,21 @@ def _climb(model: ModelConfig, hardware: HardwareConfig, gpus: int, micro_batch:
             # With PP, ZeRO-1 first: FSDP would re-gather the stage weights for every micro-batch
             # over the inter-node fabric (seed 004, section 4); fall back to ZeRO-3 for memory.
             zeros = (1, 3) if pp > 1 else (3,)
-            candidates = [_layout(model, hardware, gpus=gpus, tp=tp, pp=pp, ep=ep, zero=z, **kw)
-                          for z in zeros]
+            candidates = [
+                _layout(model, hardware, gpus=gpus, tp=tp, pp=pp, ep=ep, zero=z, **kw) for z in zeros
+            ]
             if pp > 1 and not pp_steps_added:
-                at_tp = per_gpu_memory(_layout(model, hardware, gpus=gpus, tp=tp, pp=1,
-                                               ep=max(ep_options), zero=3, **kw))
-                steps.append(LadderStep(wall="weights > TP alone", axis="+ PP",
-                                        detail=f"tp={tp} still needs {_gib(at_tp.tenants)} per GPU "
-                                               f"(weights {_gib(at_tp.params)})"))
+                at_tp = per_gpu_memory(
+                    _layout(model, hardware, gpus=gpus, tp=tp, pp=1, ep=max(ep_options), zero=3, **kw)
+                )
+                steps.append(
+                    LadderStep(
+                        wall="weights > TP alone",
+                        axis="+ PP",
+                        detail=f"tp={tp} still needs {_gib(at_tp.tenants)} per GPU "
+                        f"(weights {_gib(at_tp.params)})",
+                    )
+                )
                 pp_steps_added = True
             for candidate in candidates:
                 if _fits(candidate):
@@ -167,10 +234,17 @@ def _climb(model: ModelConfig, hardware: HardwareConfig, gpus: int, micro_batch:
     return None, steps
 
 
-def recommend(*, model: ModelConfig, hardware: HardwareConfig, gpus: int, micro_batch: int = 1,
-              global_batch_tokens: float | None = None, recompute: str = "selective",
-              critical_batch_tokens: float = DEFAULT_CRITICAL_BATCH_TOKENS,
-              calibration: Calibration | None = None) -> Recommendation:
+def recommend(
+    *,
+    model: ModelConfig,
+    hardware: HardwareConfig,
+    gpus: int,
+    micro_batch: int = 1,
+    global_batch_tokens: float | None = None,
+    recompute: str = "selective",
+    critical_batch_tokens: float = DEFAULT_CRITICAL_BATCH_TOKENS,
+    calibration: Calibration | None = None,
+) -> Recommendation:
     """Climb the ladder for `model` on `gpus` GPUs of `hardware`."""
     if gpus < 1:
         raise ValueError(f"parallelism.gpus: must be >= 1, got {gpus}")
@@ -181,8 +255,15 @@ def recommend(*, model: ModelConfig, hardware: HardwareConfig, gpus: int, micro_
         min_gpus = _min_gpus(model, hardware, gpus, micro_batch, target, recompute)
         if min_gpus is not None:
             warnings.append(f"does not fit on {gpus} GPUs; the ladder needs at least {min_gpus}")
-        return Recommendation(feasible=False, config=None, result=None, steps=tuple(steps),
-                              min_gpus=min_gpus, useful_gpus=None, warnings=tuple(warnings))
+        return Recommendation(
+            feasible=False,
+            config=None,
+            result=None,
+            steps=tuple(steps),
+            min_gpus=min_gpus,
+            useful_gpus=None,
+            warnings=tuple(warnings),
+        )
     par = chosen.parallelism
     result = plan(chosen, calibration)
     # DP cap (seed 000 / 07b): one micro-batch per data-parallel rank already makes this batch.
@@ -190,20 +271,32 @@ def recommend(*, model: ModelConfig, hardware: HardwareConfig, gpus: int, micro_
     useful_dp = max(1, math.floor(critical_batch_tokens / (par.micro_batch * model.seq_len)))
     useful_gpus = min(gpus, useful_dp * par.tp * par.pp)
     if min_batch_tokens > critical_batch_tokens:
-        warnings.append(f"past the useful data-parallel size: dp={par.dp} makes at least "
-                        f"{min_batch_tokens:,} tokens per step > critical batch "
-                        f"{critical_batch_tokens:,.0f}; GPUs beyond ~{useful_gpus} add little")
+        warnings.append(
+            f"past the useful data-parallel size: dp={par.dp} makes at least "
+            f"{min_batch_tokens:,} tokens per step > critical batch "
+            f"{critical_batch_tokens:,.0f}; GPUs beyond ~{useful_gpus} add little"
+        )
     if par.pp > 1:
         bubble = (par.pp - 1) / (par.micro_batches * par.vpp + par.pp - 1)
         if bubble > 0.1:
-            warnings.append(f"pipeline bubble {bubble:.0%} with m={par.micro_batches} micro-batches; "
-                            "raise the micro-batch count or use interleaving (vpp)")
-    return Recommendation(feasible=True, config=par, result=result, steps=tuple(steps), min_gpus=None,
-                          useful_gpus=useful_gpus, warnings=tuple(warnings + list(result.warnings)))
+            warnings.append(
+                f"pipeline bubble {bubble:.0%} with m={par.micro_batches} micro-batches; "
+                "raise the micro-batch count or use interleaving (vpp)"
+            )
+    return Recommendation(
+        feasible=True,
+        config=par,
+        result=result,
+        steps=tuple(steps),
+        min_gpus=None,
+        useful_gpus=useful_gpus,
+        warnings=tuple(warnings + list(result.warnings)),
+    )
 
 
-def _min_gpus(model: ModelConfig, hardware: HardwareConfig, start: int, micro_batch: int,
-              target: float, recompute: str) -> int | None:
+def _min_gpus(
+    model: ModelConfig, hardware: HardwareConfig, start: int, micro_batch: int, target: float, recompute: str
+) -> int | None:
     # Lower bound: the 16 B/param state must fit in the usable HBM of all GPUs together.
     usable = hardware.gpu.hbm_bytes * hardware.usable_hbm_fraction
     per_node = hardware.gpus_per_node

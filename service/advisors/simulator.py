@@ -124,21 +124,33 @@ def generate_trace(family: TraceFamily, *, horizon_s: float, seed: int) -> Trace
         rows += [(t + o, f"n{rack * f.nodes_per_domain + j}", f"r{rack}") for j, o in enumerate(offsets)]
         if rng.random() < f.aftershock_prob:
             node = int(rng.integers(0, f.nodes_per_domain))
-            rows.append((t + rng.uniform(0, f.aftershock_window_s), f"n{rack * f.nodes_per_domain + node}",
-                         f"r{rack}"))
+            rows.append(
+                (
+                    t + rng.uniform(0, f.aftershock_window_s),
+                    f"n{rack * f.nodes_per_domain + node}",
+                    f"r{rack}",
+                )
+            )
     n_ind = int(horizon_s / f.independent_mtbf_s * 1.5 + 50)
     for t in _renewal_times(rng.exponential(f.independent_mtbf_s, n_ind), horizon_s):
         node = int(rng.integers(0, f.racks * f.nodes_per_domain))
         rows.append((t, f"n{node}", f"r{node // f.nodes_per_domain}"))
     rows = sorted(r for r in rows if r[0] < horizon_s)
-    return Trace(family="correlated", times_s=np.array([r[0] for r in rows]),
-                 nodes=tuple(r[1] for r in rows), racks=tuple(r[2] for r in rows), horizon_s=horizon_s)
+    return Trace(
+        family="correlated",
+        times_s=np.array([r[0] for r in rows]),
+        nodes=tuple(r[1] for r in rows),
+        racks=tuple(r[2] for r in rows),
+        horizon_s=horizon_s,
+    )
 
 
 def trace_events(trace: Trace) -> tuple[FailureEvent, ...]:
     """The trace as a raw event log (what an operator would feed `trainvitals advise --events`)."""
-    return tuple(FailureEvent(timestamp_s=float(t), nodes=(n,), domains=(("rack", r),))
-                 for t, n, r in zip(trace.times_s, trace.nodes, trace.racks, strict=True))
+    return tuple(
+        FailureEvent(timestamp_s=float(t), nodes=(n,), domains=(("rack", r),))
+        for t, n, r in zip(trace.times_s, trace.nodes, trace.racks, strict=True)
+    )
 
 
 def _uptimes(trace: Trace, downtime_s: float) -> tuple[np.ndarray, float]:
@@ -154,8 +166,9 @@ def _uptimes(trace: Trace, downtime_s: float) -> tuple[np.ndarray, float]:
     return ups[ups > 0], final
 
 
-def replay_waste(trace: Trace, *, intervals_s: Sequence[float], stall_s: float, downtime_s: float,
-                 persist_s: float = 0.0) -> np.ndarray:
+def replay_waste(
+    trace: Trace, *, intervals_s: Sequence[float], stall_s: float, downtime_s: float, persist_s: float = 0.0
+) -> np.ndarray:
     """Waste fraction (1 - kept progress / wall time) for each fixed interval on one trace."""
     ups, final = _uptimes(trace, downtime_s)
     out = np.empty(len(intervals_s))
@@ -209,15 +222,24 @@ class FamilyResult:
         return self.daly_waste / self.optimum_waste - 1
 
 
-def evaluate_family(family: TraceFamily, *, stall_s: float = 60.0, restart_s: float = 540.0,
-                    detect_s: float = 60.0, history_horizon_s: float, eval_horizon_s: float,
-                    seed: int = 0, grid_points: int = 241) -> FamilyResult:
+def evaluate_family(
+    family: TraceFamily,
+    *,
+    stall_s: float = 60.0,
+    restart_s: float = 540.0,
+    detect_s: float = 60.0,
+    history_horizon_s: float,
+    eval_horizon_s: float,
+    seed: int = 0,
+    grid_points: int = 241,
+) -> FamilyResult:
     """Fit the advisor on a history trace, then replay a longer independent trace."""
     downtime = restart_s + detect_s
     history = generate_trace(family, horizon_s=history_horizon_s, seed=seed)
     analysis = analyze_log(trace_events(history), start_s=0.0, end_s=history_horizon_s)
-    advice = advise_cadence(CadenceInputs(stall_s=stall_s, log=analysis, restart_s=restart_s,
-                                          detect_s=detect_s))
+    advice = advise_cadence(
+        CadenceInputs(stall_s=stall_s, log=analysis, restart_s=restart_s, detect_s=detect_s)
+    )
     raw_mtbf = history_horizon_s / max(1, len(history.times_s))
     young = young_interval(stall_s=stall_s, mtbf_s=raw_mtbf)
     daly = daly_higher_order(stall_s=stall_s, mtbf_s=raw_mtbf)
@@ -227,15 +249,28 @@ def evaluate_family(family: TraceFamily, *, stall_s: float = 60.0, restart_s: fl
     grid = np.geomspace(min(rec, young) / 4, max(rec, young) * 4, grid_points)
     grid_waste = replay_waste(trace, intervals_s=grid, stall_s=stall_s, downtime_s=downtime)
     best = int(np.argmin(grid_waste))
-    rec_w, young_w, daly_w = replay_waste(trace, intervals_s=[rec, young, daly], stall_s=stall_s,
-                                          downtime_s=downtime)
-    return FamilyResult(family=history.family, recommended_s=rec, recommended_waste=float(rec_w),
-                        optimum_s=float(grid[best]), optimum_waste=float(grid_waste[best]), young_s=young,
-                        young_waste=float(young_w), daly_s=daly, daly_waste=float(daly_w),
-                        n_events=len(trace.times_s), rejected=analysis.tests.rejected)
+    rec_w, young_w, daly_w = replay_waste(
+        trace, intervals_s=[rec, young, daly], stall_s=stall_s, downtime_s=downtime
+    )
+    return FamilyResult(
+        family=history.family,
+        recommended_s=rec,
+        recommended_waste=float(rec_w),
+        optimum_s=float(grid[best]),
+        optimum_waste=float(grid_waste[best]),
+        young_s=young,
+        young_waste=float(young_w),
+        daly_s=daly,
+        daly_waste=float(daly_w),
+        n_events=len(trace.times_s),
+        rejected=analysis.tests.rejected,
+    )
 
 
 def standard_families(mtbf_s: float = 4 * 3600.0) -> tuple[TraceFamily, ...]:
     """The three families the tests and the report use, all with a job-level M of about `mtbf_s`."""
-    return (PoissonFamily(mtbf_s=mtbf_s), WeibullFamily(mtbf_s=mtbf_s, shape=0.6),
-            CorrelatedFamily(incident_mtbf_s=1.5 * mtbf_s, independent_mtbf_s=3 * mtbf_s))
+    return (
+        PoissonFamily(mtbf_s=mtbf_s),
+        WeibullFamily(mtbf_s=mtbf_s, shape=0.6),
+        CorrelatedFamily(incident_mtbf_s=1.5 * mtbf_s, independent_mtbf_s=3 * mtbf_s),
+    )

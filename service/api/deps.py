@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, HTTPException, Request, status
 from sqlalchemy.orm import Session
 
+from trainvitals.service.auth import ANONYMOUS, Principal
 from trainvitals.service.exposition import IngestCounters
 
 
@@ -20,5 +21,33 @@ def _counters(request: Request) -> IngestCounters:
     return request.app.state.counters
 
 
+def _principal(request: Request, session: Annotated[Session, Depends(_session)]) -> Principal:
+    if not request.app.state.settings.auth:
+        return ANONYMOUS
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED, "missing bearer token", headers={"WWW-Authenticate": "Bearer"}
+        )
+    principal = request.app.state.verifier.verify(session, token.strip())
+    if principal is None:
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED, "unknown or revoked token", headers={"WWW-Authenticate": "Bearer"}
+        )
+    return principal
+
+
+def require(principal: Principal, scope: str, project: str) -> None:
+    """403 unless the principal may act with `scope` on `project`."""
+    if not principal.may(scope, project):
+        raise HTTPException(
+            status.HTTP_403_FORBIDDEN,
+            f"token is for project {principal.project!r} with scope {principal.scope!r}; "
+            f"this needs scope {scope!r} on project {project!r}",
+        )
+
+
 SessionDep = Annotated[Session, Depends(_session)]
+PrincipalDep = Annotated[Principal, Depends(_principal)]
 CountersDep = Annotated[IngestCounters, Depends(_counters)]

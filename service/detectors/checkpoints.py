@@ -26,10 +26,16 @@ from .findings import Finding, Severity
 from .series import CheckpointEvent, RunSeries
 
 GOOD_STATUSES = frozenset({"persisted", "verified"})
-DIVERGENCE_KINDS = frozenset({
-    "grad_spikes_recurring", "loss_divergence", "loss_nonfinite", "grad_nonfinite", "fp8_clipping",
-    "fp8_nonfinite",
-})
+DIVERGENCE_KINDS = frozenset(
+    {
+        "grad_spikes_recurring",
+        "loss_divergence",
+        "loss_nonfinite",
+        "grad_nonfinite",
+        "fp8_clipping",
+        "fp8_nonfinite",
+    }
+)
 """Page kinds after which someone will want to roll back to a generation saved before the onset."""
 
 
@@ -90,13 +96,24 @@ def detect_failed(series: RunSeries, cfg: CheckpointConfig) -> list[Finding]:
         failed = next(e for e in evs if e.status == "failed")
         recovered = any({e.status for e in later} & GOOD_STATUSES for _, later in gens[i + 1 :])
         sev: Severity = "page" if consecutive >= cfg.failed_page_after else "ticket"
-        out.append(Finding(
-            kind="checkpoint_failed", severity=sev, run=series.run, subject_kind="checkpoint",
-            subject=str(gen), onset_step=failed.step, last_step=failed.step, magnitude=float(consecutive),
-            summary=(f"checkpoint generation {gen} (step {failed.step}) failed to save"
-                     + (f"; {consecutive} failed saves in a row" if consecutive > 1 else "")),
-            active=not recovered, detected_step=failed.step,
-        ))
+        out.append(
+            Finding(
+                kind="checkpoint_failed",
+                severity=sev,
+                run=series.run,
+                subject_kind="checkpoint",
+                subject=str(gen),
+                onset_step=failed.step,
+                last_step=failed.step,
+                magnitude=float(consecutive),
+                summary=(
+                    f"checkpoint generation {gen} (step {failed.step}) failed to save"
+                    + (f"; {consecutive} failed saves in a row" if consecutive > 1 else "")
+                ),
+                active=not recovered,
+                detected_step=failed.step,
+            )
+        )
     return out
 
 
@@ -122,14 +139,24 @@ def detect_overdue(series: RunSeries, cfg: CheckpointConfig) -> list[Finding]:
     onset = int(s.steps[min(i, len(s.steps) - 1)])
     ratio = age / interval
     what = "the newest good checkpoint" if good_ts else "the run start (no good checkpoint yet)"
-    return [Finding(
-        kind="checkpoint_overdue", severity="page" if ratio >= cfg.overdue_page_factor else "ticket",
-        run=series.run, subject_kind="run", subject="", onset_step=onset, last_step=int(s.steps[-1]),
-        magnitude=ratio,
-        summary=(f"checkpoint overdue: {age / 60:.0f} min since {what}, {ratio:.1f}x the "
-                 f"{interval / 60:.0f} min interval"),
-        active=True, detected_step=onset,
-    )]
+    return [
+        Finding(
+            kind="checkpoint_overdue",
+            severity="page" if ratio >= cfg.overdue_page_factor else "ticket",
+            run=series.run,
+            subject_kind="run",
+            subject="",
+            onset_step=onset,
+            last_step=int(s.steps[-1]),
+            magnitude=ratio,
+            summary=(
+                f"checkpoint overdue: {age / 60:.0f} min since {what}, {ratio:.1f}x the "
+                f"{interval / 60:.0f} min interval"
+            ),
+            active=True,
+            detected_step=onset,
+        )
+    ]
 
 
 def detect_no_rollback_target(
@@ -144,14 +171,25 @@ def detect_no_rollback_target(
     if onsets:
         earliest = min(onsets, key=lambda f: f.onset_step)
         if rollback_target(series, earliest.onset_step, cfg) is None:
-            return [Finding(
-                kind="no_rollback_target", severity="page", run=series.run, subject_kind="run", subject="",
-                onset_step=earliest.onset_step, last_step=last, magnitude=float(last - first),
-                summary=(f"no good checkpoint saved before step {earliest.onset_step}, where "
-                         f"{earliest.kind} began: rolling back means restarting from scratch or from a "
-                         "generation that already carries the problem"),
-                active=True, detected_step=earliest.detected_step or last,
-            )]
+            return [
+                Finding(
+                    kind="no_rollback_target",
+                    severity="page",
+                    run=series.run,
+                    subject_kind="run",
+                    subject="",
+                    onset_step=earliest.onset_step,
+                    last_step=last,
+                    magnitude=float(last - first),
+                    summary=(
+                        f"no good checkpoint saved before step {earliest.onset_step}, where "
+                        f"{earliest.kind} began: rolling back means restarting from scratch or from a "
+                        "generation that already carries the problem"
+                    ),
+                    active=True,
+                    detected_step=earliest.detected_step or last,
+                )
+            ]
     target = rollback_target(series, last + 1, cfg)
     if target is not None:
         return []
@@ -168,12 +206,21 @@ def detect_no_rollback_target(
         i = int(np.searchsorted(s.steps, first + cfg.no_target_after_steps))
     onset = int(s.steps[min(i, len(s.steps) - 1)])
     what = "verified" if cfg.require_verified else "persisted or verified"
-    return [Finding(
-        kind="no_rollback_target", severity="ticket", run=series.run, subject_kind="run", subject="",
-        onset_step=onset, last_step=last, magnitude=float(last - first),
-        summary=f"no {what} checkpoint generation after {last - first:,} steps: nothing to roll back to",
-        active=True, detected_step=onset,
-    )]
+    return [
+        Finding(
+            kind="no_rollback_target",
+            severity="ticket",
+            run=series.run,
+            subject_kind="run",
+            subject="",
+            onset_step=onset,
+            last_step=last,
+            magnitude=float(last - first),
+            summary=f"no {what} checkpoint generation after {last - first:,} steps: nothing to roll back to",
+            active=True,
+            detected_step=onset,
+        )
+    ]
 
 
 def detect_stalled(series: RunSeries, cfg: CheckpointConfig) -> list[Finding]:
@@ -190,13 +237,24 @@ def detect_stalled(series: RunSeries, cfg: CheckpointConfig) -> list[Finding]:
     if since <= allowance:
         return []
     last = int(s.steps[-1])
-    return [Finding(
-        kind="run_stalled", severity="page", run=series.run, subject_kind="run", subject="",
-        onset_step=last, last_step=last, magnitude=since,
-        summary=(f"no step for {since / 60:.1f} min after step {last} (typical step {typical:.2f} s): "
-                 "hung collective, dead rank or stuck I/O"),
-        active=True, detected_step=last,
-    )]
+    return [
+        Finding(
+            kind="run_stalled",
+            severity="page",
+            run=series.run,
+            subject_kind="run",
+            subject="",
+            onset_step=last,
+            last_step=last,
+            magnitude=since,
+            summary=(
+                f"no step for {since / 60:.1f} min after step {last} (typical step {typical:.2f} s): "
+                "hung collective, dead rank or stuck I/O"
+            ),
+            active=True,
+            detected_step=last,
+        )
+    ]
 
 
 def detect_checkpoints(series: RunSeries, cfg: CheckpointConfig) -> list[Finding]:

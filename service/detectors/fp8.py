@@ -96,15 +96,32 @@ def subject_of(ts: TensorSeries) -> str:
 
 
 def _finding(
-    ts: TensorSeries, run: str, *, kind: str, severity: Severity, onset: int, last: int,
-    magnitude: float, summary: str, active: bool, detected: int,
+    ts: TensorSeries,
+    run: str,
+    *,
+    kind: str,
+    severity: Severity,
+    onset: int,
+    last: int,
+    magnitude: float,
+    summary: str,
+    active: bool,
+    detected: int,
 ) -> Finding:
     if ts.shadow and severity == "page":
         severity = "ticket"
         summary += " (shadow: what delayed scaling would do; nothing clipped in this run)"
     return Finding(
-        kind=kind, severity=severity, run=run, subject_kind="tensor", subject=subject_of(ts),
-        onset_step=onset, last_step=last, magnitude=magnitude, summary=summary, active=active,
+        kind=kind,
+        severity=severity,
+        run=run,
+        subject_kind="tensor",
+        subject=subject_of(ts),
+        onset_step=onset,
+        last_step=last,
+        magnitude=magnitude,
+        summary=summary,
+        active=active,
         detected_step=detected,
     )
 
@@ -126,12 +143,23 @@ def detect_clipping(ts: TensorSeries, run: str, quiet: np.ndarray, cfg: Fp8Confi
     worst = float(np.min(h[since]))
     last = int(ts.steps[-1])
     n = int(since.sum())
-    return [_finding(
-        ts, run, kind="fp8_clipping", severity="page", onset=onset, last=int(at[-1]), magnitude=worst,
-        summary=(f"FP8 clipping on {subject_of(ts)} ({ts.format}): {n} clipped steps since step {onset}, "
-                 f"worst headroom {worst:.1f} bits"),
-        active=int(at[-1]) > last - cfg.clip_window_steps, detected=fired,
-    )]
+    return [
+        _finding(
+            ts,
+            run,
+            kind="fp8_clipping",
+            severity="page",
+            onset=onset,
+            last=int(at[-1]),
+            magnitude=worst,
+            summary=(
+                f"FP8 clipping on {subject_of(ts)} ({ts.format}): {n} clipped steps since step {onset}, "
+                f"worst headroom {worst:.1f} bits"
+            ),
+            active=int(at[-1]) > last - cfg.clip_window_steps,
+            detected=fired,
+        )
+    ]
 
 
 def detect_jumps(ts: TensorSeries, run: str, quiet: np.ndarray, cfg: Fp8Config) -> list[Finding]:
@@ -153,17 +181,29 @@ def detect_jumps(ts: TensorSeries, run: str, quiet: np.ndarray, cfg: Fp8Config) 
     onset = fired if sizes[i] >= cfg.jump_big_bits else int(at[np.searchsorted(at, fired - w, side="right")])
     recent = at > int(ts.steps[-1]) - w
     biggest = float(sizes[at >= onset].max())
-    return [_finding(
-        ts, run, kind="fp8_jump", severity="ticket", onset=onset, last=int(at[-1]), magnitude=biggest,
-        summary=(f"FP8 amax jumps on {subject_of(ts)}: {int((at >= onset).sum())} jumps > {cfg.jump_bits:g} bit "
-                 f"since step {onset}, largest {biggest:.1f} bits ({2 ** biggest:.0f}x)"),
-        active=bool(recent.any()), detected=fired,
-    )]
+    return [
+        _finding(
+            ts,
+            run,
+            kind="fp8_jump",
+            severity="ticket",
+            onset=onset,
+            last=int(at[-1]),
+            magnitude=biggest,
+            summary=(
+                f"FP8 amax jumps on {subject_of(ts)}: {int((at >= onset).sum())} jumps > "
+                f"{cfg.jump_bits:g} bit "
+                f"since step {onset}, largest {biggest:.1f} bits ({2**biggest:.0f}x)"
+            ),
+            active=bool(recent.any()),
+            detected=fired,
+        )
+    ]
 
 
-def _block_minima(ts: TensorSeries, quiet: np.ndarray, seg: np.ndarray, cfg: Fp8Config) -> tuple[
-    np.ndarray, np.ndarray, np.ndarray
-]:
+def _block_minima(
+    ts: TensorSeries, quiet: np.ndarray, seg: np.ndarray, cfg: Fp8Config
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(block index, minimum headroom, segment) per complete block with enough samples."""
     h = np.where(quiet, np.nan, ts.headroom_bits).astype(float)
     bsz = cfg.trend_block_steps
@@ -179,9 +219,9 @@ def _block_minima(ts: TensorSeries, quiet: np.ndarray, seg: np.ndarray, cfg: Fp8
     return keys[ok].astype(np.int64), mins[ok], seg_lo[ok].astype(np.int64)
 
 
-def _sliding_fits(keys: np.ndarray, mins: np.ndarray, segs: np.ndarray, cfg: Fp8Config) -> tuple[
-    np.ndarray, ...
-]:
+def _sliding_fits(
+    keys: np.ndarray, mins: np.ndarray, segs: np.ndarray, cfg: Fp8Config
+) -> tuple[np.ndarray, ...]:
     """Robust trend through the block minima of the last `trend_blocks` blocks (same segment), at
     every block: (count, Theil-Sen slope per step, Mann-Kendall z, fitted value at the block's end,
     first block of the window). Theil-Sen and Mann-Kendall use pairwise orderings, so one block made
@@ -252,14 +292,25 @@ def detect_headroom_trend(
     window = (keys >= first_key[first_cond]) & (keys <= keys[first_cond])
     window &= mins < ref_low[first_cond] - cfg.trend_new_low_bits
     onset = int(keys[np.argmax(window)] * bsz) if window.any() else int(first_key[first_cond] * bsz)
-    return [_finding(
-        ts, run, kind="fp8_headroom_trend", severity="ticket", onset=onset, last=int(end_step[k]),
-        magnitude=float(to_floor[k]),
-        summary=(f"FP8 headroom of {subject_of(ts)} falling {-slope[k] * 1e3:.2f} bits per 1k steps since ~step "
-                 f"{onset}, now {fitted_end[k]:.1f} bits; reaches {cfg.clip_hard_bits:g} bit (clipping) in "
-                 f"~{fmt_int(to_floor[k])} steps"),
-        active=active, detected=int(end_step[fired_idx]),
-    )]
+    return [
+        _finding(
+            ts,
+            run,
+            kind="fp8_headroom_trend",
+            severity="ticket",
+            onset=onset,
+            last=int(end_step[k]),
+            magnitude=float(to_floor[k]),
+            summary=(
+                f"FP8 headroom of {subject_of(ts)} falling {-slope[k] * 1e3:.2f} bits per 1k steps "
+                f"since ~step "
+                f"{onset}, now {fitted_end[k]:.1f} bits; reaches {cfg.clip_hard_bits:g} bit (clipping) in "
+                f"~{fmt_int(to_floor[k])} steps"
+            ),
+            active=active,
+            detected=int(end_step[fired_idx]),
+        )
+    ]
 
 
 def detect_stale_scale(ts: TensorSeries, run: str, quiet: np.ndarray, cfg: Fp8Config) -> list[Finding]:
@@ -269,21 +320,35 @@ def detect_stale_scale(ts: TensorSeries, run: str, quiet: np.ndarray, cfg: Fp8Co
         return []  # exact shortcut: a median of these values is never below their minimum
     # The reference ends stale_steps back so a stale stretch never becomes its own baseline.
     shifted = np.concatenate([np.full(cfg.stale_steps, np.nan), np.where(quiet, np.nan, h)])[: len(h)]
-    ref = trailing_median(shifted, cfg.baseline_steps, min_count=cfg.baseline_steps // 4,
-                          stride=max(cfg.baseline_steps // 20, 1))
+    ref = trailing_median(
+        shifted,
+        cfg.baseline_steps,
+        min_count=cfg.baseline_steps // 4,
+        stride=max(cfg.baseline_steps // 20, 1),
+    )
     excess = h - ref
     cond = np.isfinite(excess) & (excess > cfg.stale_bits) & ~quiet
     for a, b in runs_of_true(cond):
         if b - a >= cfg.stale_steps:
             fired = a + cfg.stale_steps - 1
             worst = float(np.max(excess[a:b]))
-            return [_finding(
-                ts, run, kind="fp8_stale_scale", severity="ticket", onset=int(ts.steps[a]),
-                last=int(ts.steps[b - 1]), magnitude=worst,
-                summary=(f"FP8 scale of {subject_of(ts)} stale: headroom {worst:.1f} bits above its level for "
-                         f"{b - a} steps since step {ts.steps[a]} (small values flush to zero)"),
-                active=b == len(cond), detected=int(ts.steps[fired]),
-            )]
+            return [
+                _finding(
+                    ts,
+                    run,
+                    kind="fp8_stale_scale",
+                    severity="ticket",
+                    onset=int(ts.steps[a]),
+                    last=int(ts.steps[b - 1]),
+                    magnitude=worst,
+                    summary=(
+                        f"FP8 scale of {subject_of(ts)} stale: headroom {worst:.1f} bits above its level for "
+                        f"{b - a} steps since step {ts.steps[a]} (small values flush to zero)"
+                    ),
+                    active=b == len(cond),
+                    detected=int(ts.steps[fired]),
+                )
+            ]
     return []
 
 
@@ -304,13 +369,26 @@ def detect_underflow_rise(ts: TensorSeries, run: str, quiet: np.ndarray, cfg: Fp
         if len(ok):
             fired = a + int(ok[0])
             worst = float(np.max(ratio[a:b]))
-            return [_finding(
-                ts, run, kind="fp8_underflow_rise", severity="ticket", onset=int(steps[a]),
-                last=int(steps[b - 1]), magnitude=worst,
-                summary=(f"FP8 underflow on {subject_of(ts)} up {worst:.1f}x its level since step {steps[a]} "
-                         f"(now {short[b - 1]:.1e} of elements)"),
-                active=b == len(cond), detected=int(steps[fired]),
-            )]
+            # The 5-sample median lags the raw values: the onset is the first raw sample above the line.
+            back = np.flatnonzero(u[max(a - 4, 0) : a + 1] > cfg.underflow_ratio * ref[a])
+            first = max(a - 4, 0) + int(back[0]) if len(back) else a
+            return [
+                _finding(
+                    ts,
+                    run,
+                    kind="fp8_underflow_rise",
+                    severity="ticket",
+                    onset=int(steps[first]),
+                    last=int(steps[b - 1]),
+                    magnitude=worst,
+                    summary=(
+                        f"FP8 underflow on {subject_of(ts)} up {worst:.1f}x its level since step {steps[a]} "
+                        f"(now {short[b - 1]:.1e} of elements)"
+                    ),
+                    active=b == len(cond),
+                    detected=int(steps[fired]),
+                )
+            ]
     return []
 
 
@@ -320,13 +398,23 @@ def detect_nonfinite(ts: TensorSeries, run: str, cfg: Fp8Config) -> list[Finding
     if not bad.any():
         return []
     at = ts.steps[bad]
-    return [_finding(
-        ts, run, kind="fp8_nonfinite", severity="page", onset=int(at[0]), last=int(at[-1]),
-        magnitude=float(nf.max()),
-        summary=(f"non-finite values in {subject_of(ts)} ({ts.format}) on {len(at)} steps since step {at[0]}"
-                 + (" (E5M2 overflow gives inf)" if ts.format == "e5m2" else "")),
-        active=int(at[-1]) > int(ts.steps[-1]) - cfg.nonfinite_hold_steps, detected=int(at[0]),
-    )]
+    return [
+        _finding(
+            ts,
+            run,
+            kind="fp8_nonfinite",
+            severity="page",
+            onset=int(at[0]),
+            last=int(at[-1]),
+            magnitude=float(nf.max()),
+            summary=(
+                f"non-finite values in {subject_of(ts)} ({ts.format}) on {len(at)} steps since step {at[0]}"
+                + (" (E5M2 overflow gives inf)" if ts.format == "e5m2" else "")
+            ),
+            active=int(at[-1]) > int(ts.steps[-1]) - cfg.nonfinite_hold_steps,
+            detected=int(at[0]),
+        )
+    ]
 
 
 def detect_resume_step(ts: TensorSeries, run: str, sup: Suppression, cfg: Fp8Config) -> list[Finding]:
@@ -343,13 +431,23 @@ def detect_resume_step(ts: TensorSeries, run: str, sup: Suppression, cfg: Fp8Con
         if not (clipped or flushed):
             continue
         what = "clipped" if clipped else f"{h[i] - ref:.1f} bits above the pre-resume level (values flushed)"
-        return [_finding(
-            ts, run, kind="fp8_resume_bad_step", severity="ticket", onset=int(ts.steps[i]),
-            last=int(ts.steps[i]), magnitude=float(h[i]),
-            summary=(f"first FP8 step of {subject_of(ts)} after the resume at step {r} {what}: headroom "
-                     f"{h[i]:.1f} bits (stale amax history restored?)"),
-            active=True, detected=int(ts.steps[i]),
-        )]
+        return [
+            _finding(
+                ts,
+                run,
+                kind="fp8_resume_bad_step",
+                severity="ticket",
+                onset=int(ts.steps[i]),
+                last=int(ts.steps[i]),
+                magnitude=float(h[i]),
+                summary=(
+                    f"first FP8 step of {subject_of(ts)} after the resume at step {r} {what}: headroom "
+                    f"{h[i]:.1f} bits (stale amax history restored?)"
+                ),
+                active=True,
+                detected=int(ts.steps[i]),
+            )
+        ]
     return []
 
 

@@ -120,8 +120,9 @@ def _blame_group(series: RunSeries, at_steps: np.ndarray, cfg: GradNormConfig) -
     excess = np.full((len(idx), len(g.groups)), -np.inf)
     for j in range(len(g.groups)):
         lg = _log_norm(g.norms[:, j])
-        med = trailing_median(lg, cfg.baseline_steps, min_count=cfg.min_history,
-                              stride=max(cfg.baseline_steps // 20, 1))
+        med = trailing_median(
+            lg, cfg.baseline_steps, min_count=cfg.min_history, stride=max(cfg.baseline_steps // 20, 1)
+        )
         e = (lg - med)[idx]
         excess[:, j] = np.where(np.isfinite(e), e, -np.inf)
     winners = Counter(int(k) for k in np.argmax(excess, axis=1))
@@ -284,7 +285,8 @@ def detect_drift(series: RunSeries, sup: Suppression, cfg: GradNormConfig) -> li
             magnitude=mag,
             summary=(
                 f"gradient norm drifting up: block median {mag:.2f}x its level "
-                f"{(cfg.drift_gap_blocks + cfg.drift_ref_blocks // 2) * cfg.drift_block_steps} steps earlier, "
+                f"{(cfg.drift_gap_blocks + cfg.drift_ref_blocks // 2) * cfg.drift_block_steps} "
+                "steps earlier, "
                 f"since step {onset} (benign near the end of training; worrying with recurring spikes)"
             ),
             active=active,

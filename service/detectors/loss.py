@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._stats import MAD_TO_SIGMA, segment_apply, trailing_median, trailing_median_scale
+from ._stats import segment_apply, trailing_median, trailing_median_scale
 from .findings import Finding
 from .series import RunSeries
 from .suppression import Suppression
@@ -86,7 +86,9 @@ def detect_divergence(
     seg = sup.segment_ids(s.steps)
 
     def per_segment(yy: np.ndarray, yr: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        short = trailing_median(yy, cfg.short_steps, min_count=max(cfg.short_steps // 2, 1), include_current=True)
+        short = trailing_median(
+            yy, cfg.short_steps, min_count=max(cfg.short_steps // 2, 1), include_current=True
+        )
         # Reference ends gap_steps back: shift the trailing window by padding the front.
         shifted = np.concatenate([np.full(cfg.gap_steps, np.nan), yr])[: len(yr)]
         ref, _ = trailing_median_scale(shifted, cfg.baseline_steps, min_count=cfg.min_history)
@@ -115,12 +117,19 @@ def detect_divergence(
     # Onset: walk back over the contiguous stretch where the smoothed loss was already above half
     # the threshold, then back half a short window (the median lags the raw loss by that much).
     i = first_fire
-    while i > 0 and np.isfinite(excess[i - 1]) and excess[i - 1] > threshold[i - 1] / 2 and seg[i - 1] == seg[i]:
+    while (
+        i > 0 and np.isfinite(excess[i - 1]) and excess[i - 1] > threshold[i - 1] / 2 and seg[i - 1] == seg[i]
+    ):
         i -= 1
     onset_idx = max(i - cfg.short_steps // 2, int(np.searchsorted(seg, seg[i])))
-    active = bool(cond[-1])
-    peak = float(np.nanmax(excess[first_fire:])) if np.isfinite(excess[first_fire:]).any() else 0.0
-    mag = math.exp(excess[-1] if active and np.isfinite(excess[-1]) else peak)
+    # Once fired, the reference is frozen at its value then: a loss that stays up is still diverged
+    # (a rolling reference would absorb the new level and close the finding).
+    frozen = ref[first_fire]
+    still = np.isfinite(short) & (short - frozen > threshold[first_fire] / 2)
+    still[: first_fire + 1] = True
+    active = bool(still[-1])
+    last_idx = len(still) - 1 if active else first_fire + int(np.argmin(still[first_fire:]))
+    mag = math.exp(float(short[last_idx] - frozen)) if np.isfinite(short[last_idx]) else math.nan
     onset = int(s.steps[onset_idx])
     return [
         Finding(
@@ -130,7 +139,7 @@ def detect_divergence(
             subject_kind="run",
             subject="",
             onset_step=onset,
-            last_step=int(s.steps[-1]) if active else int(s.steps[first_fire]),
+            last_step=int(s.steps[last_idx]),
             magnitude=mag,
             summary=f"loss diverging: {mag:.2f}x {against} since step {onset}",
             active=active,

@@ -69,11 +69,22 @@ def detect_mfu_gap(series: RunSeries, sup: Suppression, cfg: MfuConfig) -> list[
         mag = float(gap[b - 1])
         onset = int(s.steps[a * w])
         measured = float(win[b - 1])
-        return [Finding(
-            kind="mfu_gap", severity="ticket", run=series.run, subject_kind="run", subject="",
-            onset_step=onset, last_step=int(s.steps[b * w - 1]), magnitude=mag,
-            summary=(f"MFU {measured:.1%} vs expected {series.expected_mfu:.1%} (gap {mag:.0%}) "
-                     f"since step {onset}"),
-            active=active, detected_step=int(s.steps[(fired + 1) * w - 1]),
-        )]
+        return [
+            Finding(
+                kind="mfu_gap",
+                severity="ticket",
+                run=series.run,
+                subject_kind="run",
+                subject="",
+                onset_step=onset,
+                last_step=int(s.steps[b * w - 1]),
+                magnitude=mag,
+                summary=(
+                    f"MFU {measured:.1%} vs expected {series.expected_mfu:.1%} (gap {mag:.0%}) "
+                    f"since step {onset}"
+                ),
+                active=active,
+                detected_step=int(s.steps[(fired + 1) * w - 1]),
+            )
+        ]
     return []

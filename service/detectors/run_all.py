@@ -63,4 +63,6 @@ def detect(
     found += detect_mfu_gap(series, sup, cfg.mfu)
     found += detect_checkpoints(series, cfg.checkpoints)
     found += detect_no_rollback_target(series, cfg.checkpoints, open_pages=found)
-    return sorted(found, key=lambda f: (_SEVERITY_ORDER[f.severity], f.onset_step, f.kind, f.subject_kind, f.subject))
+    return sorted(
+        found, key=lambda f: (_SEVERITY_ORDER[f.severity], f.onset_step, f.kind, f.subject_kind, f.subject)
+    )

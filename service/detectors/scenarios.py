@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
 import numpy as np
 
 from trainvitals.wire.v1 import (
@@ -167,7 +168,11 @@ class _Run:
         rows = []
         for layer in range(layout.layers):
             fqn = f"layers.{layer}.mlp.fc1"
-            self.tensor_names += [(fqn, "input", "e4m3"), (fqn, "weight", "e4m3"), (fqn, "grad_output", "e5m2")]
+            self.tensor_names += [
+                (fqn, "input", "e4m3"),
+                (fqn, "weight", "e4m3"),
+                (fqn, "grad_output", "e5m2"),
+            ]
             rows.append(3.0 + 0.3 * layer + rng.normal(0, 0.08, n) + 0.3 * wander)
             rows.append(-1.0 + 0.05 * layer + 0.1 * np.tanh(t / 3000) + rng.normal(0, 0.005, n))
             # Gradients scale with the gradient norm (in bits: / ln 2), plus their own noise.
@@ -179,6 +184,8 @@ class _Run:
         self.checkpoint_fail_from: int | None = None
         self.incarnation_from: dict[int, int] = {}
         self.resume_at: int | None = None
+        self.restart_gap = 600.0
+        """Seconds between the last step before a failure and the first one after the resume."""
 
     def _noise(self, scale: float, heavy_tail: bool) -> np.ndarray:
         if heavy_tail:
@@ -207,8 +214,7 @@ class _Run:
             padded = np.concatenate([np.full(L, x[0]), x])
             # A_{t-1}: max over the L amaxes before step t (the scale used at t was built from them).
             hist = np.lib.stride_tricks.sliding_window_view(padded, L)[: self.n].max(axis=1)
-            if self.resume_at is not None:
-                pass  # the history is restored with the checkpoint: no discontinuity
+            # A resume restores the history with the checkpoint: no discontinuity to model.
             headroom = hist - x
             lag = x - hist
             sat = np.where(headroom < 0, 1e-7 * (2.0 ** (-6 * headroom) - 1), 0.0)
@@ -217,18 +223,31 @@ class _Run:
             amax = 2.0**x
             nonfinite = self.tensor_nonfinite[k].copy()
             amax = np.where(nonfinite > 0, np.inf, amax)
-            out.append(TensorSeries(
-                tensor=fqn, role=role, format=fmt, steps=self.steps.copy(), amax=amax,
-                headroom_bits=np.where(nonfinite > 0, np.nan, headroom),
-                lag_bits=np.where(nonfinite > 0, np.nan, lag),
-                sat_frac=np.where(expensive, np.minimum(sat, 1.0), np.nan),
-                underflow_frac=np.where(expensive, np.minimum(uf, 1.0), np.nan),
-                nonfinite=nonfinite, history_len=L,
-            ))
+            out.append(
+                TensorSeries(
+                    tensor=fqn,
+                    role=role,
+                    format=fmt,
+                    steps=self.steps.copy(),
+                    amax=amax,
+                    headroom_bits=np.where(nonfinite > 0, np.nan, headroom),
+                    lag_bits=np.where(nonfinite > 0, np.nan, lag),
+                    sat_frac=np.where(expensive, np.minimum(sat, 1.0), np.nan),
+                    underflow_frac=np.where(expensive, np.minimum(uf, 1.0), np.nan),
+                    nonfinite=nonfinite,
+                    history_len=L,
+                )
+            )
         return out
 
-    def build(self, *, name: str, expected_mfu_factor: float = 0.97, mfu_ref_end: int | None = None,
-              now_after_last: float | None = None) -> RunSeries:
+    def build(
+        self,
+        *,
+        name: str,
+        expected_mfu_factor: float = 0.97,
+        mfu_ref_end: int | None = None,
+        now_after_last: float | None = None,
+    ) -> RunSeries:
         lay = self.layout
         n = self.n
         ckpt_steps = np.arange(lay.checkpoint_every, n, lay.checkpoint_every)
@@ -237,7 +256,7 @@ class _Run:
         job = self.compute.max(axis=1) + self.comm + extra
         ts = T0 + np.cumsum(job)
         if self.resume_at is not None:
-            ts[self.resume_at :] += self._restart_gap
+            ts[self.resume_at :] += self.restart_gap
         wait = job[:, None] - self.compute
         step_mat = np.repeat(job[:, None], lay.world, axis=1)
         # Gradient groups: the global norm is the root sum of squares of the groups.
@@ -274,15 +293,27 @@ class _Run:
         return RunSeries(
             run=name,
             steps=RunSteps(
-                steps=self.steps.copy(), loss=loss, grad_norm=global_gn, grad_nonfinite=grad_nonfinite,
-                step_seconds=job, ts=ts, tokens=tokens, flops=flops, loss_nonfinite=self.loss_nonfinite.copy(),
+                steps=self.steps.copy(),
+                loss=loss,
+                grad_norm=global_gn,
+                grad_nonfinite=grad_nonfinite,
+                step_seconds=job,
+                ts=ts,
+                tokens=tokens,
+                flops=flops,
+                loss_nonfinite=self.loss_nonfinite.copy(),
             ),
-            groups=GroupGradNorms(steps=self.steps.copy(), groups=[f"layers.{g}" for g in range(lay.groups)],
-                                  norms=groups),
+            groups=GroupGradNorms(
+                steps=self.steps.copy(), groups=[f"layers.{g}" for g in range(lay.groups)], norms=groups
+            ),
             tensors=self._fp8(),
             ranks=RankSteps(
-                steps=self.steps.copy(), ranks=np.arange(lay.world, dtype=np.int64), step_seconds=step_mat,
-                compute_seconds=self.compute.copy(), wait_seconds=wait, pp_stage=self.stage.astype(np.int64),
+                steps=self.steps.copy(),
+                ranks=np.arange(lay.world, dtype=np.int64),
+                step_seconds=step_mat,
+                compute_seconds=self.compute.copy(),
+                wait_seconds=wait,
+                pp_stage=self.stage.astype(np.int64),
                 node=nodes,
             ),
             checkpoints=checkpoints,
@@ -293,8 +324,6 @@ class _Run:
             now=float(now),
         )
 
-    _restart_gap: float = 600.0
-
     def _checkpoints(self, ckpt_steps: np.ndarray, ts: np.ndarray) -> list[CheckpointEvent]:
         out = []
         for gen, st in enumerate(ckpt_steps.tolist(), start=1):
@@ -304,8 +333,16 @@ class _Run:
                 out.append(CheckpointEvent(generation=gen, step=st, status="failed", ts=t + 30.0))
                 continue
             if t + 20.0 <= ts[-1]:
-                out.append(CheckpointEvent(generation=gen, step=st, status="persisted", ts=t + 20.0,
-                                           stall_seconds=5.0, persist_seconds=20.0))
+                out.append(
+                    CheckpointEvent(
+                        generation=gen,
+                        step=st,
+                        status="persisted",
+                        ts=t + 20.0,
+                        stall_seconds=5.0,
+                        persist_seconds=20.0,
+                    )
+                )
             if t + 60.0 <= ts[-1]:
                 out.append(CheckpointEvent(generation=gen, step=st, status="verified", ts=t + 60.0))
         return out
@@ -344,16 +381,28 @@ def _family_salt(family: str) -> int:
 
 
 def _scenario(run: _Run, *, name: str, family: str, seed: int, series: RunSeries, **kw: object) -> Scenario:
-    return Scenario(name=name, family=family, seed=seed, healthy=family.startswith("healthy"), series=series,
-                    layout=run.layout, incarnation_from=dict(run.incarnation_from), **kw)  # type: ignore[arg-type]
+    return Scenario(
+        name=name,
+        family=family,
+        seed=seed,
+        healthy=family.startswith("healthy"),
+        series=series,
+        layout=run.layout,
+        incarnation_from=dict(run.incarnation_from),
+        **kw,
+    )  # type: ignore[arg-type]
 
 
-def _healthy_plain(*, rng: np.random.Generator, name: str, family: str, seed: int, layout: Layout) -> Scenario:
+def _healthy_plain(
+    *, rng: np.random.Generator, name: str, family: str, seed: int, layout: Layout
+) -> Scenario:
     run = _Run(rng, 5000, layout)
     return _scenario(run, name=name, family=family, seed=seed, series=run.build(name=name))
 
 
-def _healthy_burst(*, rng: np.random.Generator, name: str, family: str, seed: int, layout: Layout) -> Scenario:
+def _healthy_burst(
+    *, rng: np.random.Generator, name: str, family: str, seed: int, layout: Layout
+) -> Scenario:
     run = _Run(rng, 5000, layout)
     start = int(rng.integers(1500, 3500))
     k = int(rng.integers(4, 11))
@@ -365,7 +414,9 @@ def _healthy_burst(*, rng: np.random.Generator, name: str, family: str, seed: in
     return _scenario(run, name=name, family=family, seed=seed, series=run.build(name=name))
 
 
-def _healthy_resume(*, rng: np.random.Generator, name: str, family: str, seed: int, layout: Layout) -> Scenario:
+def _healthy_resume(
+    *, rng: np.random.Generator, name: str, family: str, seed: int, layout: Layout
+) -> Scenario:
     run = _Run(rng, 5000, layout)
     fail = int(rng.integers(2000, 3500))
     resume = (fail // layout.checkpoint_every) * layout.checkpoint_every
@@ -376,7 +427,7 @@ def _healthy_resume(*, rng: np.random.Generator, name: str, family: str, seed: i
     run.log_gn += np.where(after, np.log1p(1.0 * np.exp(-(t - resume) / 15)), 0.0)
     run.log_loss += np.where(after, np.log1p(0.08 * np.exp(-(t - resume) / 40)), 0.0)
     run.resume_at = resume
-    run._restart_gap = 600.0 + 1.2 * (fail - resume)
+    run.restart_gap = 600.0 + 1.2 * (fail - resume)  # restart plus the redone steps
     series = run.build(name=name)
     fail_ts = series.steps.ts[resume] - 600.0
     series.events += [
@@ -389,7 +440,9 @@ def _healthy_resume(*, rng: np.random.Generator, name: str, family: str, seed: i
     return _scenario(run, name=name, family=family, seed=seed, series=series)
 
 
-def _healthy_end_rise(*, rng: np.random.Generator, name: str, family: str, seed: int, layout: Layout) -> Scenario:
+def _healthy_end_rise(
+    *, rng: np.random.Generator, name: str, family: str, seed: int, layout: Layout
+) -> Scenario:
     run = _Run(rng, 5000, layout)
     ramp = _ramp(run.n, 3750, 5000)
     run.log_gn += math.log(float(rng.uniform(1.5, 2.0))) * ramp  # Defazio 2025: benign at the end
@@ -397,13 +450,16 @@ def _healthy_end_rise(*, rng: np.random.Generator, name: str, family: str, seed:
     return _scenario(run, name=name, family=family, seed=seed, series=run.build(name=name))
 
 
-def _healthy_heavy_tail(*, rng: np.random.Generator, name: str, family: str, seed: int, layout: Layout) -> Scenario:
+def _healthy_heavy_tail(
+    *, rng: np.random.Generator, name: str, family: str, seed: int, layout: Layout
+) -> Scenario:
     run = _Run(rng, 5000, layout, heavy_tail=True)
     return _scenario(run, name=name, family=family, seed=seed, series=run.build(name=name))
 
 
-def _healthy_phase_change(*, rng: np.random.Generator, name: str, family: str, seed: int,
-                          layout: Layout) -> Scenario:
+def _healthy_phase_change(
+    *, rng: np.random.Generator, name: str, family: str, seed: int, layout: Layout
+) -> Scenario:
     run = _Run(rng, 5000, layout)
     at = int(rng.integers(2000, 3500))
     t = np.arange(run.n, dtype=float)
@@ -411,12 +467,15 @@ def _healthy_phase_change(*, rng: np.random.Generator, name: str, family: str, s
     run.log_loss += np.where(after, 0.06 * (0.5 + 0.5 * np.exp(-(t - at) / 100)), 0.0)  # new data mix
     run.log_gn += np.where(after, math.log(1.3), 0.0)
     series = run.build(name=name)
-    series.events.append(RunEvent(event="phase_change", ts=float(series.steps.ts[at]), step=at,
-                                  detail="data mix switch"))
+    series.events.append(
+        RunEvent(event="phase_change", ts=float(series.steps.ts[at]), step=at, detail="data mix switch")
+    )
     return _scenario(run, name=name, family=family, seed=seed, series=series)
 
 
-def _late_divergence(*, rng: np.random.Generator, name: str, family: str, seed: int, layout: Layout) -> Scenario:
+def _late_divergence(
+    *, rng: np.random.Generator, name: str, family: str, seed: int, layout: Layout
+) -> Scenario:
     inject = int(rng.integers(2000, 2600))
     move = inject + int(rng.integers(1800, 2200))
     run = _Run(rng, move + 400, layout)
@@ -432,12 +491,21 @@ def _late_divergence(*, rng: np.random.Generator, name: str, family: str, seed: 
     past = np.clip(t - move, 0, None) / 300
     run.log_loss += 0.7 * past**2
     run.log_gn += 2.0 * past
-    return _scenario(run, name=name, family=family, seed=seed, series=run.build(name=name),
-                     injected_step=inject, loss_move_step=move,
-                     expect_kinds=("grad_spikes_recurring", "grad_norm_drift"))
+    return _scenario(
+        run,
+        name=name,
+        family=family,
+        seed=seed,
+        series=run.build(name=name),
+        injected_step=inject,
+        loss_move_step=move,
+        expect_kinds=("grad_spikes_recurring", "grad_norm_drift"),
+    )
 
 
-def _fp8_amax_creep(*, rng: np.random.Generator, name: str, family: str, seed: int, layout: Layout) -> Scenario:
+def _fp8_amax_creep(
+    *, rng: np.random.Generator, name: str, family: str, seed: int, layout: Layout
+) -> Scenario:
     inject = int(rng.integers(1500, 2500))
     move = inject + 2500
     run = _Run(rng, move + 400, layout)
@@ -453,9 +521,17 @@ def _fp8_amax_creep(*, rng: np.random.Generator, name: str, family: str, seed: i
     t = np.arange(run.n, dtype=float)
     run.log_loss += 0.6 * (np.clip(t - move, 0, None) / 300) ** 2
     subject = f"layers.{layer}.mlp.fc1:input"
-    return _scenario(run, name=name, family=family, seed=seed, series=run.build(name=name),
-                     injected_step=inject, loss_move_step=move, expect_subject=subject,
-                     expect_kinds=("fp8_headroom_trend", "fp8_clipping"))
+    return _scenario(
+        run,
+        name=name,
+        family=family,
+        seed=seed,
+        series=run.build(name=name),
+        injected_step=inject,
+        loss_move_step=move,
+        expect_subject=subject,
+        expect_kinds=("fp8_headroom_trend", "fp8_clipping"),
+    )
 
 
 def _fp8_jump(*, rng: np.random.Generator, name: str, family: str, seed: int, layout: Layout) -> Scenario:
@@ -470,9 +546,17 @@ def _fp8_jump(*, rng: np.random.Generator, name: str, family: str, seed: int, la
     run.log2_amax[k, inject] += math.log2(float(rng.uniform(10, 20)))
     t = np.arange(run.n, dtype=float)
     run.log_loss += 0.6 * (np.clip(t - move, 0, None) / 300) ** 2
-    return _scenario(run, name=name, family=family, seed=seed, series=run.build(name=name),
-                     injected_step=inject, loss_move_step=move, expect_subject=f"layers.{layer}.mlp.fc1:input",
-                     expect_kinds=("fp8_jump", "fp8_clipping", "fp8_stale_scale", "fp8_underflow_rise"))
+    return _scenario(
+        run,
+        name=name,
+        family=family,
+        seed=seed,
+        series=run.build(name=name),
+        injected_step=inject,
+        loss_move_step=move,
+        expect_subject=f"layers.{layer}.mlp.fc1:input",
+        expect_kinds=("fp8_jump", "fp8_clipping", "fp8_stale_scale", "fp8_underflow_rise"),
+    )
 
 
 def _straggler(*, rng: np.random.Generator, name: str, family: str, seed: int, layout: Layout) -> Scenario:
@@ -480,21 +564,40 @@ def _straggler(*, rng: np.random.Generator, name: str, family: str, seed: int, l
     inject = int(rng.integers(1500, 2500))
     rank = int(rng.integers(0, layout.world))
     run.compute[inject:, rank] *= float(rng.uniform(1.2, 1.4))  # thermal throttling, a bad HBM stack
-    return _scenario(run, name=name, family=family, seed=seed, series=run.build(name=name, mfu_ref_end=inject),
-                     injected_step=inject, expect_kinds=("straggler",), expect_subject=str(rank),
-                     forbid_kinds=("stage_imbalance",))
+    return _scenario(
+        run,
+        name=name,
+        family=family,
+        seed=seed,
+        series=run.build(name=name, mfu_ref_end=inject),
+        injected_step=inject,
+        expect_kinds=("straggler",),
+        expect_subject=str(rank),
+        forbid_kinds=("stage_imbalance",),
+    )
 
 
-def _intermittent_straggler(*, rng: np.random.Generator, name: str, family: str, seed: int,
-                            layout: Layout) -> Scenario:
+def _intermittent_straggler(
+    *, rng: np.random.Generator, name: str, family: str, seed: int, layout: Layout
+) -> Scenario:
     run = _Run(rng, 4000, layout)
     inject = int(rng.integers(1500, 2500))
     rank = int(rng.integers(0, layout.world))
     slow = rng.random(run.n - inject) < float(rng.uniform(0.08, 0.15))
-    run.compute[inject:, rank] *= np.where(slow, float(rng.uniform(1.6, 2.2)), 1.0)  # a flaky NIC, host jitter
-    return _scenario(run, name=name, family=family, seed=seed, series=run.build(name=name, mfu_ref_end=inject),
-                     injected_step=inject, expect_kinds=("straggler_intermittent", "straggler"),
-                     expect_subject=str(rank), forbid_kinds=("stage_imbalance",))
+    run.compute[inject:, rank] *= np.where(
+        slow, float(rng.uniform(1.6, 2.2)), 1.0
+    )  # a flaky NIC, host jitter
+    return _scenario(
+        run,
+        name=name,
+        family=family,
+        seed=seed,
+        series=run.build(name=name, mfu_ref_end=inject),
+        injected_step=inject,
+        expect_kinds=("straggler_intermittent", "straggler"),
+        expect_subject=str(rank),
+        forbid_kinds=("stage_imbalance",),
+    )
 
 
 def _slow_stage(*, rng: np.random.Generator, name: str, family: str, seed: int, layout: Layout) -> Scenario:
@@ -502,39 +605,72 @@ def _slow_stage(*, rng: np.random.Generator, name: str, family: str, seed: int, 
     inject = int(rng.integers(1500, 2500))
     stage = int(rng.integers(0, layout.pp))
     run.compute[inject:, run.stage == stage] *= float(rng.uniform(1.25, 1.4))  # e.g. a longer-sequence shard
-    return _scenario(run, name=name, family=family, seed=seed, series=run.build(name=name, mfu_ref_end=inject),
-                     injected_step=inject, expect_kinds=("stage_imbalance",), expect_subject=str(stage),
-                     forbid_kinds=("straggler", "straggler_intermittent"))
+    return _scenario(
+        run,
+        name=name,
+        family=family,
+        seed=seed,
+        series=run.build(name=name, mfu_ref_end=inject),
+        injected_step=inject,
+        expect_kinds=("stage_imbalance",),
+        expect_subject=str(stage),
+        forbid_kinds=("straggler", "straggler_intermittent"),
+    )
 
 
 def _mfu_gap(*, rng: np.random.Generator, name: str, family: str, seed: int, layout: Layout) -> Scenario:
     run = _Run(rng, 4000, layout)
     inject = int(rng.integers(1500, 2500))
     run.comm[inject:] += float(rng.uniform(0.4, 0.6))  # a degraded inter-node link slows every rank alike
-    return _scenario(run, name=name, family=family, seed=seed, series=run.build(name=name, mfu_ref_end=inject),
-                     injected_step=inject, expect_kinds=("mfu_gap",),
-                     forbid_kinds=("straggler", "straggler_intermittent", "stage_imbalance"))
+    return _scenario(
+        run,
+        name=name,
+        family=family,
+        seed=seed,
+        series=run.build(name=name, mfu_ref_end=inject),
+        injected_step=inject,
+        expect_kinds=("mfu_gap",),
+        forbid_kinds=("straggler", "straggler_intermittent", "stage_imbalance"),
+    )
 
 
-def _checkpoint_failed(*, rng: np.random.Generator, name: str, family: str, seed: int,
-                       layout: Layout) -> Scenario:
+def _checkpoint_failed(
+    *, rng: np.random.Generator, name: str, family: str, seed: int, layout: Layout
+) -> Scenario:
     run = _Run(rng, 4000, layout)
-    inject = int(rng.integers(4, 6)) * layout.checkpoint_every  # storage quota hit: every save from here fails
+    inject = (
+        int(rng.integers(4, 6)) * layout.checkpoint_every
+    )  # storage quota hit: every save from here fails
     run.checkpoint_fail_from = inject
-    return _scenario(run, name=name, family=family, seed=seed, series=run.build(name=name),
-                     injected_step=inject, expect_kinds=("checkpoint_failed",))
+    return _scenario(
+        run,
+        name=name,
+        family=family,
+        seed=seed,
+        series=run.build(name=name),
+        injected_step=inject,
+        expect_kinds=("checkpoint_failed",),
+    )
 
 
 def _stalled(*, rng: np.random.Generator, name: str, family: str, seed: int, layout: Layout) -> Scenario:
     inject = int(rng.integers(2000, 3000))
     run = _Run(rng, inject, layout)  # no step after `inject - 1`: a hung collective
-    return _scenario(run, name=name, family=family, seed=seed,
-                     series=run.build(name=name, now_after_last=float(rng.uniform(900, 1800))),
-                     injected_step=inject - 1, expect_kinds=("run_stalled",),
-                     forbid_kinds=("checkpoint_overdue",))
+    return _scenario(
+        run,
+        name=name,
+        family=family,
+        seed=seed,
+        series=run.build(name=name, now_after_last=float(rng.uniform(900, 1800))),
+        injected_step=inject - 1,
+        expect_kinds=("run_stalled",),
+        forbid_kinds=("checkpoint_overdue",),
+    )
 
 
-def _nonfinite_grads(*, rng: np.random.Generator, name: str, family: str, seed: int, layout: Layout) -> Scenario:
+def _nonfinite_grads(
+    *, rng: np.random.Generator, name: str, family: str, seed: int, layout: Layout
+) -> Scenario:
     inject = int(rng.integers(2000, 3000))
     run = _Run(rng, inject + 50, layout)
     group = int(rng.integers(0, layout.groups))
@@ -542,9 +678,16 @@ def _nonfinite_grads(*, rng: np.random.Generator, name: str, family: str, seed: 
     run.loss_nonfinite[inject + 1 :] = layout.dp  # the NaN reached the weights
     gi = [i for i, (_, r, _) in enumerate(run.tensor_names) if r == "grad_output"]
     run.tensor_nonfinite[gi[group % len(gi)], inject : inject + 3] = 12
-    return _scenario(run, name=name, family=family, seed=seed, series=run.build(name=name),
-                     injected_step=inject, loss_move_step=inject + 1,
-                     expect_kinds=("grad_nonfinite", "fp8_nonfinite"))
+    return _scenario(
+        run,
+        name=name,
+        family=family,
+        seed=seed,
+        series=run.build(name=name),
+        injected_step=inject,
+        loss_move_step=inject + 1,
+        expect_kinds=("grad_nonfinite", "fp8_nonfinite"),
+    )
 
 
 _FAMILIES = {
@@ -579,14 +722,21 @@ def registration_for(sc: Scenario) -> RunRegistration:
     lay = sc.layout
     s = sc.series
     return RunRegistration(
-        run=s.run, project="synthetic", started_at=T0,
+        run=s.run,
+        project="synthetic",
+        started_at=T0,
         model=ModelDims(layers=lay.layers, params=lay.params, non_embedding_params=lay.params),
         parallelism=Parallelism(world_size=lay.world, pp=lay.pp, dp=lay.dp),
-        hardware=Hardware(gpu_type="H100-SXM", gpu_count=lay.world, gpus_per_node=lay.ranks_per_node,
-                          peak_flops=lay.peak_flops),
+        hardware=Hardware(
+            gpu_type="H100-SXM",
+            gpu_count=lay.world,
+            gpus_per_node=lay.ranks_per_node,
+            peak_flops=lay.peak_flops,
+        ),
         fp8=Fp8Recipe(enabled=True, history_len=int(lay.history_len), margin=0, amax_algo="max"),
-        checkpoint=CheckpointSettings(interval_steps=lay.checkpoint_every,
-                                      interval_seconds=s.checkpoint_interval_seconds),
+        checkpoint=CheckpointSettings(
+            interval_steps=lay.checkpoint_every, interval_seconds=s.checkpoint_interval_seconds
+        ),
         flops_convention="6N per token, no recompute",
         tags={"scenario": sc.family, "seed": str(sc.seed)},
     )
@@ -600,14 +750,27 @@ def _step_records(sc: Scenario, rank: int, rows: np.ndarray) -> list[object]:
     out: list[object] = []
     for i in rows.tolist():
         loss = float(s.loss[i]) if last_stage else None  # only the last pipeline stage computes the loss
-        if loss is not None and math.isnan(loss) and not (s.loss_nonfinite is not None and s.loss_nonfinite[i]):
+        if (
+            loss is not None
+            and math.isnan(loss)
+            and not (s.loss_nonfinite is not None and s.loss_nonfinite[i])
+        ):
             loss = None
-        out.append(StepRecord(
-            step=int(s.steps[i]), ts=float(s.ts[i]), step_seconds=float(rs.step_seconds[i, rank]),
-            compute_seconds=float(rs.compute_seconds[i, rank]), wait_seconds=float(rs.wait_seconds[i, rank]),
-            loss=loss, tokens=int(s.tokens[i] / lay.world), flops=float(s.flops[i] / lay.world),
-            grad_norm=float(s.grad_norm[i]), pp_stage=stage, dp_rank=rank % lay.dp,
-        ))
+        out.append(
+            StepRecord(
+                step=int(s.steps[i]),
+                ts=float(s.ts[i]),
+                step_seconds=float(rs.step_seconds[i, rank]),
+                compute_seconds=float(rs.compute_seconds[i, rank]),
+                wait_seconds=float(rs.wait_seconds[i, rank]),
+                loss=loss,
+                tokens=int(s.tokens[i] / lay.world),
+                flops=float(s.flops[i] / lay.world),
+                grad_norm=float(s.grad_norm[i]),
+                pp_stage=stage,
+                dp_rank=rank % lay.dp,
+            )
+        )
         out += _grad_records(sc, rank, i)
         out += _tensor_records(sc, rank, i)
     return out
@@ -622,11 +785,21 @@ def _grad_records(sc: Scenario, rank: int, i: int) -> list[object]:
     nonfinite = ~np.isfinite(sq)
     # DDP-like: every rank holds every gradient (local_sq), rank 0 owns them (owned_sq).
     for name, v, bad in zip(g.groups, sq.tolist(), nonfinite.tolist(), strict=True):
-        out.append(GradRecord(step=step, group=name, owned_sq=v if rank == 0 else 0.0, local_sq=v,
-                              nonfinite=int(bad) * 37))
+        out.append(
+            GradRecord(
+                step=step, group=name, owned_sq=v if rank == 0 else 0.0, local_sq=v, nonfinite=int(bad) * 37
+            )
+        )
     total = float(np.sum(sq))
-    out.append(GradRecord(step=step, group="__global__", owned_sq=total if rank == 0 else 0.0, local_sq=total,
-                          nonfinite=int(nonfinite.sum()) * 37))
+    out.append(
+        GradRecord(
+            step=step,
+            group="__global__",
+            owned_sq=total if rank == 0 else 0.0,
+            local_sq=total,
+            nonfinite=int(nonfinite.sum()) * 37,
+        )
+    )
     return out
 
 
@@ -645,13 +818,23 @@ def _tensor_records(sc: Scenario, rank: int, i: int) -> list[object]:
         amax = float(ts.amax[i])
         nf = float(ts.nonfinite[i])
         h = float(ts.headroom_bits[i])
-        out.append(TensorRecord(
-            step=int(ts.steps[i]), tensor=ts.tensor, role=ts.role, format=ts.format,  # type: ignore[arg-type]
-            amax=amax, scale=FP8_MAX[ts.format] / (amax * 2.0**-h) if math.isfinite(amax) and math.isfinite(h)
-            else None, headroom_bits=_opt(h), lag_bits=_opt(float(ts.lag_bits[i])),
-            sat_frac=_opt(float(ts.sat_frac[i])), underflow_frac=_opt(float(ts.underflow_frac[i])),
-            nonfinite=None if math.isnan(nf) else int(nf),
-        ))
+        out.append(
+            TensorRecord(
+                step=int(ts.steps[i]),
+                tensor=ts.tensor,
+                role=ts.role,
+                format=ts.format,  # type: ignore[arg-type]
+                amax=amax,
+                scale=FP8_MAX[ts.format] / (amax * 2.0**-h)
+                if math.isfinite(amax) and math.isfinite(h)
+                else None,
+                headroom_bits=_opt(h),
+                lag_bits=_opt(float(ts.lag_bits[i])),
+                sat_frac=_opt(float(ts.sat_frac[i])),
+                underflow_frac=_opt(float(ts.underflow_frac[i])),
+                nonfinite=None if math.isnan(nf) else int(nf),
+            )
+        )
     return out
 
 
@@ -684,18 +867,29 @@ def to_wire_lines(sc: Scenario, *, steps_per_batch: int = 100) -> Iterator[str]:
             lo = float(ts[part[0] - 1]) if part[0] > 0 else -math.inf
             hi = float(ts[part[-1]]) if part[-1] < n - 1 else math.inf
             side: list[object] = [
-                CheckpointRecord(step=c.step, generation=c.generation, status=c.status,  # type: ignore[arg-type]
-                                 ts=c.ts, stall_seconds=c.stall_seconds, persist_seconds=c.persist_seconds)
-                for c in ckpts if lo < c.ts <= hi
+                CheckpointRecord(
+                    step=c.step,
+                    generation=c.generation,
+                    status=c.status,  # type: ignore[arg-type]
+                    ts=c.ts,
+                    stall_seconds=c.stall_seconds,
+                    persist_seconds=c.persist_seconds,
+                )
+                for c in ckpts
+                if lo < c.ts <= hi
             ]
-            side += [EventRecord(ts=e.ts, step=e.step, event=e.event, detail=e.detail)  # type: ignore[arg-type]
-                     for e in events if lo < e.ts <= hi]
+            side += [
+                EventRecord(ts=e.ts, step=e.step, event=e.event, detail=e.detail)  # type: ignore[arg-type]
+                for e in events
+                if lo < e.ts <= hi
+            ]
             for rank in range(sc.layout.world):
                 records = _step_records(sc, rank, part) + (side if rank == 0 else [])
                 k = seq.get((rank, inc), 0)
                 seq[(rank, inc)] = k + 1
-                yield Batch(run=s.run, rank=rank, incarnation=inc, seq=k, sent_at=float(ts[part[-1]]),
-                            records=records).model_dump_json()  # type: ignore[arg-type]
+                yield Batch(
+                    run=s.run, rank=rank, incarnation=inc, seq=k, sent_at=float(ts[part[-1]]), records=records
+                ).model_dump_json()  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- scoring
@@ -729,7 +923,8 @@ class Outcome:
 def score(sc: Scenario, findings: list[Finding]) -> Outcome:
     """Compare findings with what was injected."""
     hits = [
-        f for f in findings
+        f
+        for f in findings
         if f.kind in sc.expect_kinds
         and (sc.expect_subject is None or f.subject == sc.expect_subject)
         and sc.injected_step is not None
@@ -739,10 +934,64 @@ def score(sc: Scenario, findings: list[Finding]) -> Outcome:
     det = (first.detected_step or first.last_step) if first else None
     lead = sc.loss_move_step - det if (det is not None and sc.loss_move_step is not None) else None
     return Outcome(
-        scenario=sc.name, family=sc.family, seed=sc.seed, healthy=sc.healthy, detected=first is not None,
-        kind=first.kind if first else None, onset_step=first.onset_step if first else None,
-        detected_step=det, injected_step=sc.injected_step, loss_move_step=sc.loss_move_step, lead_steps=lead,
+        scenario=sc.name,
+        family=sc.family,
+        seed=sc.seed,
+        healthy=sc.healthy,
+        detected=first is not None,
+        kind=first.kind if first else None,
+        onset_step=first.onset_step if first else None,
+        detected_step=det,
+        injected_step=sc.injected_step,
+        loss_move_step=sc.loss_move_step,
+        lead_steps=lead,
         pages=tuple(sorted(f.kind for f in findings if f.severity == "page")),
         tickets=tuple(sorted(f.kind for f in findings if f.severity == "ticket")),
         misdiagnosed=tuple(sorted({f.kind for f in findings if f.kind in sc.forbid_kinds})),
+    )
+
+
+def prefix(series: RunSeries, last_step: int) -> RunSeries:
+    """The run as a live collector saw it when `last_step` had just arrived (every per-step array cut
+    after it; `now` one typical step later). Detectors are causal, so findings detected at or before
+    `last_step` come out the same on the prefix."""
+    s = series.steps
+    keep = s.steps <= last_step
+    k = int(keep.sum())
+
+    def cut(a: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None else a[:k]
+
+    steps = RunSteps(steps=s.steps[:k], loss=s.loss[:k], grad_norm=s.grad_norm[:k],
+                     grad_nonfinite=s.grad_nonfinite[:k], step_seconds=s.step_seconds[:k], ts=s.ts[:k],
+                     tokens=s.tokens[:k], flops=s.flops[:k], loss_nonfinite=cut(s.loss_nonfinite))
+    end_ts = float(s.ts[k - 1]) if k else -math.inf
+    groups = None
+    if series.groups is not None:
+        g = series.groups
+        gk = int((g.steps <= last_step).sum())
+        groups = GroupGradNorms(steps=g.steps[:gk], groups=list(g.groups), norms=g.norms[:gk])
+    tensors = []
+    for ts in series.tensors:
+        tk = int((ts.steps <= last_step).sum())
+        tensors.append(TensorSeries(
+            tensor=ts.tensor, role=ts.role, format=ts.format, steps=ts.steps[:tk], amax=ts.amax[:tk],
+            headroom_bits=ts.headroom_bits[:tk], lag_bits=ts.lag_bits[:tk], sat_frac=ts.sat_frac[:tk],
+            underflow_frac=ts.underflow_frac[:tk], nonfinite=ts.nonfinite[:tk], shadow=ts.shadow,
+            history_len=ts.history_len,
+        ))
+    ranks = None
+    if series.ranks is not None:
+        r = series.ranks
+        rk = int((r.steps <= last_step).sum())
+        ranks = RankSteps(steps=r.steps[:rk], ranks=r.ranks, step_seconds=r.step_seconds[:rk],
+                          compute_seconds=r.compute_seconds[:rk], wait_seconds=r.wait_seconds[:rk],
+                          pp_stage=r.pp_stage, node=list(r.node))
+    typical = float(np.median(s.step_seconds[max(k - 100, 0) : k])) if k else 0.0
+    return RunSeries(
+        run=series.run, steps=steps, groups=groups, tensors=tensors, ranks=ranks,
+        checkpoints=[c for c in series.checkpoints if c.ts <= end_ts],
+        events=[e for e in series.events if e.ts <= end_ts],
+        expected_mfu=series.expected_mfu, peak_flops_total=series.peak_flops_total,
+        checkpoint_interval_seconds=series.checkpoint_interval_seconds, now=end_ts + typical,
     )

@@ -86,7 +86,9 @@ def _severity(slowdown: float, cfg: StragglerConfig) -> Severity:
     return "page" if slowdown >= cfg.page_slowdown else "ticket"
 
 
-def _impact(rs: RankSteps, t: np.ndarray, cohort_med: np.ndarray, col: int, rows: np.ndarray) -> tuple[float, float]:
+def _impact(
+    rs: RankSteps, t: np.ndarray, cohort_med: np.ndarray, col: int, rows: np.ndarray
+) -> tuple[float, float]:
     """(job slowdown fraction, GPU-hours lost) over `rows`: the job waits for its slowest rank, so
     each step loses what this rank took beyond its cohort's median."""
     lost = np.clip(np.nan_to_num(t[rows, col] - cohort_med[rows], nan=0.0), 0, None)
@@ -148,15 +150,25 @@ def detect_stragglers(series: RunSeries, sup: Suppression, cfg: StragglerConfig)
                 victims = int(np.sum(np.nan_to_num(vw) > 2 * own_wait + 0.01))
                 onset = int(rs.steps[first])
                 wait_note = f"; {victims} ranks wait on it" if victims else ""
-                out.append(Finding(
-                    kind="straggler", severity=_severity(slowdown, cfg), run=series.run, subject_kind="rank",
-                    subject=str(int(rs.ranks[col])), onset_step=onset,
-                    last_step=int(rs.steps[span[-1]]), magnitude=mag,
-                    summary=(f"{_rank_name(rs, int(col))} {basis} time {mag:.2f}x its pipeline stage {stage} "
-                             f"since step {onset}{wait_note}; job ~{slowdown:.1%} slower, "
-                             f"{gpu_h:.1f} GPU-hours lost"),
-                    active=active, detected_step=int(rs.steps[rows_of[fired_w][-1]]),
-                ))
+                out.append(
+                    Finding(
+                        kind="straggler",
+                        severity=_severity(slowdown, cfg),
+                        run=series.run,
+                        subject_kind="rank",
+                        subject=str(int(rs.ranks[col])),
+                        onset_step=onset,
+                        last_step=int(rs.steps[span[-1]]),
+                        magnitude=mag,
+                        summary=(
+                            f"{_rank_name(rs, int(col))} {basis} time {mag:.2f}x its pipeline stage {stage} "
+                            f"since step {onset}{wait_note}; job ~{slowdown:.1%} slower, "
+                            f"{gpu_h:.1f} GPU-hours lost"
+                        ),
+                        active=active,
+                        detected_step=int(rs.steps[rows_of[fired_w][-1]]),
+                    )
+                )
                 break  # one finding per rank: the first persistent episode (later ones update it live)
 
     out += _intermittent(series, rs, t, step_cohort_med, cohorts, persistent, basis, cfg)
@@ -165,8 +177,14 @@ def detect_stragglers(series: RunSeries, sup: Suppression, cfg: StragglerConfig)
 
 
 def _intermittent(
-    series: RunSeries, rs: RankSteps, t: np.ndarray, step_cohort_med: np.ndarray,
-    cohorts: dict[int, np.ndarray], persistent: set[int], basis: str, cfg: StragglerConfig,
+    series: RunSeries,
+    rs: RankSteps,
+    t: np.ndarray,
+    step_cohort_med: np.ndarray,
+    cohorts: dict[int, np.ndarray],
+    persistent: set[int],
+    basis: str,
+    cfg: StragglerConfig,
 ) -> list[Finding]:
     w = cfg.window_steps
     n_win = len(rs.steps) // w
@@ -179,8 +197,12 @@ def _intermittent(
     n_slow = slow[: n_win * w].reshape(n_win, w, -1).sum(axis=1)  # [n_win, R]
     n_valid = valid[: n_win * w].reshape(n_win, w, -1).sum(axis=1)
     kernel = np.ones(k, dtype=int)
-    pooled_slow = np.stack([np.convolve(n_slow[:, c], kernel)[k - 1 : n_win] for c in range(n_slow.shape[1])], 1)
-    pooled_valid = np.stack([np.convolve(n_valid[:, c], kernel)[k - 1 : n_win] for c in range(n_valid.shape[1])], 1)
+    pooled_slow = np.stack(
+        [np.convolve(n_slow[:, c], kernel)[k - 1 : n_win] for c in range(n_slow.shape[1])], 1
+    )
+    pooled_valid = np.stack(
+        [np.convolve(n_valid[:, c], kernel)[k - 1 : n_win] for c in range(n_valid.shape[1])], 1
+    )
     frac = pooled_slow / np.maximum(pooled_valid, 1)
     out: list[Finding] = []
     for stage, cols in cohorts.items():
@@ -206,22 +228,38 @@ def _intermittent(
                 slowdown, gpu_h = _impact(rs, t, step_cohort_med[:, col], int(col), span)
                 f = float(frac[b - 1, col])
                 onset = int(rs.steps[first])
-                out.append(Finding(
-                    kind="straggler_intermittent", severity=_severity(slowdown, cfg), run=series.run,
-                    subject_kind="rank", subject=str(int(rs.ranks[col])), onset_step=onset,
-                    last_step=int(rs.steps[end - 1]), magnitude=f,
-                    summary=(f"{_rank_name(rs, int(col))} intermittently slow: {f:.0%} of its steps take "
-                             f">{cfg.tail_ratio:g}x its pipeline stage {stage} (peers {base[b - 1]:.0%}) since "
-                             f"step {onset}; job ~{slowdown:.1%} slower, {gpu_h:.1f} GPU-hours lost"),
-                    active=active, detected_step=int(rs.steps[(fired_w + 1) * w - 1]),
-                ))
+                out.append(
+                    Finding(
+                        kind="straggler_intermittent",
+                        severity=_severity(slowdown, cfg),
+                        run=series.run,
+                        subject_kind="rank",
+                        subject=str(int(rs.ranks[col])),
+                        onset_step=onset,
+                        last_step=int(rs.steps[end - 1]),
+                        magnitude=f,
+                        summary=(
+                            f"{_rank_name(rs, int(col))} intermittently slow: {f:.0%} of its steps take "
+                            f">{cfg.tail_ratio:g}x its pipeline stage {stage} "
+                            f"(peers {base[b - 1]:.0%}) since "
+                            f"step {onset}; job ~{slowdown:.1%} slower, {gpu_h:.1f} GPU-hours lost"
+                        ),
+                        active=active,
+                        detected_step=int(rs.steps[(fired_w + 1) * w - 1]),
+                    )
+                )
                 break
     return out
 
 
 def _stage_imbalance(
-    series: RunSeries, rs: RankSteps, win_med: np.ndarray, cohorts: dict[int, np.ndarray],
-    rows_of: list[np.ndarray], last_step: int, cfg: StragglerConfig,
+    series: RunSeries,
+    rs: RankSteps,
+    win_med: np.ndarray,
+    cohorts: dict[int, np.ndarray],
+    rows_of: list[np.ndarray],
+    last_step: int,
+    cfg: StragglerConfig,
 ) -> list[Finding]:
     if len(cohorts) < 2:
         return []
@@ -243,13 +281,25 @@ def _stage_imbalance(
             # The pipeline runs at its slowest stage's pace: balanced, this time would shrink by 1 - 1/r.
             gpu_h = float(np.nansum(job)) * (1 - 1 / mag) * len(rs.ranks) / 3600.0
             onset = int(rs.steps[rows_of[a][0]])
-            out.append(Finding(
-                kind="stage_imbalance", severity="ticket", run=series.run, subject_kind="stage",
-                subject=str(stage), onset_step=onset, last_step=int(rs.steps[span_rows[-1]]), magnitude=mag,
-                summary=(f"pipeline stage {stage} is {mag:.2f}x slower than the other stages since step {onset} "
-                         f"(all {len(cohorts[stage])} ranks: partitioning or data, not one rank); "
-                         f"~{gpu_h:.1f} GPU-hours lost"),
-                active=active, detected_step=int(rs.steps[rows_of[fired_w][-1]]),
-            ))
+            out.append(
+                Finding(
+                    kind="stage_imbalance",
+                    severity="ticket",
+                    run=series.run,
+                    subject_kind="stage",
+                    subject=str(stage),
+                    onset_step=onset,
+                    last_step=int(rs.steps[span_rows[-1]]),
+                    magnitude=mag,
+                    summary=(
+                        f"pipeline stage {stage} is {mag:.2f}x slower than the other stages "
+                        f"since step {onset} "
+                        f"(all {len(cohorts[stage])} ranks: partitioning or data, not one rank); "
+                        f"~{gpu_h:.1f} GPU-hours lost"
+                    ),
+                    active=active,
+                    detected_step=int(rs.steps[rows_of[fired_w][-1]]),
+                )
+            )
             break
     return out

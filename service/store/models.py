@@ -181,6 +181,9 @@ class StepSummary(Base):
     wait_seconds_p50: Mapped[float | None] = mapped_column(Float)
     data_seconds_p50: Mapped[float | None] = mapped_column(Float)
     loss: Mapped[float | None] = mapped_column(Float)
+    """Mean over the ranks that reported a finite loss."""
+    loss_nonfinite: Mapped[int] = mapped_column(Integer, default=0)
+    """Ranks that reported a NaN/inf loss (kept apart: a mean would hide or be poisoned by them)."""
     grad_norm: Mapped[float | None] = mapped_column(Float)
     """Job-reported (pre-clip) total when present, else sqrt of summed owned squares."""
     agent_grad_norm: Mapped[float | None] = mapped_column(Float)

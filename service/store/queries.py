@@ -5,18 +5,25 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import case, delete, func, select
 from sqlalchemy.orm import Session
 
 from trainvitals.service.store.models import (
     CheckpointRow,
     DeliveredBatch,
     EventRow,
+    FindingRow,
     GradStatRow,
+    GradSummary,
+    RankWindow,
+    ReductionState,
     Run,
     StepRow,
+    StepSummary,
     TensorStatRow,
+    TensorSummary,
 )
 
 GLOBAL_GROUP = "__global__"
@@ -145,7 +152,20 @@ def delete_run(session: Session, *, run_id: str) -> bool:
     """Delete a run and every record of it; returns False when there was no such run."""
     if session.get(Run, run_id) is None:
         return False
-    for model in (StepRow, TensorStatRow, GradStatRow, CheckpointRow, EventRow, DeliveredBatch):
+    for model in (
+        StepRow,
+        TensorStatRow,
+        GradStatRow,
+        CheckpointRow,
+        EventRow,
+        DeliveredBatch,
+        StepSummary,
+        TensorSummary,
+        GradSummary,
+        RankWindow,
+        FindingRow,
+        ReductionState,
+    ):
         session.execute(delete(model).where(model.run_id == run_id))
     session.execute(delete(Run).where(Run.run_id == run_id))
     session.commit()
@@ -176,3 +196,200 @@ def rank_step_seconds(session: Session, *, run_id: str) -> list[tuple[int, float
 
 def get_run(session: Session, *, run_id: str) -> Run | None:
     return session.get(Run, run_id)
+
+
+# --------------------------------------------------------------------------- post-mortem queries
+
+
+def tensor_timeline(
+    session: Session,
+    *,
+    run_id: str,
+    tensor: str,
+    role: str | None = None,
+    start: int | None = None,
+    end: int | None = None,
+    limit: int = 100_000,
+) -> list[dict[str, Any]]:
+    """A tensor's reduced FP8 statistics per step (amax max over ranks, headroom min)."""
+    t = TensorSummary
+    q = select(t).where(t.run_id == run_id, t.tensor == tensor)
+    if role is not None:
+        q = q.where(t.role == role)
+    q = _step_range(q, t.step, start, end).order_by(t.role, t.step).limit(limit)
+    return [_row_dict(r, exclude=("run_id",)) for r in session.scalars(q)]
+
+
+def worst_tensors(
+    session: Session, *, run_id: str, start: int | None = None, end: int | None = None, k: int = 10
+) -> list[dict[str, Any]]:
+    """Tensors with the least headroom in a step range, with how often they clipped (H < 0)."""
+    t = TensorSummary
+    q = select(
+        t.tensor,
+        t.role,
+        func.min(t.headroom_bits).label("min_headroom_bits"),
+        func.max(t.amax).label("max_amax"),
+        func.sum(case((t.headroom_bits < 0, 1), else_=0)).label("clipped_steps"),
+        func.max(t.sat_frac).label("max_sat_frac"),
+        func.min(t.step).label("first_step"),
+        func.max(t.step).label("last_step"),
+    ).where(t.run_id == run_id, t.headroom_bits.is_not(None))
+    q = (
+        _step_range(q, t.step, start, end)
+        .group_by(t.tensor, t.role)
+        .order_by(func.min(t.headroom_bits))
+        .limit(k)
+    )
+    return [dict(r._mapping) for r in session.execute(q)]
+
+
+def step_time_matrix(
+    session: Session, *, run_id: str, start: int, end: int, max_cells: int = 2_000_000
+) -> dict[str, Any]:
+    """Per-rank step seconds for a step range: {ranks, steps, seconds[step][rank] (None = missing)}.
+    The newest incarnation wins where a restart repeated steps."""
+    rows = session.execute(
+        select(StepRow.step, StepRow.rank, StepRow.incarnation, StepRow.step_seconds)
+        .where(StepRow.run_id == run_id, StepRow.step >= start, StepRow.step <= end)
+        .order_by(StepRow.step, StepRow.rank, StepRow.incarnation)
+        .limit(max_cells)
+    ).all()
+    cells: dict[tuple[int, int], float] = {}
+    for step, rank, _inc, seconds in rows:
+        cells[(step, rank)] = seconds  # ordered by incarnation: the newest overwrites
+    ranks = sorted({r for _, r in cells})
+    steps = sorted({s for s, _ in cells})
+    return {
+        "run": run_id,
+        "ranks": ranks,
+        "steps": steps,
+        "seconds": [[cells.get((s, r)) for r in ranks] for s in steps],
+    }
+
+
+def findings(session: Session, *, run_id: str, active_only: bool = False) -> list[dict[str, Any]]:
+    q = select(FindingRow).where(FindingRow.run_id == run_id)
+    if active_only:
+        q = q.where(FindingRow.active.is_(True))
+    order = case((FindingRow.severity == "page", 0), (FindingRow.severity == "ticket", 1), else_=2)
+    return [
+        _row_dict(f, exclude=("id", "run_id"))
+        for f in session.scalars(q.order_by(order, FindingRow.onset_step))
+    ]
+
+
+def checkpoint_generations(session: Session, *, run_id: str) -> list[dict[str, Any]]:
+    """One entry per generation, across ranks: failed if any rank failed; persisted when every rank
+    that started it persisted; verified when persisted with a checksum from every such rank (or an
+    explicit 'verified' record)."""
+    gens: dict[tuple[int, int], dict[str, Any]] = {}
+    for c in session.scalars(
+        select(CheckpointRow).where(CheckpointRow.run_id == run_id).order_by(CheckpointRow.ts)
+    ):
+        g = gens.setdefault(
+            (c.generation, c.incarnation),
+            {
+                "generation": c.generation,
+                "step": c.step,
+                "incarnation": c.incarnation,
+                "started": set(),
+                "persisted": set(),
+                "failed": set(),
+                "verified": set(),
+                "checksummed": set(),
+                "bytes": 0,
+                "stall_seconds": None,
+                "persist_seconds": None,
+                "path": c.path,
+                "ts": c.ts,
+                "errors": [],
+            },
+        )
+        g[c.status].add(c.rank)
+        if c.status in ("persisted", "verified"):
+            g["bytes"] += c.bytes or 0
+            if c.checksum:
+                g["checksummed"].add(c.rank)
+            g["persist_seconds"] = max(g["persist_seconds"] or 0.0, c.persist_seconds or 0.0)
+            g["ts"] = max(g["ts"], c.ts)
+        if c.stall_seconds is not None:
+            g["stall_seconds"] = max(g["stall_seconds"] or 0.0, c.stall_seconds)
+        if c.error:
+            g["errors"].append(f"rank {c.rank}: {c.error}")
+    out = []
+    for g in sorted(gens.values(), key=lambda g: (g["step"], g["incarnation"])):
+        started = g["started"] | g["persisted"] | g["failed"]
+        if g["failed"]:
+            status = "failed"
+        elif g["verified"] or (g["persisted"] >= started and g["checksummed"] >= started and started):
+            status = "verified"
+        elif g["persisted"] >= started and started:
+            status = "persisted"
+        else:
+            status = "started"
+        out.append(
+            {
+                "generation": g["generation"],
+                "step": g["step"],
+                "incarnation": g["incarnation"],
+                "status": status,
+                "ranks": len(started),
+                "bytes": g["bytes"] or None,
+                "stall_seconds": g["stall_seconds"],
+                "persist_seconds": g["persist_seconds"],
+                "path": g["path"],
+                "ts": g["ts"],
+                "errors": g["errors"][:10],
+            }
+        )
+    return out
+
+
+def rollback_target(session: Session, *, run_id: str, before_step: int | None = None) -> dict[str, Any]:
+    """The newest verified (else persisted) generation saved before `before_step`, or, by default,
+    before the onset of the earliest page- or ticket-level finding."""
+    reason = f"before step {before_step}" if before_step is not None else None
+    if before_step is None:
+        first = session.execute(
+            select(FindingRow.onset_step, FindingRow.kind, FindingRow.subject)
+            .where(FindingRow.run_id == run_id, FindingRow.severity.in_(("page", "ticket")))
+            .order_by(FindingRow.onset_step)
+            .limit(1)
+        ).first()
+        if first is not None:
+            before_step = first[0]
+            subject = first[2] or "the run"
+            reason = f"before the onset of the first finding ({first[1]} on {subject}) at step {first[0]}"
+    gens = checkpoint_generations(session, run_id=run_id)
+    candidates = [
+        g
+        for g in gens
+        if g["status"] in ("verified", "persisted") and (before_step is None or g["step"] < before_step)
+    ]
+    verified = [g for g in candidates if g["status"] == "verified"]
+    pick = (verified or candidates)[-1] if candidates else None
+    return {
+        "run": run_id,
+        "before_step": before_step,
+        "reason": reason or "newest usable generation",
+        "target": pick,
+        "verified": pick is not None and pick["status"] == "verified",
+        "generations_considered": len(gens),
+    }
+
+
+def _step_range(q: Any, col: Any, start: int | None, end: int | None) -> Any:
+    if start is not None:
+        q = q.where(col >= start)
+    if end is not None:
+        q = q.where(col <= end)
+    return q
+
+
+def _row_dict(row: Any, *, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {c.key: getattr(row, c.key) for c in row.__table__.columns if c.key not in exclude}
+
+
+def last_step_time(session: Session, *, run_id: str) -> float | None:
+    return session.scalar(select(func.max(StepRow.ts)).where(StepRow.run_id == run_id))

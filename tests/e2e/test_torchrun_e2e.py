@@ -25,9 +25,10 @@ def _get(url: str) -> str:
         return resp.read().decode()
 
 
-def start_collector(db_url: str, port: int, log: Path) -> subprocess.Popen[bytes]:
+def start_collector(db_url: str, port: int, log: Path, *, auth: bool = False) -> subprocess.Popen[bytes]:
+    extra = [] if auth else ["--insecure-no-auth"]
     proc = subprocess.Popen(
-        [str(BIN / "trainvitals"), "serve", "--db", db_url, "--port", str(port)],
+        [str(BIN / "trainvitals"), "serve", "--db", db_url, "--port", str(port), *extra],
         stdout=open(log, "ab"),
         stderr=subprocess.STDOUT,
     )  # noqa: SIM115

@@ -12,7 +12,7 @@ from trainvitals.service.settings import Settings
 @pytest.fixture
 def client(db_url: str):
     with TestClient(
-        create_app(Settings(db=db_url, max_body_bytes=200_000, run_analysis=False, settle_seconds=0))
+        create_app(Settings(db=db_url, max_body_bytes=200_000, run_analysis=False, auth=False, settle_seconds=0))
     ) as c:
         yield c
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.core import Metric
 from sqlalchemy import text
 
-from trainvitals.service.api.deps import SessionDep
+from trainvitals.service.api.deps import PrincipalDep, SessionDep, require
+from trainvitals.service.exposition import TrainvitalsCollector
 
 router = APIRouter(tags=["ops"])
 
@@ -17,6 +21,28 @@ def healthz(session: SessionDep) -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/metrics", summary="Prometheus exposition", response_class=Response)
-def metrics(request: Request) -> Response:
-    return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
+@router.get(
+    "/metrics",
+    summary="Prometheus exposition (a read token sees its project's runs)",
+    response_class=Response,
+)
+def metrics(request: Request, principal: PrincipalDep) -> Response:
+    if principal.project is None:
+        return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
+    if principal.scope != "read":
+        require(principal, "read", principal.project)
+    return Response(
+        generate_latest(_ProjectView(request.app.state.collector, principal.project)),
+        media_type=CONTENT_TYPE_LATEST,
+    )
+
+
+class _ProjectView:
+    """A registry-like view of the collector limited to one project (generate_latest needs collect())."""
+
+    def __init__(self, collector: TrainvitalsCollector, project: str) -> None:
+        self._collector = collector
+        self._project = project
+
+    def collect(self) -> Iterator[Metric]:
+        return self._collector.collect(project=self._project)

@@ -1,0 +1,86 @@
+"""Bearer tokens scoped to one project and one scope (ingest | read), stored as SHA-256 digests.
+
+A token for project A can neither write nor read project B. Lookups are cached in-process for
+`cache_seconds` so ingest does not pay a query per batch; revocation takes effect within that time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from trainvitals.service.store.models import ApiToken
+
+SCOPES = ("ingest", "read")
+_PREFIX = "tv_"
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who a request acts as; project None means auth is off (every project, every scope)."""
+
+    project: str | None
+    scope: str | None
+
+    def may(self, scope: str, project: str) -> bool:
+        if self.project is None:
+            return True
+        return self.scope == scope and self.project == project
+
+
+ANONYMOUS = Principal(project=None, scope=None)
+
+
+def digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def create_token(session: Session, *, project: str, scope: str, name: str | None = None) -> str:
+    """Store a new token's digest and return the token itself (shown once, never stored)."""
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+    token = _PREFIX + secrets.token_urlsafe(32)
+    session.add(
+        ApiToken(digest=digest(token), project=project, scope=scope, name=name, created_at=time.time())
+    )
+    session.commit()
+    return token
+
+
+def revoke_token(session: Session, *, token: str) -> bool:
+    row = session.scalar(select(ApiToken).where(ApiToken.digest == digest(token)))
+    if row is None:
+        return False
+    row.revoked = True
+    session.commit()
+    return True
+
+
+class TokenVerifier:
+    """Thread-safe, cached digest -> Principal lookups."""
+
+    def __init__(self, cache_seconds: float = 30.0) -> None:
+        self._cache: dict[str, tuple[float, Principal | None]] = {}
+        self._lock = threading.Lock()
+        self._ttl = cache_seconds
+
+    def verify(self, session: Session, token: str, *, now: float | None = None) -> Principal | None:
+        now = time.monotonic() if now is None else now
+        key = digest(token)
+        with self._lock:
+            hit = self._cache.get(key)
+        if hit is not None and now - hit[0] < self._ttl:
+            return hit[1]
+        row = session.scalar(select(ApiToken).where(ApiToken.digest == key))
+        principal = None if row is None or row.revoked else Principal(project=row.project, scope=row.scope)
+        with self._lock:
+            if len(self._cache) > 10_000:
+                self._cache.clear()
+            self._cache[key] = (now, principal)
+        return principal

@@ -1,0 +1,117 @@
+"""FP8 detectors: table tests on hand-made tensor series."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trainvitals.service.detectors.fp8 import Fp8Config, detect_fp8
+from trainvitals.service.detectors.series import RunEvent
+from trainvitals.service.detectors.suppression import SuppressionConfig, suppression_for
+
+CFG = Fp8Config()
+N = 4000
+
+
+def _h(seed: int = 0) -> np.ndarray:
+    return 0.3 + np.random.default_rng(seed).normal(0, 0.08, N)
+
+
+def _run(series, tensors, events=None) -> list:
+    s = series(len(tensors[0].steps), events=events or [])
+    s.tensors = tensors
+    return detect_fp8(tensors, "t", suppression_for(s, SuppressionConfig()), CFG)
+
+
+def _by_kind(found: list) -> dict:
+    return {f.kind: f for f in found}
+
+
+def test_quiet_tensor_has_no_findings(series, tensor) -> None:
+    assert _run(series, [tensor(_h())]) == []
+
+
+@pytest.mark.parametrize(
+    ("clip_steps", "headroom", "sat", "expect"),
+    [
+        ([2000, 2030, 2060], -1.5, np.nan, True),  # hard clips, saturation not measured
+        ([2000, 2030, 2060], -0.2, 1e-3, True),  # shallow but saturating
+        ([2000, 2030, 2060], -0.2, 1e-7, False),  # only the top few values: not clipping
+        ([2000, 2030], -3.0, np.nan, False),  # two clips: a jump, not a regime
+        ([2000, 2150, 2300], -2.0, np.nan, False),  # three clips, but not within 100 steps
+    ],
+)
+def test_clipping(series, tensor, clip_steps: list[int], headroom: float, sat: float, expect: bool) -> None:
+    h = _h()
+    s = np.full(N, np.nan)
+    h[clip_steps] = headroom
+    s[clip_steps] = sat
+    found = _by_kind(_run(series, [tensor(h, sat=s)]))
+    assert ("fp8_clipping" in found) is expect
+    if expect:
+        f = found["fp8_clipping"]
+        assert f.severity == "page" and f.onset_step == 2000 and f.detected_step == 2060
+        assert f.subject_kind == "tensor" and f.subject == "layers.3.fc:input" and f.magnitude == headroom
+
+
+def test_shadow_tensor_never_pages(series, tensor) -> None:
+    h = _h()
+    h[[2000, 2010, 2020]] = -2.0
+    (f,) = [f for f in _run(series, [tensor(h, shadow=True)]) if f.kind == "fp8_clipping"]
+    assert f.severity == "ticket" and "shadow" in f.summary
+
+
+def test_big_jump_and_rising_jump_rate(series, tensor) -> None:
+    lag = np.zeros(N)
+    lag[2500] = 3.0
+    assert _by_kind(_run(series, [tensor(_h(), lag=lag)]))["fp8_jump"].onset_step == 2500
+    lag = np.zeros(N)
+    lag[[2000, 2300, 2600]] = 1.5
+    f = _by_kind(_run(series, [tensor(_h(), lag=lag)]))["fp8_jump"]
+    assert f.severity == "ticket" and f.onset_step == 2000 and f.detected_step == 2600
+    lag = np.zeros(N)
+    lag[[1000, 3000]] = 1.5  # two isolated 1.5-bit jumps: not a rising rate
+    assert "fp8_jump" not in _by_kind(_run(series, [tensor(_h(), lag=lag)]))
+
+
+def test_headroom_trend_forecasts_exhaustion(series, tensor) -> None:
+    t = np.arange(N)
+    h = _h() - 0.0005 * np.clip(t - 1500, 0, None)  # -0.5 bits per 1k steps from step 1500
+    f = _by_kind(_run(series, [tensor(h)]))["fp8_headroom_trend"]
+    assert f.severity == "ticket" and 1400 <= f.onset_step <= 2500
+    # A trend needs a reference range before its fit window, so not before ~2.5k steps into a run.
+    assert f.detected_step is not None and f.detected_step <= 3100
+    # Seen live at its detection step, the forecast is ahead of it: about (0.3 + 1) / 0.5 * 1000 - 1500.
+    live = _by_kind(_run(series, [tensor(h[: f.detected_step + 1])]))["fp8_headroom_trend"]
+    assert 300 < live.magnitude < 2500 and live.detected_step == f.detected_step
+    flat = _by_kind(_run(series, [tensor(_h(1))]))
+    assert "fp8_headroom_trend" not in flat
+
+
+def test_stale_scale_and_underflow_rise(series, tensor) -> None:
+    h = _h()
+    h[2000:2400] += 3.5  # a spike set a 'max' history: the scale is too small for 400 steps
+    uf = np.full(N, np.nan)
+    uf[::10] = 2e-4
+    uf[2000:2400:10] = 2e-4 * 2**3.5
+    found = _by_kind(_run(series, [tensor(h, underflow=uf)]))
+    assert found["fp8_stale_scale"].onset_step == 2000 and found["fp8_stale_scale"].detected_step == 2099
+    assert found["fp8_underflow_rise"].onset_step == 2000
+    assert found["fp8_underflow_rise"].magnitude > 5
+
+
+def test_nonfinite_e5m2_gradient_pages(series, tensor) -> None:
+    nf = np.zeros(N)
+    nf[3100] = 4
+    (f,) = _run(series, [tensor(_h(), nonfinite=nf, fmt="e5m2", role="grad_output")])
+    assert f.kind == "fp8_nonfinite" and f.severity == "page" and f.onset_step == 3100
+    assert "E5M2" in f.summary
+
+
+@pytest.mark.parametrize(("first_step_headroom", "expect"), [(0.3, False), (-2.0, True), (5.0, True)])
+def test_bad_first_step_after_resume(series, tensor, first_step_headroom: float, expect: bool) -> None:
+    h = _h()
+    h[3000] = first_step_headroom
+    found = _by_kind(_run(series, [tensor(h)], events=[RunEvent(event="resume", ts=0.0, step=3000)]))
+    assert ("fp8_resume_bad_step" in found) is expect
+    assert "fp8_clipping" not in found  # the resume window suppresses the baseline detectors

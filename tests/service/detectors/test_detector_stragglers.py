@@ -1,0 +1,88 @@
+"""Straggler detectors on hand-made per-rank timings (2 stages x 4 ranks)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trainvitals.service.detectors.stragglers import StragglerConfig, detect_stragglers
+from trainvitals.service.detectors.suppression import SuppressionConfig, suppression_for
+
+N = 1500
+STAGES = [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def _compute(seed: int = 0) -> np.ndarray:
+    return np.exp(np.random.default_rng(seed).normal(0, 0.015, (N, len(STAGES))))
+
+
+def _detect(series, ranks, compute: np.ndarray, cfg: StragglerConfig | None = None) -> dict[str, list]:
+    s = series(N)
+    s.ranks = ranks(compute, STAGES)
+    out: dict[str, list] = {}
+    for f in detect_stragglers(s, suppression_for(s, SuppressionConfig()), cfg or StragglerConfig()):
+        out.setdefault(f.kind, []).append(f)
+    return out
+
+
+def test_healthy_ranks_raise_nothing(series, ranks) -> None:
+    assert _detect(series, ranks, _compute()) == {}
+
+
+@pytest.mark.parametrize(("factor", "expect"), [(1.05, False), (1.3, True)])
+def test_persistent_straggler_named_with_impact(series, ranks, factor: float, expect: bool) -> None:
+    c = _compute()
+    c[1000:, 5] *= factor
+    found = _detect(series, ranks, c)
+    assert ("straggler" in found) is expect
+    if expect:
+        (f,) = found["straggler"]
+        assert f.subject_kind == "rank" and f.subject == "5" and f.severity == "page"
+        assert 1000 <= f.onset_step <= 1010
+        # Three 50-step windows: the first complete window after 1000 ends at 1049, so 1149.
+        assert f.detected_step == 1149
+        assert f.magnitude == pytest.approx(1.3, abs=0.03)
+        assert "7 ranks wait on it" in f.summary and "GPU-hours" in f.summary
+        assert "stage_imbalance" not in found
+
+
+def test_the_slow_rank_not_its_victims_without_compute_split(series, ranks) -> None:
+    """With only step times every rank looks equally slow: nothing can be singled out."""
+    c = _compute()
+    c[1000:, 5] *= 1.3
+    s = series(N)
+    r = ranks(c, STAGES)
+    r.compute_seconds = np.full_like(c, np.nan)
+    s.ranks = r
+    found = detect_stragglers(s, suppression_for(s, SuppressionConfig()), StragglerConfig())
+    assert [f for f in found if f.kind == "straggler"] == []
+
+
+def test_whole_stage_slow_is_imbalance_not_straggler(series, ranks) -> None:
+    c = _compute()
+    c[800:, 4:] *= 1.3
+    found = _detect(series, ranks, c)
+    assert set(found) == {"stage_imbalance"}
+    (f,) = found["stage_imbalance"]
+    assert f.subject_kind == "stage" and f.subject == "1" and f.severity == "ticket"
+    assert f.onset_step == 800 and f.magnitude == pytest.approx(1.3, abs=0.03)
+
+
+def test_intermittent_straggler_caught_by_tail_fraction(series, ranks) -> None:
+    c = _compute()
+    rng = np.random.default_rng(1)
+    slow = rng.random(N - 700) < 0.12
+    c[700:, 2] *= np.where(slow, 2.0, 1.0)  # median unchanged: the window test cannot see it
+    found = _detect(series, ranks, c)
+    assert "straggler" not in found
+    (f,) = found["straggler_intermittent"]
+    assert f.subject == "2" and 700 <= f.onset_step <= 760
+    assert f.magnitude == pytest.approx(0.12, abs=0.04)
+    assert f.detected_step is not None and f.detected_step <= 700 + 8 * 50
+
+
+def test_hiccups_on_every_rank_are_not_intermittent(series, ranks) -> None:
+    c = _compute()
+    rng = np.random.default_rng(2)
+    c *= np.where(rng.random(c.shape) < 0.02, 1.5, 1.0)  # GC pauses everywhere alike
+    assert _detect(series, ranks, c) == {}

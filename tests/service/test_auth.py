@@ -1,0 +1,71 @@
+"""Per-project bearer tokens: scopes enforced, project A cannot write or read project B."""
+
+import pytest
+from fastapi.testclient import TestClient
+
+from trainvitals.service import auth
+from trainvitals.service.main import create_app
+from trainvitals.service.settings import Settings
+from trainvitals.service.store import db
+from trainvitals.service.store.models import ApiToken
+
+
+@pytest.fixture
+def app_and_tokens(db_url: str):
+    engine = db.make_engine(db_url)
+    with db.make_sessionmaker(engine)() as session:
+        tokens = {(p, s): auth.create_token(session, project=p, scope=s) for p in ("a", "b") for s in auth.SCOPES}
+        stored = [t.digest for t in session.query(ApiToken).all()]
+    engine.dispose()
+    assert all(tok not in stored for tok in tokens.values())  # only digests are stored
+    with TestClient(create_app(Settings(db=db_url, run_analysis=False, settle_seconds=0))) as client:
+        yield client, tokens
+
+
+def _h(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+BATCH = {"run": "ra", "rank": 0, "incarnation": 1, "seq": 0,
+         "records": [{"kind": "step", "step": 0, "ts": 1.0, "step_seconds": 0.5}]}
+
+
+def test_scopes_and_projects_are_enforced(app_and_tokens) -> None:
+    client, tok = app_and_tokens
+    assert client.post("/v1/runs", json={"run": "ra", "project": "a"}).status_code == 401
+    assert client.post("/v1/runs", json={"run": "ra", "project": "a"}, headers=_h("tv_bogus")).status_code == 401
+    assert client.post("/v1/runs", json={"run": "ra", "project": "a"}, headers=_h(tok["a", "read"])).status_code == 403
+    assert client.post("/v1/runs", json={"run": "ra", "project": "a"}, headers=_h(tok["b", "ingest"])).status_code == 403
+    assert client.post("/v1/runs", json={"run": "ra", "project": "a"}, headers=_h(tok["a", "ingest"])).status_code == 201
+    # B's ingest token cannot write into A's run, a read token cannot write at all.
+    assert client.post("/v1/batches", json=BATCH, headers=_h(tok["b", "ingest"])).status_code == 403
+    assert client.post("/v1/batches", json=BATCH, headers=_h(tok["a", "read"])).status_code == 403
+    assert client.post("/v1/batches", json=BATCH, headers=_h(tok["a", "ingest"])).json()["accepted"] == 1
+    # Reading: A's read token sees A's run; B's does not; an ingest token is not a read token.
+    assert client.get("/v1/runs/ra", headers=_h(tok["a", "read"])).json()["step_records"] == 1
+    assert client.get("/v1/runs/ra", headers=_h(tok["b", "read"])).status_code == 403
+    assert client.get("/v1/runs/ra/findings", headers=_h(tok["a", "ingest"])).status_code == 403
+    assert client.get("/v1/runs", headers=_h(tok["b", "read"])).json() == []
+    assert [r["run"] for r in client.get("/v1/runs", headers=_h(tok["a", "read"])).json()] == ["ra"]
+    assert client.get("/healthz").status_code == 200
+
+
+def test_metrics_need_a_read_token_and_show_only_its_project(app_and_tokens) -> None:
+    client, tok = app_and_tokens
+    for project in ("a", "b"):
+        client.post("/v1/runs", json={"run": f"r{project}", "project": project}, headers=_h(tok[project, "ingest"]))
+    assert client.get("/metrics").status_code == 401
+    text = client.get("/metrics", headers=_h(tok["a", "read"])).text
+    assert 'run="ra"' in text and 'run="rb"' not in text
+    assert client.get("/metrics", headers=_h(tok["a", "ingest"])).status_code == 403
+
+
+def test_revoked_token_stops_working(db_url: str) -> None:
+    engine = db.make_engine(db_url)
+    with db.make_sessionmaker(engine)() as session:
+        token = auth.create_token(session, project="a", scope="read")
+        verifier = auth.TokenVerifier(cache_seconds=0)
+        assert verifier.verify(session, token) == auth.Principal(project="a", scope="read")
+        assert auth.revoke_token(session, token=token)
+        assert verifier.verify(session, token) is None
+    engine.dispose()

@@ -1,0 +1,77 @@
+"""Reduction across ranks into summaries: incarnations, late data, watermarks, TP amax."""
+
+import pytest
+from sqlalchemy import select
+
+from trainvitals.service import ingest, pipeline
+from trainvitals.service.store import db, queries
+from trainvitals.service.store.models import GradSummary, RankWindow, StepSummary, TensorSummary
+from trainvitals.wire import Batch, RunRegistration
+
+
+@pytest.fixture
+def session(db_url: str):
+    engine = db.make_engine(db_url)
+    with db.make_sessionmaker(engine)() as s:
+        yield s
+    engine.dispose()
+
+
+def _batch(rank: int, seq: int, steps: range, *, inc: int = 1, seconds: float = 1.0, **extra: object) -> Batch:
+    recs: list[dict] = []
+    for s in steps:
+        recs.append({"kind": "step", "step": s, "ts": 100.0 + s, "step_seconds": seconds, "loss": float(inc),
+                     "tokens": 10, "flops": 1e9})
+        recs.append({"kind": "grad", "step": s, "group": "__global__", "owned_sq": 1.0, "local_sq": 1.0})
+        recs.append({"kind": "tensor", "step": s, "tensor": "layers.0.fc", "role": "input", "format": "e4m3",
+                     "amax": float(rank + 1), "headroom_bits": 3.0 - rank})
+    return Batch.model_validate({"run": "r", "rank": rank, "incarnation": inc, "seq": seq, "records": recs})
+
+
+def _register(session, world: int = 2) -> None:
+    ingest.register_run(session, RunRegistration(
+        run="r", parallelism={"world_size": world}, hardware={"gpu_count": world, "peak_flops": 1e10}))
+
+
+def _reduce(session, now: float = 1e9) -> int:
+    return pipeline.reduce_run(session, queries.get_run(session, run_id="r"), now=now)
+
+
+def test_watermark_waits_for_every_rank_then_reduces(session) -> None:
+    _register(session)
+    ingest.store_batch(session, _batch(0, 0, range(10)))
+    ingest.store_batch(session, _batch(1, 0, range(6), seconds=2.0))
+    assert _reduce(session, now=105.0) == 6  # steps 0..5: both ranks; 6..9 are not settled yet
+    rows = session.scalars(select(StepSummary).order_by(StepSummary.step)).all()
+    assert [r.step for r in rows] == list(range(6))
+    s = rows[0]
+    assert (s.ranks, s.step_seconds_max, s.slowest_rank, s.tokens) == (2, 2.0, 1, 20)
+    assert s.agent_grad_norm == pytest.approx(2**0.5)  # owned squares summed over ranks
+    assert s.mfu == pytest.approx(2e9 / (2.0 * 2e10))  # job FLOPs / (slowest time x total peak)
+    t = session.scalars(select(TensorSummary).where(TensorSummary.step == 0)).one()
+    assert (t.amax, t.headroom_bits) == (2.0, 2.0)  # amax: max over ranks; headroom: min
+    assert _reduce(session, now=1e9) == 4  # much later: steps 6..9 settle with the rank that sent them
+
+
+def test_restart_keeps_the_newest_incarnation(session) -> None:
+    _register(session, world=1)
+    ingest.store_batch(session, _batch(0, 0, range(10), inc=1))
+    _reduce(session)
+    ingest.store_batch(session, _batch(0, 0, range(5, 12), inc=2))  # resumed from step 5
+    assert _reduce(session) == 7  # steps 5..11 re-reduced (late data re-dirtied them)
+    losses = dict(session.execute(select(StepSummary.step, StepSummary.loss)).all())
+    assert losses[4] == 1.0 and losses[5] == 2.0 and losses[11] == 2.0
+    grads = dict(session.execute(select(GradSummary.step, GradSummary.norm)).all())
+    assert grads[7] == pytest.approx(1.0)  # not sqrt(2): the old incarnation's row is not counted
+
+
+def test_rank_windows_and_late_rank(session) -> None:
+    _register(session)
+    ingest.store_batch(session, _batch(0, 0, range(60)))
+    _reduce(session)
+    ingest.store_batch(session, _batch(1, 0, range(60), seconds=3.0))  # the other rank arrives late
+    _reduce(session)
+    windows = session.execute(select(RankWindow.window_start, RankWindow.rank, RankWindow.steps,
+                                     RankWindow.step_seconds_mean)).all()
+    assert sorted(windows) == [(0, 0, 50, 1.0), (0, 1, 50, 3.0), (50, 0, 10, 1.0), (50, 1, 10, 3.0)]
+    assert session.scalar(select(StepSummary.step_seconds_max).where(StepSummary.step == 3)) == 3.0
