@@ -32,11 +32,12 @@ BATCH = {"run": "ra", "rank": 0, "incarnation": 1, "seq": 0,
 
 def test_scopes_and_projects_are_enforced(app_and_tokens) -> None:
     client, tok = app_and_tokens
-    assert client.post("/v1/runs", json={"run": "ra", "project": "a"}).status_code == 401
-    assert client.post("/v1/runs", json={"run": "ra", "project": "a"}, headers=_h("tv_bogus")).status_code == 401
-    assert client.post("/v1/runs", json={"run": "ra", "project": "a"}, headers=_h(tok["a", "read"])).status_code == 403
-    assert client.post("/v1/runs", json={"run": "ra", "project": "a"}, headers=_h(tok["b", "ingest"])).status_code == 403
-    assert client.post("/v1/runs", json={"run": "ra", "project": "a"}, headers=_h(tok["a", "ingest"])).status_code == 201
+    reg = {"run": "ra", "project": "a"}
+    assert client.post("/v1/runs", json=reg).status_code == 401
+    assert client.post("/v1/runs", json=reg, headers=_h("tv_bogus")).status_code == 401
+    assert client.post("/v1/runs", json=reg, headers=_h(tok["a", "read"])).status_code == 403
+    assert client.post("/v1/runs", json=reg, headers=_h(tok["b", "ingest"])).status_code == 403
+    assert client.post("/v1/runs", json=reg, headers=_h(tok["a", "ingest"])).status_code == 201
     # B's ingest token cannot write into A's run, a read token cannot write at all.
     assert client.post("/v1/batches", json=BATCH, headers=_h(tok["b", "ingest"])).status_code == 403
     assert client.post("/v1/batches", json=BATCH, headers=_h(tok["a", "read"])).status_code == 403
