@@ -55,13 +55,14 @@ class TrainvitalsCollector(Collector):
         *,
         clock: Callable[[], float] = time.time,
         expected_mfu: Callable[[dict[str, object]], float | None] | None = None,
+        checkpoint_advice: Callable[..., object] | None = None,
     ) -> None:
         self._session_factory = session_factory
         self._settings = settings
         self._counters = counters
         self._clock = clock
         self._expected_mfu = expected_mfu or (lambda _reg: None)
-        self.project: str | None = None  # set per scrape by the route when a token limits the view
+        self._checkpoint_advice = checkpoint_advice
 
     def describe(self) -> list[Metric]:
         # Returning no descriptions keeps registration from calling collect() (which needs the DB).
@@ -90,6 +91,10 @@ class TrainvitalsCollector(Collector):
                 )
                 for r in runs
             ]
+            if self._checkpoint_advice is not None:
+                for sn, r in zip(snaps, runs, strict=True):
+                    sn.checkpoint_advice = self._checkpoint_advice(session, run_id=r.run_id,
+                                                                   registration=r.registration)
         yield from _run_families(snaps)
         yield from _fp8_families(snaps)
         yield from _rank_families(snaps)
@@ -330,6 +335,16 @@ def _checkpoint_families(snaps: list[snapshot.RunSnapshot], now: float) -> Itera
         "Seconds since the newest persisted checkpoint",
         ["run"],
     )
+    advised = _gauge(
+        "trainvitals_checkpoint_recommended_interval_seconds",
+        "Checkpoint interval the cadence advisor recommends from observed saves and failures",
+        ["run"],
+    )
+    band = _gauge(
+        "trainvitals_checkpoint_interval_band_seconds",
+        "Flat-basin band around the recommended interval (waste within 5%)",
+        ["run", "bound"],
+    )
     records = _gauge(
         "trainvitals_checkpoint_records",
         "Checkpoint records by status (started, persisted, failed ...)",
@@ -341,7 +356,12 @@ def _checkpoint_families(snaps: list[snapshot.RunSnapshot], now: float) -> Itera
             age.add_metric([sn.run_id], max(0.0, now - (sn.checkpoint_last_persisted_ts or now)))
         for status, n in sorted(sn.checkpoint_status_counts.items()):
             records.add_metric([sn.run_id, status], n)
-    yield from (step, age, records)
+        a = sn.checkpoint_advice
+        if a is not None:
+            advised.add_metric([sn.run_id], a.recommended_interval_s)
+            band.add_metric([sn.run_id, "low"], a.band_s[0])
+            band.add_metric([sn.run_id, "high"], a.band_s[1])
+    yield from (step, age, records, advised, band)
 
 
 def make_registry(collector: TrainvitalsCollector) -> CollectorRegistry:

@@ -9,8 +9,8 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from trainvitals.service import pipeline
-from trainvitals.service.api.routes import health, ingest, runs
+from trainvitals.service import advice
+from trainvitals.service.api.routes import advisors, health, ingest, runs
 from trainvitals.service.auth import TokenVerifier
 from trainvitals.service.exposition import IngestCounters, TrainvitalsCollector, make_registry
 from trainvitals.service.settings import Settings
@@ -43,11 +43,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.counters = IngestCounters()
     app.state.verifier = TokenVerifier(settings.token_cache_seconds)
     app.state.collector = TrainvitalsCollector(
-        sessions, settings, app.state.counters, expected_mfu=pipeline.expected_mfu
+        sessions,
+        settings,
+        app.state.counters,
+        expected_mfu=advice.expected_mfu,
+        checkpoint_advice=advice.checkpoint_advice,
     )
     app.state.registry = make_registry(app.state.collector)
     app.include_router(ingest.router)
     app.include_router(runs.router)
+    app.include_router(advisors.router)
     app.include_router(health.router)
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
 

@@ -7,7 +7,6 @@ Live, a background worker calls `process_run` every few seconds for every live r
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +15,7 @@ import numpy as np
 from sqlalchemy import delete, func, insert, select
 from sqlalchemy.orm import Session
 
-from trainvitals.service import reduce
+from trainvitals.service import advice, reduce
 from trainvitals.service.store.models import (
     CheckpointRow,
     EventRow,
@@ -379,29 +378,11 @@ def build_series(session: Session, run: Run, *, now: float, config: PipelineConf
         ranks=ranks,
         checkpoints=checkpoints,
         events=events,
-        expected_mfu=expected_mfu(reg),
+        expected_mfu=advice.expected_mfu(reg),
         peak_flops_total=peak_flops_total(reg),
         checkpoint_interval_seconds=(reg.get("checkpoint") or {}).get("interval_seconds"),
         now=now,
     )
-
-
-def expected_mfu(registration: dict[str, Any]) -> float | None:
-    """The advisor's prediction for the run's config; a configured tag overrides it."""
-    tag = (registration.get("tags") or {}).get("expected_mfu")
-    if tag is not None:
-        try:
-            return float(tag)
-        except ValueError:
-            return None
-    try:
-        from trainvitals.service.advisors import predict_mfu
-
-        pred = predict_mfu(registration)
-    except Exception:  # noqa: BLE001 - an incomplete registration has no prediction
-        return None
-    value = getattr(pred, "predicted", None)
-    return float(value) if value is not None and math.isfinite(value) else None
 
 
 # --------------------------------------------------------------------------- findings

@@ -20,8 +20,12 @@ import yaml
 from trainvitals.service.advisors.cadence import CadenceAdvice, CadenceInputs, TierSpec, advise_cadence
 from trainvitals.service.advisors.cost_model import PlanResult, plan
 from trainvitals.service.advisors.failure_log import RADIUS_LEVELS, analyze_log, load_events
-from trainvitals.service.advisors.model_config import parse_hardware, parse_model, parse_plan_input
-from trainvitals.service.advisors.recommend import DEFAULT_CRITICAL_BATCH_TOKENS, Recommendation, recommend
+from trainvitals.service.advisors.model_config import parse_plan_input
+from trainvitals.service.advisors.recommend import (
+    DEFAULT_CRITICAL_BATCH_TOKENS,
+    Recommendation,
+    recommend_from_config,
+)
 
 GIB = 1024**3
 
@@ -89,22 +93,7 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         data = _load_config(args.config)
         if args.recommend:
-            par = data.get("parallelism") or {}
-            gpus = par.get("gpus", par.get("world_size", (data.get("hardware") or {}).get("gpus")))
-            if not isinstance(gpus, int):
-                raise ValueError("parallelism.gpus: required (an integer) for --recommend")
-            model = parse_model(data)
-            seq = model.seq_len
-            global_batch = par.get("global_batch")
-            rec = recommend(
-                model=model,
-                hardware=parse_hardware(data),
-                gpus=gpus,
-                micro_batch=int(par.get("micro_batch", 1)),
-                global_batch_tokens=global_batch * seq if global_batch else None,
-                recompute=str(par.get("recompute", "selective")),
-                critical_batch_tokens=args.critical_batch_tokens,
-            )
+            rec = recommend_from_config(data, critical_batch_tokens=args.critical_batch_tokens)
             print(_dump(rec.as_dict()) if args.json else _format_recommendation(rec))
             return 0 if rec.feasible else 1
         result = plan(parse_plan_input(data))

@@ -29,6 +29,8 @@ from trainvitals.service.advisors.model_config import (
     ModelConfig,
     ParallelismConfig,
     PlanInput,
+    parse_hardware,
+    parse_model,
 )
 
 STATIC_BYTES_PER_PARAM = BYTES_PARAM + BYTES_GRAD + BYTES_OPTIM  # 16 for bf16 + AdamW
@@ -308,3 +310,25 @@ def _min_gpus(
         if _climb(model, hardware, n, micro_batch, target, recompute)[0] is not None:
             return n
     return None
+
+
+def recommend_from_config(
+    data: dict[str, Any], *, critical_batch_tokens: float = DEFAULT_CRITICAL_BATCH_TOKENS
+) -> Recommendation:
+    """`recommend` from a plan-config dict (model / parallelism / hardware keys), as the CLI's
+    `plan --recommend` and the HTTP API take it; ValueError names a bad or missing key."""
+    par = data.get("parallelism") or {}
+    gpus = par.get("gpus", par.get("world_size", (data.get("hardware") or {}).get("gpus")))
+    if not isinstance(gpus, int):
+        raise ValueError("parallelism.gpus: required (an integer) for a recommendation")
+    model = parse_model(data)
+    global_batch = par.get("global_batch")
+    return recommend(
+        model=model,
+        hardware=parse_hardware(data),
+        gpus=gpus,
+        micro_batch=int(par.get("micro_batch", 1)),
+        global_batch_tokens=global_batch * model.seq_len if global_batch else None,
+        recompute=str(par.get("recompute", "selective")),
+        critical_batch_tokens=critical_batch_tokens,
+    )

@@ -51,3 +51,13 @@ def require(principal: Principal, scope: str, project: str) -> None:
 SessionDep = Annotated[Session, Depends(_session)]
 PrincipalDep = Annotated[Principal, Depends(_principal)]
 CountersDep = Annotated[IngestCounters, Depends(_counters)]
+
+
+def readable_run(session: Session, principal: Principal, run_id: str) -> None:
+    """404 for an unknown run, 403 unless the principal may read its project."""
+    from trainvitals.service.store.queries import get_run
+
+    run = get_run(session, run_id=run_id)
+    if run is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
+    require(principal, "read", run.project)

@@ -393,3 +393,24 @@ def _row_dict(row: Any, *, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
 
 def last_step_time(session: Session, *, run_id: str) -> float | None:
     return session.scalar(select(func.max(StepRow.ts)).where(StepRow.run_id == run_id))
+
+
+def observed_cadence_inputs(
+    session: Session, *, run_id: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], float]:
+    """A run's checkpoint saves and failure events in the shape the cadence advisor takes, and
+    the exposure (seconds from first to last step)."""
+    saves = [
+        {"stall_s": c.stall_seconds, "persist_s": c.persist_seconds, "size_bytes": c.bytes, "status": "ok"}
+        for c in session.scalars(select(CheckpointRow).where(
+            CheckpointRow.run_id == run_id, CheckpointRow.status.in_(("persisted", "verified"))))
+        if c.stall_seconds
+    ]
+    failures = [
+        {"timestamp": e.ts, "ranks": [e.rank], "domains": e.domains or {}, "cause": e.detail or e.event}
+        for e in session.scalars(select(EventRow).where(
+            EventRow.run_id == run_id, EventRow.event.in_(("failure", "node_replaced"))).order_by(EventRow.ts))
+    ]
+    first, last = session.execute(select(func.min(StepRow.ts), func.max(StepRow.ts)).where(
+        StepRow.run_id == run_id)).one()
+    return saves, failures, float((last or 0.0) - (first or 0.0))

@@ -4,6 +4,7 @@ one step summary, one step of tensor summaries, the top-k of one rank window, op
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from sqlalchemy import func, select
@@ -54,6 +55,8 @@ class RunSnapshot:
     checkpoint_last_persisted_step: int | None = None
     checkpoint_last_persisted_ts: float | None = None
     checkpoint_status_counts: dict[str, int] = field(default_factory=dict)
+    checkpoint_advice: Any = None
+    """CadenceAdvice for the run's observed saves/failures, when there is enough to advise."""
 
 
 def run_snapshot(

@@ -7,10 +7,8 @@ import dataclasses
 from typing import Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Response, status
-from sqlalchemy.orm import Session
 
-from trainvitals.service.api.deps import PrincipalDep, SessionDep, require
-from trainvitals.service.auth import Principal
+from trainvitals.service.api.deps import PrincipalDep, SessionDep, readable_run, require
 from trainvitals.service.store import queries
 from trainvitals.service.tables import to_csv
 
@@ -23,13 +21,6 @@ def _reply(data: Any, fmt: Format) -> Any:
     if fmt == "csv":
         return Response(to_csv(data), media_type="text/csv")
     return data
-
-
-def _readable_run(session: Session, principal: Principal, run_id: str) -> None:
-    run = queries.get_run(session, run_id=run_id)
-    if run is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
-    require(principal, "read", run.project)
 
 
 @router.get("", summary="List runs (of the token's project)")
@@ -55,7 +46,7 @@ def list_runs(
 
 @router.get("/{run_id}", summary="One run: overview of what was stored")
 def get_run(run_id: str, session: SessionDep, principal: PrincipalDep, format: Format = "json") -> Any:
-    _readable_run(session, principal, run_id)
+    readable_run(session, principal, run_id)
     overview = queries.run_overview(session, run_id=run_id)
     assert overview is not None
     return _reply(dataclasses.asdict(overview), format)
@@ -82,7 +73,7 @@ def worst_tensors(
     k: int = Query(10, ge=1, le=1000),
     format: Format = "json",
 ) -> Any:
-    _readable_run(session, principal, run_id)
+    readable_run(session, principal, run_id)
     return _reply(queries.worst_tensors(session, run_id=run_id, start=start, end=end, k=k), format)
 
 
@@ -97,7 +88,7 @@ def tensor_timeline(
     end: int | None = None,
     format: Format = "json",
 ) -> Any:
-    _readable_run(session, principal, run_id)
+    readable_run(session, principal, run_id)
     rows = queries.tensor_timeline(session, run_id=run_id, tensor=tensor, role=role, start=start, end=end)
     return _reply(rows, format)
 
@@ -111,10 +102,10 @@ def step_times(
     end: int = Query(ge=0),
     format: Format = "json",
 ) -> Any:
-    _readable_run(session, principal, run_id)
+    readable_run(session, principal, run_id)
     if end < start or end - start > 100_000:
         raise HTTPException(
-            status.HTTP_422_UNPROCESSABLE_ENTITY, "need start <= end and at most 100000 steps"
+            422, "need start <= end and at most 100000 steps"
         )
     return _reply(queries.step_time_matrix(session, run_id=run_id, start=start, end=end), format)
 
@@ -123,13 +114,13 @@ def step_times(
 def findings(
     run_id: str, session: SessionDep, principal: PrincipalDep, active: bool = False, format: Format = "json"
 ) -> Any:
-    _readable_run(session, principal, run_id)
+    readable_run(session, principal, run_id)
     return _reply(queries.findings(session, run_id=run_id, active_only=active), format)
 
 
 @router.get("/{run_id}/checkpoints", summary="Checkpoint generations with status across ranks")
 def checkpoints(run_id: str, session: SessionDep, principal: PrincipalDep, format: Format = "json") -> Any:
-    _readable_run(session, principal, run_id)
+    readable_run(session, principal, run_id)
     return _reply(queries.checkpoint_generations(session, run_id=run_id), format)
 
 
@@ -141,5 +132,5 @@ def rollback(
     before_step: int | None = None,
     format: Format = "json",
 ) -> Any:
-    _readable_run(session, principal, run_id)
+    readable_run(session, principal, run_id)
     return _reply(queries.rollback_target(session, run_id=run_id, before_step=before_step), format)

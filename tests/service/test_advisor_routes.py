@@ -1,0 +1,51 @@
+"""Advisors over HTTP, and cadence advice from a run's observed saves exported as metrics."""
+
+import pytest
+from fastapi.testclient import TestClient
+
+from trainvitals.service.main import create_app
+from trainvitals.service.settings import Settings
+
+PLAN = {
+    "model": {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn_hidden": 14336, "gated_mlp": True,
+              "vocab": 128256, "seq_len": 4096},
+    "parallelism": {"gpus": 8, "tp": 1, "pp": 1, "zero": "fsdp", "micro_batch": 1, "global_batch": 64,
+                    "recompute": "full"},
+    "hardware": {"gpu": "H200", "gpus_per_node": 4},
+}
+
+
+@pytest.fixture
+def client(db_url: str):
+    with TestClient(create_app(Settings(db=db_url, auth=False, run_analysis=False))) as c:
+        yield c
+
+
+def test_plan_recommend_and_advise(client: TestClient) -> None:
+    plan = client.post("/v1/plan", json=PLAN).json()
+    assert 0 < plan["mfu"]["low"] <= plan["mfu"]["predicted"] <= plan["mfu"]["high"] < 1
+    bad = client.post("/v1/plan", json={**PLAN, "hardware": {"gpu": "Z9000"}})
+    assert bad.status_code == 422 and "Z9000" in bad.json()["detail"]
+    rec = client.post("/v1/plan/recommend", json=PLAN).json()
+    assert rec["feasible"] is True
+    advice = client.post("/v1/advise/checkpoints", json={"stall_s": 60, "mtbf_s": 4 * 3600}).json()
+    assert round(advice["recommended_interval_s"] / 60) == 21  # sqrt(2 * 60 s * 4 h) ~ 22 min, higher-order
+    assert advice["band_s"][0] < advice["recommended_interval_s"] < advice["band_s"][1]
+    assert client.post("/v1/advise/checkpoints", json={"stall_s": -1, "mtbf_s": 10}).status_code == 422
+
+
+def test_run_advice_from_observed_saves_and_failures(client: TestClient) -> None:
+    client.post("/v1/runs", json={"run": "r", "tags": {"mtbf_s": "14400"}})
+    records = [{"kind": "step", "step": s, "ts": 1000.0 + 10 * s, "step_seconds": 10.0} for s in range(100)]
+    records += [{"kind": "checkpoint", "step": s, "generation": s, "status": "persisted", "ts": 1000.0 + 10 * s,
+                 "stall_seconds": 30.0, "persist_seconds": 45.0, "bytes": 10**9} for s in (20, 40, 60, 80)]
+    client.post("/v1/batches", json={"run": "r", "rank": 0, "incarnation": 1, "seq": 0, "records": records})
+    advice = client.get("/v1/runs/r/advice/checkpoints").json()
+    assert advice["observed_saves"] == 4
+    assert advice["recommended_interval_s"] == pytest.approx(
+        client.post("/v1/advise/checkpoints", json={"stall_s": 30, "persist_s": 45, "mtbf_s": 14400,
+                                                   "checkpoint_bytes": 1e9}).json()["recommended_interval_s"],
+        rel=0.05)
+    text = client.get("/metrics").text
+    assert 'trainvitals_checkpoint_recommended_interval_seconds{run="r"}' in text
+    assert 'trainvitals_checkpoint_interval_band_seconds{bound="low",run="r"}' in text
