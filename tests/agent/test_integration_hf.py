@@ -110,16 +110,18 @@ def test_one_step_record_per_optimizer_step_matching_the_trainer_logs(tmp_path: 
 
     events = [r for r in records if r.kind == "event"]
     assert [e.event for e in events][0] == "start" and events[-1].event == "stop"
-    saves = [e for e in events if e.event == "note"]
-    assert [(e.step, Path(e.detail.split(": ", 1)[1]).name) for e in saves] == [  # type: ignore[union-attr]
-        (6, "checkpoint-6"),
-        (12, "checkpoint-12"),
+    # Saves become checkpoint generations (agent.checkpoint_saved): size and checksum hashed off-thread.
+    saves = [r for r in records if r.kind == "checkpoint"]
+    assert [(c.step, c.status, Path(c.path).name) for c in saves] == [  # type: ignore[arg-type]
+        (6, "persisted", "checkpoint-6"),
+        (12, "persisted", "checkpoint-12"),
     ]
+    assert all(c.bytes and c.checksum and c.checksum.startswith("sha256:") for c in saves)
     assert not any(e.event == "resume" for e in events)
 
     # The step record precedes the save of that step in the stream.
-    order = [(r.kind, r.step) for r in records if r.kind in ("step", "event")]
-    assert order.index(("step", 6)) < order.index(("event", 6))
+    order = [(r.kind, r.step) for r in records if r.kind in ("step", "checkpoint")]
+    assert order.index(("step", 6)) < order.index(("checkpoint", 6))
 
     assert registration.run == "hf-basic"
     assert (
