@@ -6,8 +6,8 @@ Fault-injection flags (for the detectors and the demo):
   --slow-rank R --slow-from S --slow-seconds X    rank R sleeps X s per step from step S
   --drift-layer L --drift-from S --drift-rate K   activations into block L grow by (1 + K)^(step - S)
   --spike-steps 50,51 --spike-scale 30            loss (so every gradient) scaled at those steps
-  --crash-rank R --crash-at S                     rank R exits with an error at step S (once; run
-                                                  under torchrun --max-restarts=1 to see the restart)
+  --crash-rank R --crash-at S                     rank R exits with an error at step S unless the job
+                                                  resumed from --ckpt-dir (relaunch it to see the restart)
 """
 
 from __future__ import annotations
@@ -95,6 +95,21 @@ def synthetic_batch(gen: torch.Generator, args: argparse.Namespace) -> tuple[tor
     return seq[:, :-1], seq[:, 1:]
 
 
+def save_generation(agent: tv.Agent | tv.NoopAgent, ckpt_dir: Path, step: int, model: nn.Module,
+                    optimizer: torch.optim.Optimizer, keep: int = 3) -> None:
+    """One generation per save (recorded by the agent: stall, size, checksum), a `latest` pointer
+    written after the file is complete, and the oldest generations pruned beyond `keep`."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    path = ckpt_dir / f"step-{step:08d}.pt"
+    agent.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, str(path),
+               step=step)
+    tmp = ckpt_dir / "latest.tmp"
+    tmp.write_text(path.name)
+    os.replace(tmp, ckpt_dir / "latest")
+    for old in sorted(ckpt_dir.glob("step-*.pt"))[:-keep]:
+        old.unlink()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-name", default=os.environ.get("TRAINVITALS_RUN", "example-gpt"))
@@ -161,9 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
 
     start_step = 0
-    ckpt = Path(args.ckpt_dir) / "latest.pt" if args.ckpt_dir else None
-    if ckpt is not None and ckpt.exists():
-        state = torch.load(ckpt, weights_only=True)
+    ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else None
+    latest = ckpt_dir / "latest" if ckpt_dir else None
+    resumed_from = None
+    if latest is not None and latest.exists():
+        resumed_from = ckpt_dir / latest.read_text().strip()  # type: ignore[operator]
+        state = torch.load(resumed_from, weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start_step = int(state["step"]) + 1
@@ -188,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
             "flops_convention": "6N+12LHQT per token (PaLM), no recompute",
         },
     )
-    if start_step:
-        agent.event("resume", step=start_step, detail=f"loaded {ckpt}")
+    if resumed_from is not None:
+        agent.loaded(step=start_step - 1, path=str(resumed_from))
 
     spikes = {int(s) for s in args.spike_steps.split(",") if s}
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
@@ -215,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         if (
             rank == args.crash_rank
             and step == args.crash_at
+            and resumed_from is None  # the relaunched job gets past the step
             and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0
         ):
             agent.event("failure", detail="injected crash", domains={"host": os.uname().nodename})
@@ -228,14 +247,9 @@ def main(argv: list[str] | None = None) -> int:
             flops=tokens_per_step * flops_per_token(dims),
             step=step,
         )
-        if ckpt is not None and step % args.ckpt_every == 0 and step > 0:
+        if ckpt_dir is not None and step % args.ckpt_every == 0 and step > 0:
             if rank == 0:
-                ckpt.parent.mkdir(parents=True, exist_ok=True)
-                torch.save(
-                    {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
-                    str(ckpt) + ".tmp",
-                )
-                os.replace(str(ckpt) + ".tmp", ckpt)
+                save_generation(agent, ckpt_dir, step, model, optimizer)
             if distributed:
                 dist.barrier()
         step += 1

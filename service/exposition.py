@@ -286,13 +286,14 @@ def _fp8_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
 
 def _rank_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
     slow = _gauge(
-        "trainvitals_rank_slowest_step_seconds",
-        "Mean step time of the top-k slowest ranks in the newest rank window",
+        "trainvitals_rank_slowest_compute_seconds",
+        "Top-k slowest ranks: mean compute time (step minus collective wait; step time when not split),"
+        " newest rank window",
         ["run", "rank"],
     )
     ratio = _gauge(
         "trainvitals_rank_slowest_cohort_ratio",
-        "Top-k slowest ranks: mean step time / median of their pipeline-stage cohort",
+        "Top-k slowest ranks: mean compute time / median of their pipeline-stage cohort",
         ["run", "rank"],
     )
     for sn in snaps:

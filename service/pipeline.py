@@ -41,6 +41,10 @@ class PipelineConfig:
     """Steps per rank window (the straggler view)."""
     detector_lookback_steps: int = 20_000
     """Detectors see at most this many recent steps (bounded work per cycle)."""
+    straggler_lookback_steps: int = 600
+    """Per-rank per-step timing the straggler detectors see (12 windows of 50 steps)."""
+    detector_warmup_steps: int = 300
+    """Steps from the run's start during which detectors stay quiet (LR warm-up, early loss drop)."""
 
 
 def peak_flops_total(registration: dict[str, Any]) -> float | None:
@@ -69,9 +73,7 @@ def _state(session: Session, run_id: str) -> ReductionState:
 def _reduce_upto(session: Session, run: Run, start: int, now: float, settle: float) -> int:
     """Newest step every rank has reported (low watermark), or older than the settle time."""
     per_rank = session.execute(
-        select(StepRow.rank, func.max(StepRow.step))
-        .where(StepRow.run_id == run.run_id)
-        .group_by(StepRow.rank)
+        select(StepRow.rank, func.max(StepRow.step)).where(StepRow.run_id == run.run_id).group_by(StepRow.rank)
     ).all()
     if not per_rank:
         return start - 1
@@ -223,12 +225,57 @@ def _int_type() -> Any:
 # --------------------------------------------------------------------------- detector inputs
 
 
+def _rank_steps(session: Session, run_id: str, *, reduced_upto: int | None, lookback: int) -> Any:
+    """Per-step x per-rank timing matrices over the recent `lookback` reduced steps (the straggler
+    detectors window them themselves and need per-step tails for intermittent slowness). Memory is
+    lookback x ranks x 3 floats: 600 x 16,384 ~ 236 MB, so keep the lookback modest at that scale."""
+    from trainvitals.service.detectors.series import RankSteps
+
+    if reduced_upto is None:
+        return None
+    rows = session.execute(
+        select(
+            StepRow.step,
+            StepRow.rank,
+            StepRow.incarnation,
+            StepRow.step_seconds,
+            StepRow.compute_seconds,
+            StepRow.wait_seconds,
+            StepRow.pp_stage,
+        )
+        .where(StepRow.run_id == run_id, StepRow.step > reduced_upto - lookback, StepRow.step <= reduced_upto)
+        .order_by(StepRow.incarnation)  # the newest incarnation is written last and wins
+    ).all()
+    if not rows:
+        return None
+    steps = sorted({r[0] for r in rows})
+    rank_ids = sorted({r[1] for r in rows})
+    si = {x: i for i, x in enumerate(steps)}
+    ri = {x: i for i, x in enumerate(rank_ids)}
+    mats = [np.full((len(steps), len(rank_ids)), np.nan) for _ in range(3)]
+    stage = np.full(len(rank_ids), -1, dtype=np.int64)
+    for step, rank, _inc, total, comp, wait, pp in rows:
+        i, j = si[step], ri[rank]
+        mats[0][i, j] = total
+        mats[1][i, j] = np.nan if comp is None else comp
+        mats[2][i, j] = np.nan if wait is None else wait
+        if pp is not None:
+            stage[j] = pp
+    return RankSteps(
+        steps=np.array(steps, dtype=np.int64),
+        ranks=np.array(rank_ids, dtype=np.int64),
+        step_seconds=mats[0],
+        compute_seconds=mats[1],
+        wait_seconds=mats[2],
+        pp_stage=stage,
+    )
+
+
 def build_series(session: Session, run: Run, *, now: float, config: PipelineConfig = PipelineConfig()) -> Any:
     """RunSeries (the detectors' input) from the summary tables, over the recent lookback."""
     from trainvitals.service.detectors.series import (
         CheckpointEvent,
         GroupGradNorms,
-        RankSteps,
         RunEvent,
         RunSeries,
         RunSteps,
@@ -240,8 +287,9 @@ def build_series(session: Session, run: Run, *, now: float, config: PipelineConf
     lo = -1 if latest is None else latest - config.detector_lookback_steps
     s = StepSummary
     rows = session.execute(
-        select(s.step, s.loss, s.grad_norm, s.grad_nonfinite, s.step_seconds_max, s.ts, s.tokens, s.flops,
-               s.loss_nonfinite)
+        select(
+            s.step, s.loss, s.grad_norm, s.grad_nonfinite, s.step_seconds_max, s.ts, s.tokens, s.flops, s.loss_nonfinite
+        )
         .where(s.run_id == rid, s.step > lo)
         .order_by(s.step)
     ).all()
@@ -316,38 +364,7 @@ def build_series(session: Session, run: Run, *, now: float, config: PipelineConf
             )
         )
 
-    w = RankWindow
-    win_rows = session.execute(
-        select(
-            w.window_start,
-            w.rank,
-            w.step_seconds_mean,
-            w.compute_seconds_mean,
-            w.wait_seconds_mean,
-            w.pp_stage,
-        ).where(w.run_id == rid, w.window_start > lo)
-    ).all()
-    ranks = None
-    if win_rows:
-        wsteps = sorted({r[0] for r in win_rows})
-        rank_ids = sorted({r[1] for r in win_rows})
-        si = {x: i for i, x in enumerate(wsteps)}
-        ri = {x: i for i, x in enumerate(rank_ids)}
-        mats = [np.full((len(wsteps), len(rank_ids)), np.nan) for _ in range(3)]
-        stage = np.full(len(rank_ids), -1, dtype=np.int64)
-        for ws, rank, mean, comp, wait, pp in win_rows:
-            for m, v in zip(mats, (mean, comp, wait), strict=True):
-                m[si[ws], ri[rank]] = np.nan if v is None else v
-            if pp is not None:
-                stage[ri[rank]] = pp
-        ranks = RankSteps(
-            steps=np.array(wsteps, dtype=np.int64),
-            ranks=np.array(rank_ids, dtype=np.int64),
-            step_seconds=mats[0],
-            compute_seconds=mats[1],
-            wait_seconds=mats[2],
-            pp_stage=stage,
-        )
+    ranks = _rank_steps(session, rid, reduced_upto=latest, lookback=config.straggler_lookback_steps)
 
     checkpoints = [
         CheckpointEvent(
@@ -358,9 +375,7 @@ def build_series(session: Session, run: Run, *, now: float, config: PipelineConf
             stall_seconds=c.stall_seconds,
             persist_seconds=c.persist_seconds,
         )
-        for c in session.scalars(
-            select(CheckpointRow).where(CheckpointRow.run_id == rid).order_by(CheckpointRow.ts)
-        )
+        for c in session.scalars(select(CheckpointRow).where(CheckpointRow.run_id == rid).order_by(CheckpointRow.ts))
     ]
     events = [
         RunEvent(event=e.event, ts=e.ts, step=e.step, detail=e.detail, rank=e.rank)
@@ -439,8 +454,10 @@ def process_run(
     """Reduce, detect, store findings. Returns the number of steps reduced."""
     now = time.time() if now is None else now
     reduced = reduce_run(session, run, now=now, config=config)
-    from trainvitals.service.detectors.run_all import detect
+    from trainvitals.service.detectors.run_all import DetectorConfig, detect
+    from trainvitals.service.detectors.suppression import SuppressionConfig
 
     series = build_series(session, run, now=now, config=config)
-    store_findings(session, run.run_id, detect(series), now=now)
+    detector_config = DetectorConfig(suppression=SuppressionConfig(warmup_steps=config.detector_warmup_steps))
+    store_findings(session, run.run_id, detect(series, config=detector_config), now=now)
     return reduced

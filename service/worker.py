@@ -39,7 +39,9 @@ class AnalysisWorker:
         self._settings = settings
         self._clock = clock
         self._config = pipeline.PipelineConfig(
-            settle_seconds=settings.settle_seconds, rank_window_steps=settings.rank_window_steps
+            settle_seconds=settings.settle_seconds,
+            rank_window_steps=settings.rank_window_steps,
+            detector_warmup_steps=settings.detector_warmup_steps,
         )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -70,9 +72,7 @@ class AnalysisWorker:
                     self.errors += 1
                     if now - self._last_log > 60:
                         self._last_log = now
-                        logger.exception(
-                            "analysis of run %s failed (%d errors so far): %r", run_id, self.errors, exc
-                        )
+                        logger.exception("analysis of run %s failed (%d errors so far): %r", run_id, self.errors, exc)
         self.cycles += 1
         return total
 

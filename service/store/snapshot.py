@@ -49,7 +49,8 @@ class RunSnapshot:
     saturated_tensors: int = 0
     fp8_step: int | None = None
     slowest_ranks: list[tuple[int, float, float]] = field(default_factory=list)
-    """(rank, mean step seconds, ratio to its cohort's median) in the newest full rank window."""
+    """(rank, mean compute seconds -- step seconds when not measured --, ratio to its cohort's
+    median) in the newest rank window."""
     findings: list[FindingRow] = field(default_factory=list)
     findings_by_kind: dict[tuple[str, str], int] = field(default_factory=dict)
     checkpoint_last_persisted_step: int | None = None
@@ -77,12 +78,17 @@ def run_snapshot(
         world_size=run.world_size,
         expected_mfu=expected_mfu,
     )
-    last = session.execute(
-        select(func.max(StepRow.step), func.max(StepRow.ts)).where(StepRow.run_id == rid)
-    ).one()
-    snap.latest_step = last[0]
-    if last[1] is not None:
-        snap.seconds_since_last_step = max(0.0, now - last[1])
+    # Raw steps grow by world_size rows per step: max(ts) over the whole run is a scan of millions
+    # of rows at 16,384 ranks. The newest step comes off the (run_id, step, rank) index, and the
+    # newest timestamp is taken among that step's rows (at most world_size of them): ranks finish
+    # a step within one step time of each other, so this is the age of the newest work.
+    snap.latest_step = session.scalar(select(func.max(StepRow.step)).where(StepRow.run_id == rid))
+    if snap.latest_step is not None:
+        last_ts = session.scalar(
+            select(func.max(StepRow.ts)).where(StepRow.run_id == rid, StepRow.step == snap.latest_step)
+        )
+        if last_ts is not None:
+            snap.seconds_since_last_step = max(0.0, now - last_ts)
 
     recent = list(
         session.scalars(
@@ -132,7 +138,13 @@ def run_snapshot(
     )
     if newest_window is not None:
         win = session.execute(
-            select(RankWindow.rank, RankWindow.step_seconds_mean, RankWindow.pp_stage).where(
+            # Compute time (step minus collective wait) when measured: in synchronous training every
+            # rank's step lasts as long as the slowest one's, so step time cannot single it out.
+            select(
+                RankWindow.rank,
+                func.coalesce(RankWindow.compute_seconds_mean, RankWindow.step_seconds_mean),
+                RankWindow.pp_stage,
+            ).where(
                 RankWindow.run_id == rid, RankWindow.window_start == newest_window
             )
         ).all()
@@ -156,14 +168,24 @@ def run_snapshot(
             .group_by(FindingRow.kind, FindingRow.severity)
         )
     }
-    persisted = session.execute(
-        select(CheckpointRow.step, CheckpointRow.ts)
-        .where(CheckpointRow.run_id == rid, CheckpointRow.status.in_(("persisted", "verified")))
-        .order_by(CheckpointRow.step.desc())
-        .limit(1)
-    ).first()
-    if persisted is not None:
-        snap.checkpoint_last_persisted_step, snap.checkpoint_last_persisted_ts = persisted
+    # One ordered probe per status rather than `status IN (...) ORDER BY step DESC`: with the
+    # (run_id, status, step) index each probe reads one index entry, whereas the IN form has to
+    # sort every persisted row of every rank (world_size rows per generation).
+    newest = [
+        row
+        for status in ("persisted", "verified")
+        if (
+            row := session.execute(
+                select(CheckpointRow.step, CheckpointRow.ts)
+                .where(CheckpointRow.run_id == rid, CheckpointRow.status == status)
+                .order_by(CheckpointRow.step.desc())
+                .limit(1)
+            ).first()
+        )
+        is not None
+    ]
+    if newest:
+        snap.checkpoint_last_persisted_step, snap.checkpoint_last_persisted_ts = max(newest, key=lambda r: r[0])
     snap.checkpoint_status_counts = dict(
         session.execute(
             select(CheckpointRow.status, func.count())

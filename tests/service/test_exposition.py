@@ -69,7 +69,7 @@ def test_values_reduce_across_ranks(setup) -> None:
     assert sample("trainvitals_run_rank_step_seconds", {"run": "a", "stat": "p50"}) == 2.5
     assert sample("trainvitals_run_rank_step_seconds", {"run": "a", "stat": "p90"}) == pytest.approx(3.7)
     # Top-k slowest ranks, relative to the cohort median (no pipeline stages: one cohort).
-    assert sample("trainvitals_rank_slowest_step_seconds", {"run": "a", "rank": "3"}) == 4.0
+    assert sample("trainvitals_rank_slowest_compute_seconds", {"run": "a", "rank": "3"}) == 4.0
     assert sample("trainvitals_rank_slowest_cohort_ratio", {"run": "a", "rank": "3"}) == pytest.approx(
         4.0 / 2.5
     )
