@@ -49,7 +49,8 @@ def run_demo(*, ranks: int, seconds: float, port: int, workdir: str, keep_servin
         _wait_healthy(url, collector)
         run = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
         print(
-            f"[demo] training: {ranks} ranks (torchrun, gloo, DDP), run {run!r}, about {seconds:.0f}s",
+            f"[demo] training: {ranks} ranks (torchrun, gloo, DDP, emulated FP8), run {run!r}, about {seconds:.0f}s;"
+            f" rank {ranks - 1} is made slow from step 300",
             flush=True,
         )
         env = {**os.environ, "TRAINVITALS_COLLECTOR": url, "TRAINVITALS_SPILL_DIR": str(work / "spool")}
@@ -69,6 +70,14 @@ def run_demo(*, ranks: int, seconds: float, port: int, workdir: str, keep_servin
             str(seconds),
             "--ckpt-dir",
             str(work / "ckpt"),
+            "--fp8",  # train through emulated FP8 delayed scaling: real headroom to look at
+            # A mild straggler from step 300 (the detectors' warm-up end), so there is a finding.
+            "--slow-rank",
+            str(ranks - 1),
+            "--slow-from",
+            "300",
+            "--slow-seconds",
+            "0.03",
         ]
         t0 = time.monotonic()
         job = subprocess.run(
@@ -81,6 +90,7 @@ def run_demo(*, ranks: int, seconds: float, port: int, workdir: str, keep_servin
         if job.returncode != 0:
             print(job.stdout[-4000:])
             return job.returncode
+        time.sleep(6)  # the collector reduces and runs the detectors every 2 s
         metrics = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
         _print_summary(db_url, run, metrics, url)
         if keep_serving:
@@ -102,6 +112,9 @@ def _print_summary(db_url: str, run: str, metrics: str, url: str) -> None:
     with db.make_sessionmaker(engine)() as session:
         ov = queries.run_overview(session, run_id=run)
         per_rank = queries.rank_step_seconds(session, run_id=run)
+        worst = queries.worst_tensors(session, run_id=run, k=3)
+        found = queries.findings(session, run_id=run)
+        gens = queries.checkpoint_generations(session, run_id=run)
     engine.dispose()
     if ov is None:
         print("[demo] the collector saw nothing: check demo-out/collector.log")
@@ -120,9 +133,16 @@ def _print_summary(db_url: str, run: str, metrics: str, url: str) -> None:
         )
     spread = (ov.step_seconds_max_rank_mean or 0) / (ov.step_seconds_min_rank_mean or 1)
     print(f"  spread (slowest / fastest rank mean): {spread:.3f}")
+    print(f"FP8        {ov.tensor_records} tensor records (emulated delayed scaling); least headroom:")
+    for w in worst:
+        name = f"{w['tensor']}:{w['role']}"
+        print(f"  {name}  min {w['min_headroom_bits']:+.2f} bits, clipped on {w['clipped_steps']} steps")
+    print(f"checkpoints {len(gens)} generations: " + ", ".join(f"{g['step']} {g['status']}" for g in gens))
+    print(f"findings   {len(found)}" + "".join(f"\n  [{f['severity']}] {f['summary']}" for f in found))
     print("\n=== /metrics (excerpt) ===")
     for line in metrics.splitlines():
-        if line.startswith("trainvitals_run_") and run in line:
+        shown = ("trainvitals_run_", "trainvitals_fp8_saturated", "trainvitals_finding_active")
+        if line.startswith(shown) and run in line:
             print(line)
     print(f"\nLook yourself: trainvitals serve --db {db_url}  then  curl {url}/metrics")
     print(f"               trainvitals query runs --db {db_url}")
