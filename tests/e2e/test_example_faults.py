@@ -71,10 +71,10 @@ def test_straggler_is_found_with_rank_and_onset(tmp_path: Path, unused_port: int
     col = Collector(tmp_path, unused_port)
     try:
         run = _torchrun(["--run-name", "strag", "--steps", "200", "--collector", col.url, "--slow-rank", "2",
-                         "--slow-from", "40", "--slow-seconds", "0.06"], tmp_path, ranks=4)
+                         "--slow-from", "40", "--slow-seconds", "0.1"], tmp_path, ranks=4)
         assert run.returncode == 0, run.stderr[-3000:]
         findings = col.wait_for("/v1/runs/strag/findings",
-                                lambda fs: any(f["kind"] == "straggler" for f in fs))
+                                lambda fs: any(f["kind"] == "straggler" for f in fs), timeout=120)
         metrics = urllib.request.urlopen(col.url + "/metrics", timeout=10).read().decode()
     finally:
         col.stop()
