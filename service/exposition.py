@@ -18,6 +18,8 @@ from sqlalchemy.orm import Session
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import queries, snapshot
 
+ADVICE_TTL_SECONDS = 60.0
+
 
 class IngestCounters:
     """Process-local ingest counters, updated by the ingest route (thread-safe, O(1))."""
@@ -63,6 +65,8 @@ class TrainvitalsCollector(Collector):
         self._clock = clock
         self._expected_mfu = expected_mfu or (lambda _reg: None)
         self._checkpoint_advice = checkpoint_advice
+        # Advice moves slowly (saves and failures are rare): recompute at most once a minute per run.
+        self._advice_cache: dict[str, tuple[float, object]] = {}
 
     def describe(self) -> list[Metric]:
         # Returning no descriptions keeps registration from calling collect() (which needs the DB).
@@ -93,14 +97,25 @@ class TrainvitalsCollector(Collector):
             ]
             if self._checkpoint_advice is not None:
                 for sn, r in zip(snaps, runs, strict=True):
-                    sn.checkpoint_advice = self._checkpoint_advice(session, run_id=r.run_id,
-                                                                   registration=r.registration)
+                    sn.checkpoint_advice = self._advice_for(session, r, now)
         yield from _run_families(snaps)
         yield from _fp8_families(snaps)
         yield from _rank_families(snaps)
         yield from _finding_families(snaps)
         yield from _checkpoint_families(snaps, now)
         yield from self._ingest_families({r.run_id for r in snaps})
+
+    def _advice_for(self, session: Session, run: object, now: float) -> object:
+        run_id = run.run_id  # type: ignore[attr-defined]
+        hit = self._advice_cache.get(run_id)
+        if hit is not None and now - hit[0] < ADVICE_TTL_SECONDS:
+            return hit[1]
+        assert self._checkpoint_advice is not None
+        value = self._checkpoint_advice(session, run_id=run_id, registration=run.registration)  # type: ignore[attr-defined]
+        if len(self._advice_cache) > 1000:
+            self._advice_cache.clear()
+        self._advice_cache[run_id] = (now, value)
+        return value
 
     def _ingest_families(self, live: set[str]) -> Iterator[Metric]:
         records_by_run, batches = self._counters.snapshot()

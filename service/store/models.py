@@ -116,7 +116,10 @@ class GradStatRow(Base):
 
 class CheckpointRow(Base):
     __tablename__ = "checkpoints"
-    __table_args__ = (Index("ix_checkpoints_run_generation", "run_id", "generation"),)
+    __table_args__ = (
+        Index("ix_checkpoints_run_generation", "run_id", "generation"),
+        Index("ix_checkpoints_run_status_step", "run_id", "status", "step"),
+    )
 
     id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(String(128))
@@ -222,6 +225,7 @@ class GradSummary(Base):
     """Per parameter group gradient norm at one step: sqrt(sum over ranks of owned_sq)."""
 
     __tablename__ = "grad_summaries"
+    __table_args__ = (Index("ix_grad_summaries_run_step", "run_id", "step"),)
 
     run_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     group_name: Mapped[str] = mapped_column(String(256), primary_key=True)

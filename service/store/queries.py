@@ -280,69 +280,52 @@ def findings(session: Session, *, run_id: str, active_only: bool = False) -> lis
 
 
 def checkpoint_generations(session: Session, *, run_id: str) -> list[dict[str, Any]]:
-    """One entry per generation, across ranks: failed if any rank failed; persisted when every rank
-    that started it persisted; verified when persisted with a checksum from every such rank (or an
-    explicit 'verified' record)."""
+    """One entry per generation (and incarnation), across ranks: failed if any rank failed;
+    persisted when every rank that started it persisted; verified when persisted with a checksum
+    from every such rank (or an explicit 'verified' record).
+
+    Aggregated in SQL per (generation, incarnation, status): the cost is generations x statuses,
+    not ranks x generations (16,384 ranks each record every save)."""
+    c = CheckpointRow
+    rows = session.execute(
+        select(c.generation, c.incarnation, c.status, func.count(func.distinct(c.rank)), func.min(c.step),
+               func.sum(c.bytes), func.max(c.stall_seconds), func.max(c.persist_seconds), func.count(c.checksum),
+               func.max(c.ts), func.min(c.path), func.max(c.error))
+        .where(c.run_id == run_id)
+        .group_by(c.generation, c.incarnation, c.status)
+    ).all()
     gens: dict[tuple[int, int], dict[str, Any]] = {}
-    for c in session.scalars(
-        select(CheckpointRow).where(CheckpointRow.run_id == run_id).order_by(CheckpointRow.ts)
-    ):
-        g = gens.setdefault(
-            (c.generation, c.incarnation),
-            {
-                "generation": c.generation,
-                "step": c.step,
-                "incarnation": c.incarnation,
-                "started": set(),
-                "persisted": set(),
-                "failed": set(),
-                "verified": set(),
-                "checksummed": set(),
-                "bytes": 0,
-                "stall_seconds": None,
-                "persist_seconds": None,
-                "path": c.path,
-                "ts": c.ts,
-                "errors": [],
-            },
-        )
-        g[c.status].add(c.rank)
-        if c.status in ("persisted", "verified"):
-            g["bytes"] += c.bytes or 0
-            if c.checksum:
-                g["checksummed"].add(c.rank)
-            g["persist_seconds"] = max(g["persist_seconds"] or 0.0, c.persist_seconds or 0.0)
-            g["ts"] = max(g["ts"], c.ts)
-        if c.stall_seconds is not None:
-            g["stall_seconds"] = max(g["stall_seconds"] or 0.0, c.stall_seconds)
-        if c.error:
-            g["errors"].append(f"rank {c.rank}: {c.error}")
+    for gen, inc, status, ranks, step, size, stall, persist, checksummed, ts, path, error in rows:
+        g = gens.setdefault((gen, inc), {"generation": gen, "step": step, "incarnation": inc, "counts": {},
+                                         "checksummed": 0, "bytes": None, "stall_seconds": None,
+                                         "persist_seconds": None, "path": path, "ts": ts, "errors": []})
+        g["counts"][status] = ranks
+        g["step"] = min(g["step"], step)
+        g["ts"] = max(g["ts"], ts)
+        if stall is not None:
+            g["stall_seconds"] = max(g["stall_seconds"] or 0.0, stall)
+        if status in ("persisted", "verified"):
+            g["bytes"] = (g["bytes"] or 0) + (size or 0) or None
+            g["persist_seconds"] = persist
+            g["checksummed"] += checksummed
+        if error:
+            g["errors"].append(error)
     out = []
     for g in sorted(gens.values(), key=lambda g: (g["step"], g["incarnation"])):
-        started = g["started"] | g["persisted"] | g["failed"]
-        if g["failed"]:
+        n = g.pop("counts")
+        checksummed = g.pop("checksummed")
+        done = n.get("persisted", 0) + n.get("verified", 0)
+        # Ranks that reported anything for it (an after-the-fact save has no 'started' record).
+        involved = max(n.get("started", 0), done + n.get("failed", 0))
+        if n.get("failed"):
             status = "failed"
-        elif g["verified"] or (g["persisted"] >= started and g["checksummed"] >= started and started):
+        elif n.get("verified") or (done >= involved and checksummed >= involved and involved):
             status = "verified"
-        elif g["persisted"] >= started and started:
+        elif done >= involved and involved:
             status = "persisted"
         else:
             status = "started"
-        out.append(
-            {
-                "generation": g["generation"],
-                "step": g["step"],
-                "incarnation": g["incarnation"],
-                "status": status,
-                "ranks": len(started),
-                "bytes": g["bytes"] or None,
-                "stall_seconds": g["stall_seconds"],
-                "persist_seconds": g["persist_seconds"],
-                "path": g["path"],
-                "ts": g["ts"],
-                "errors": g["errors"][:10],
-            }
-        )
+        out.append({**g, "status": status, "ranks": involved})
     return out
 
 
@@ -398,19 +381,19 @@ def last_step_time(session: Session, *, run_id: str) -> float | None:
 def observed_cadence_inputs(
     session: Session, *, run_id: str
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], float]:
-    """A run's checkpoint saves and failure events in the shape the cadence advisor takes, and
-    the exposure (seconds from first to last step)."""
+    """A run's checkpoint saves (one per generation: the slowest rank's stall and persist, the
+    total size) and failure events, in the shape the cadence advisor takes, and the exposure
+    (seconds from the run's registration to its last report: no scan of raw steps)."""
     saves = [
-        {"stall_s": c.stall_seconds, "persist_s": c.persist_seconds, "size_bytes": c.bytes, "status": "ok"}
-        for c in session.scalars(select(CheckpointRow).where(
-            CheckpointRow.run_id == run_id, CheckpointRow.status.in_(("persisted", "verified"))))
-        if c.stall_seconds
+        {"stall_s": g["stall_seconds"], "persist_s": g["persist_seconds"], "size_bytes": g["bytes"], "status": "ok"}
+        for g in checkpoint_generations(session, run_id=run_id)
+        if g["status"] in ("persisted", "verified") and g["stall_seconds"]
     ]
     failures = [
         {"timestamp": e.ts, "ranks": [e.rank], "domains": e.domains or {}, "cause": e.detail or e.event}
         for e in session.scalars(select(EventRow).where(
             EventRow.run_id == run_id, EventRow.event.in_(("failure", "node_replaced"))).order_by(EventRow.ts))
     ]
-    first, last = session.execute(select(func.min(StepRow.ts), func.max(StepRow.ts)).where(
-        StepRow.run_id == run_id)).one()
-    return saves, failures, float((last or 0.0) - (first or 0.0))
+    run = session.get(Run, run_id)
+    exposure = 0.0 if run is None else max(0.0, run.last_seen_at - run.created_at)
+    return saves, failures, exposure
