@@ -119,3 +119,27 @@ def test_crash_and_relaunch_resumes_from_the_last_checkpoint(tmp_path: Path, unu
     assert (1, "failure", 14) in events
     assert {(r, s) for r, e, s in events if e == "resume"} == {(0, 10), (1, 10), (2, 10)}
     assert dict(incarnations) == {0: 2, 1: 2, 2: 2}
+
+
+@pytest.mark.slow
+def test_fp8_run_with_gradient_spikes_pages_clipping_on_the_right_tensors(tmp_path: Path, unused_port: int) -> None:
+    """--fp8 trains through emulated delayed scaling; loss spikes x50 overflow the E5M2
+    grad_output scales: clipping is paged per tensor from the first spike, spikes are counted.
+    (Spike steps are multiples of 10: the agent's default FP8 cadence samples every 10th step.)"""
+    col = Collector(tmp_path, unused_port)
+    try:
+        run = _torchrun(["--run-name", "fp8", "--steps", "240", "--collector", col.url, "--fp8",
+                         "--spike-steps", "120,150,180,210", "--spike-scale", "50"], tmp_path, ranks=2)
+        assert run.returncode == 0, run.stderr[-3000:]
+        findings = col.wait_for("/v1/runs/fp8/findings",
+                                lambda fs: any(f["kind"] == "grad_spike" for f in fs), timeout=120)
+        worst = _get(col.url + "/v1/runs/fp8/tensors/worst?k=3")
+    finally:
+        col.stop()
+    clipping = [f for f in findings if f["kind"] == "fp8_clipping"]  # type: ignore[union-attr]
+    assert clipping and all(f["subject"].endswith(":grad_output") for f in clipping)
+    assert min(f["onset_step"] for f in clipping) == 120
+    assert all(f["severity"] == "page" for f in clipping)
+    spikes = [f for f in findings if f["kind"] == "grad_spike"]  # type: ignore[union-attr]
+    assert spikes[0]["onset_step"] == 120 and spikes[0]["magnitude"] == 4  # four spikes counted
+    assert worst[0]["role"] == "grad_output" and worst[0]["min_headroom_bits"] < -1  # type: ignore[index]
