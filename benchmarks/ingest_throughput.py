@@ -1,0 +1,532 @@
+"""Sustained ingest throughput of a real collector, driven by load-generator processes on loopback.
+
+    python benchmarks/ingest_throughput.py [--backends sqlite,postgresql] [--seconds 40] [--warmup 10]
+        [--clients 6] [--steps-per-batch 4] [--layers-per-rank 4]
+
+For each backend: start `trainvitals serve --db URL --port P` as a subprocess (analysis worker on,
+as in production), register a run of world_size 16,384 (tp 8 x pp 8 x dp 256), then let
+`--clients` load-generator processes POST wire-format batches over keep-alive HTTP/1.1 connections
+(http.client), one request in flight per process. A batch is what one rank's agent sends per
+interval: `--steps-per-batch` steps of 1 step record + one grad record per layer it holds plus
+`__global__` + 4 Linear modules x 3 roles of FP8 tensor records per layer (the cheap tier), i.e.
+216 records (37 KB of JSON) with the defaults. Ranks advance together, round-robin, so every
+(rank, incarnation, seq) is distinct and step numbers grow like a real run's.
+
+Measured after `--warmup` seconds, over `--seconds`: acknowledged records/s and batches/s, p50/p99
+request latency, CPU seconds per second of the collector, the PostgreSQL backends and the load
+generators (the machine has few cores: everything here shares them), and the collector's RSS
+(VmRSS at the end and VmHWM, from /proc/<pid>/status).
+
+The SQLite file and the PostgreSQL scratch database are removed at the end; every process this
+script starts is stopped by it. scrape_16k.py and postmortem_queries.py import the collector and
+scratch-database helpers from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from multiprocessing.synchronize import Event as MpEvent
+from pathlib import Path
+
+PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
+WORLD_SIZE = 16_384
+TP, PP = 8, 8
+DP = WORLD_SIZE // (TP * PP)
+LAYERS = 32
+LINEARS = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
+ROLES = (("input", "e4m3"), ("weight", "e4m3"), ("grad_output", "e5m2"))
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# --------------------------------------------------------------------------- shared helpers
+
+
+def trainvitals_bin() -> str:
+    """The console script of the interpreter running this file (the project's virtualenv)."""
+    exe = Path(sys.executable).parent / "trainvitals"
+    return str(exe) if exe.exists() else shutil.which("trainvitals") or "trainvitals"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def pg_scratch_db(prefix: str) -> Iterator[str]:
+    """A fresh PostgreSQL database (SQLAlchemy URL), dropped afterwards even on error."""
+    import psycopg
+
+    name = f"{prefix}_{os.getpid()}"
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    finally:
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextmanager
+def sqlite_scratch_db(prefix: str) -> Iterator[str]:
+    tmp = tempfile.mkdtemp(prefix=f"{prefix}_")
+    try:
+        yield f"sqlite:///{tmp}/trainvitals.db"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def scratch_db(backend: str, prefix: str) -> Iterator[str]:
+    with sqlite_scratch_db(prefix) if backend == "sqlite" else pg_scratch_db(prefix) as url:
+        yield url
+
+
+@dataclass(kw_only=True, slots=True)
+class CollectorProcess:
+    proc: subprocess.Popen[bytes]
+    port: int
+    command: str
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@contextmanager
+def collector(
+    url: str, *, env: dict[str, str] | None = None, timeout: float = 60.0
+) -> Iterator[CollectorProcess]:
+    """`trainvitals serve` as a subprocess; waits for /healthz; terminated (then killed) on exit."""
+    port = free_port()
+    argv = [trainvitals_bin(), "serve", "--db", url, "--port", str(port)]
+    proc = subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"collector exited with {proc.returncode}: {' '.join(argv)}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("collector did not answer /healthz in time")
+            time.sleep(0.2)
+        yield CollectorProcess(proc=proc, port=port, command=" ".join(argv))
+    finally:
+        proc.send_signal(signal.SIGINT)  # uvicorn's graceful shutdown stops the analysis worker
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def create_token(url: str, *, project: str, scope: str) -> str:
+    """A bearer token through the CLI (which also migrates the empty database), as an operator would."""
+    out = subprocess.run(
+        [trainvitals_bin(), "token", "create", "--db", url, "--project", project, "--scope", scope],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return out.stdout.strip().splitlines()[-1]
+
+
+def post_json(base: str, path: str, body: object, token: str) -> tuple[int, bytes]:
+    req = urllib.request.Request(
+        base + path,
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json", "authorization": f"Bearer {token}"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def registration(run: str) -> dict[str, object]:
+    """A 16,384-rank, 8B-class FP8 run: what rank 0's agent registers."""
+    return {
+        "run": run,
+        "project": "bench",
+        "started_at": time.time(),
+        "model": {
+            "layers": LAYERS,
+            "hidden": 4096,
+            "heads": 32,
+            "vocab": 128_256,
+            "seq_len": 8192,
+            "params": 8_000_000_000,
+        },
+        "parallelism": {
+            "world_size": WORLD_SIZE,
+            "tp": TP,
+            "pp": PP,
+            "dp": DP,
+            "micro_batch": 1,
+            "global_batch": 2048,
+        },
+        "hardware": {"gpu_type": "H100-SXM", "gpu_count": WORLD_SIZE, "gpus_per_node": 8},
+        "fp8": {"enabled": True},
+    }
+
+
+def read_status_kb(pid: int, key: str) -> int:
+    """VmRSS / VmHWM in kB from /proc/<pid>/status (0 when the process is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """utime + stime of these processes (children not included), in seconds."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / _CLK_TCK
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# --------------------------------------------------------------------------- load generator
+
+
+def _layers_of(rank: int, layers_per_rank: int) -> list[int]:
+    stage = (rank // TP) % PP  # tp innermost, then pp, then dp
+    first = stage * layers_per_rank
+    return list(range(first, first + layers_per_rank))
+
+
+def batch_template(run: str, rank: int, *, steps_per_batch: int, layers_per_rank: int) -> tuple[bytes, int]:
+    """The JSON body of a batch of any rank congruent to `rank` mod tp*pp, with placeholders for
+    rank, dp rank, seq, steps and ts (bytes.replace-d per request: the load generator must cost
+    far less CPU than the collector it measures)."""
+    records: list[str] = []
+    layers = _layers_of(rank, layers_per_rank)
+    stage = (rank // TP) % PP
+    for k in range(steps_per_batch):
+        st, ts = f"@S{k}@", f"@T{k}@"
+        records.append(
+            f'{{"kind":"step","step":{st},"ts":{ts},"step_seconds":1.0{rank % 97:02d},'
+            f'"compute_seconds":0.81,"wait_seconds":0.17,"data_seconds":0.01,"loss":2.7{rank % 89},'
+            f'"tokens":8192,"flops":3.6e+14,"lr":0.0003,"grad_norm":0.93,"pp_stage":{stage},'
+            f'"tp_rank":{rank % TP},"dp_rank":@D@,'
+            f'"mem_allocated_bytes":61203283968,"mem_reserved_bytes":70866960384}}'
+        )
+        for layer in [*layers, None]:
+            group = "__global__" if layer is None else f"layers.{layer}"
+            records.append(
+                f'{{"kind":"grad","step":{st},"group":"{group}","owned_sq":0.0{rank % 83 + 11},'
+                f'"local_sq":0.{rank % 79 + 12},"nonfinite":0}}'
+            )
+        for layer in layers:
+            for linear in LINEARS:
+                for role, fmt in ROLES:
+                    records.append(
+                        f'{{"kind":"tensor","step":{st},"tensor":"model.layers.{layer}.{linear}",'
+                        f'"role":"{role}","format":"{fmt}","amax":3.{rank % 71 + 10},"scale":112.5,'
+                        f'"headroom_bits":1.{rank % 67 + 10},"lag_bits":0.02,"staleness_steps":3}}'
+                    )
+    body = (
+        f'{{"wire_version":1,"run":"{run}","rank":@R@,"incarnation":1712900000000,"seq":@Q@,'
+        f'"sent_at":@T0@,"records":[{",".join(records)}]}}'
+    )
+    return body.encode(), len(records)
+
+
+def _client_main(
+    index: int,
+    clients: int,
+    port: int,
+    run: str,
+    steps_per_batch: int,
+    layers_per_rank: int,
+    token: str,
+    stop: MpEvent,
+    out: mp.Queue,  # type: ignore[type-arg]
+) -> None:
+    """One load generator: ranks index, index + clients, ...; one keep-alive connection."""
+    ranks = list(range(index, WORLD_SIZE, clients))
+    templates: dict[int, tuple[bytes, int]] = {}  # by rank mod tp*pp: the layout repeats per dp group
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    headers = {"content-type": "application/json", "authorization": f"Bearer {token}"}
+    samples: list[tuple[float, float, int]] = []  # (done monotonic, latency s, records)
+    errors = 0
+    seq = 0
+    while not stop.is_set():
+        for rank in ranks:
+            if stop.is_set():
+                break
+            key = rank % (TP * PP)
+            if key not in templates:
+                templates[key] = batch_template(
+                    run, key, steps_per_batch=steps_per_batch, layers_per_rank=layers_per_rank
+                )
+            template, n = templates[key]
+            now = time.time()
+            body = template.replace(b"@Q@", b"%d" % seq).replace(b"@R@", b"%d" % rank)
+            body = body.replace(b"@D@", b"%d" % (rank // (TP * PP)))
+            for k in range(steps_per_batch):
+                body = body.replace(b"@S%d@" % k, b"%d" % (seq * steps_per_batch + k))
+                body = body.replace(b"@T%d@" % k, b"%.3f" % now)
+            t0 = time.monotonic()
+            conn.request("POST", "/v1/batches", body=body, headers=headers)
+            resp = conn.getresponse()
+            resp.read()
+            t1 = time.monotonic()
+            if resp.status == 200:
+                samples.append((t1, t1 - t0, n))
+            else:
+                errors += 1
+        seq += 1
+    conn.close()
+    out.put((index, samples, errors))
+
+
+# --------------------------------------------------------------------------- one measurement
+
+
+@dataclass(kw_only=True, slots=True)
+class IngestResult:
+    backend: str
+    records_per_s: float
+    batches_per_s: float
+    records_per_batch: int
+    body_kb: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+    collector_cpu: float
+    postgres_cpu: float
+    clients_cpu: float
+    rss_mb: float
+    hwm_mb: float
+    stored_rows: int
+    command: str
+
+
+def _postgres_pids(url: str) -> list[int]:
+    import psycopg
+
+    dbname = url.rsplit("/", 1)[1]
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        rows = conn.execute("SELECT pid FROM pg_stat_activity WHERE datname = %s", (dbname,)).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def _stored_rows(url: str) -> int:
+    from sqlalchemy import text
+
+    from trainvitals.service.store.db import make_engine
+
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            return sum(
+                int(conn.execute(text(f"SELECT count(*) FROM {t}")).scalar() or 0)
+                for t in ("steps", "grad_stats", "tensor_stats")
+            )
+    finally:
+        engine.dispose()
+
+
+def measure(
+    backend: str,
+    *,
+    seconds: float,
+    warmup: float,
+    clients: int,
+    steps_per_batch: int,
+    layers_per_rank: int,
+    analysis: bool = True,
+) -> IngestResult:
+    run = "bench-16k"
+    with scratch_db(backend, "tv_bench_ingest") as url:
+        # Auth stays on, as in production: the token lookup is cached, so it costs ingest little.
+        token = create_token(url, project="bench", scope="ingest")
+        env = {} if analysis else {"TRAINVITALS_RUN_ANALYSIS": "false"}
+        with collector(url, env=env) as col:
+            return _drive(
+                backend,
+                url,
+                col,
+                token,
+                run,
+                seconds=seconds,
+                warmup=warmup,
+                clients=clients,
+                steps_per_batch=steps_per_batch,
+                layers_per_rank=layers_per_rank,
+            )
+
+
+def _drive(
+    backend: str,
+    url: str,
+    col: CollectorProcess,
+    token: str,
+    run: str,
+    *,
+    seconds: float,
+    warmup: float,
+    clients: int,
+    steps_per_batch: int,
+    layers_per_rank: int,
+) -> IngestResult:
+    status, body = post_json(col.base, "/v1/runs", registration(run), token)
+    if status >= 300:
+        raise RuntimeError(f"registration failed: {status} {body!r}")
+    template, n_records = batch_template(
+        run, 0, steps_per_batch=steps_per_batch, layers_per_rank=layers_per_rank
+    )
+    ctx = mp.get_context("fork")
+    stop = ctx.Event()
+    out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+    procs = [
+        ctx.Process(
+            target=_client_main,
+            args=(i, clients, col.port, run, steps_per_batch, layers_per_rank, token, stop, out),
+            name=f"loadgen-{i}",
+        )
+        for i in range(clients)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        time.sleep(warmup)
+        client_pids = [p.pid for p in procs if p.pid is not None]
+        pg_pids = _postgres_pids(url) if backend == "postgresql" else []
+        cpu0 = (cpu_seconds([col.proc.pid]), cpu_seconds(pg_pids), cpu_seconds(client_pids))
+        t_start = time.monotonic()
+        rss_peak = 0
+        while time.monotonic() - t_start < seconds:
+            time.sleep(0.5)
+            rss_peak = max(rss_peak, read_status_kb(col.proc.pid, "VmRSS"))
+        t_end = time.monotonic()
+        # Backends connected after the warm-up (pool growth) are counted from zero.
+        pg_pids_end = _postgres_pids(url) if backend == "postgresql" else []
+        cpu1 = (cpu_seconds([col.proc.pid]), cpu_seconds(pg_pids_end), cpu_seconds(client_pids))
+        hwm = read_status_kb(col.proc.pid, "VmHWM")
+    finally:
+        stop.set()
+        results = []
+        for _ in procs:
+            try:
+                results.append(out.get(timeout=180))
+            except Exception:  # noqa: BLE001 - a dead client must not hang the benchmark
+                break
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    stored = _stored_rows(url)
+    window = [s for _, samples, _ in results for s in samples if t_start <= s[0] < t_end]
+    span = t_end - t_start
+    lat = [s[1] for s in window]
+    return IngestResult(
+        backend=backend,
+        records_per_s=sum(s[2] for s in window) / span,
+        batches_per_s=len(window) / span,
+        records_per_batch=n_records,
+        body_kb=len(template) / 1024,
+        p50_ms=percentile(lat, 0.50) * 1e3,
+        p99_ms=percentile(lat, 0.99) * 1e3,
+        errors=sum(e for _, _, e in results),
+        collector_cpu=(cpu1[0] - cpu0[0]) / span,
+        postgres_cpu=(cpu1[1] - cpu0[1]) / span,
+        clients_cpu=(cpu1[2] - cpu0[2]) / span,
+        rss_mb=rss_peak / 1024,
+        hwm_mb=hwm / 1024,
+        stored_rows=stored,
+        command=col.command,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", default="sqlite,postgresql")
+    parser.add_argument("--seconds", type=float, default=40.0, help="measurement window")
+    parser.add_argument("--warmup", type=float, default=10.0)
+    parser.add_argument("--clients", type=int, default=6, help="load-generator processes")
+    parser.add_argument("--steps-per-batch", type=int, default=4)
+    parser.add_argument("--layers-per-rank", type=int, default=LAYERS // PP)
+    parser.add_argument(
+        "--no-analysis", action="store_true", help="TRAINVITALS_RUN_ANALYSIS=false: ingest alone"
+    )
+    args = parser.parse_args()
+    print(f"$ {' '.join([Path(sys.executable).name, *sys.argv])}")
+    print(
+        f"machine: {os.cpu_count()} cores; world_size {WORLD_SIZE}; {args.clients} load-generator "
+        f"processes; warm-up {args.warmup:.0f} s, window {args.seconds:.0f} s\n"
+    )
+    results = []
+    for backend in args.backends.split(","):
+        res = measure(
+            backend,
+            seconds=args.seconds,
+            warmup=args.warmup,
+            clients=args.clients,
+            steps_per_batch=args.steps_per_batch,
+            layers_per_rank=args.layers_per_rank,
+            analysis=not args.no_analysis,
+        )
+        print(f"[{backend}] collector: {res.command}", flush=True)
+        results.append(res)
+    header = (
+        f"{'backend':<11}{'records/s':>11}{'batches/s':>10}{'rec/batch':>10}{'body KB':>8}"
+        f"{'p50 ms':>8}{'p99 ms':>8}{'errors':>7}{'CPU coll':>9}{'CPU pg':>7}{'CPU gen':>8}"
+        f"{'RSS MB':>8}{'HWM MB':>8}{'rows stored':>13}"
+    )
+    print("\n" + header)
+    print("-" * len(header))
+    for r in results:
+        print(
+            f"{r.backend:<11}{r.records_per_s:>11,.0f}{r.batches_per_s:>10.1f}{r.records_per_batch:>10}"
+            f"{r.body_kb:>8.1f}{r.p50_ms:>8.1f}{r.p99_ms:>8.1f}{r.errors:>7}{r.collector_cpu:>9.2f}"
+            f"{r.postgres_cpu:>7.2f}{r.clients_cpu:>8.2f}{r.rss_mb:>8.0f}{r.hwm_mb:>8.0f}"
+            f"{r.stored_rows:>13,}"
+        )
+    print(
+        "\nCPU columns: cores busy on average (collector process; PostgreSQL backends of the scratch "
+        "database; all load generators). records/s counts acknowledged records in the window."
+    )
+
+
+if __name__ == "__main__":
+    main()
