@@ -246,11 +246,17 @@ class Agent:
         grads, self._pending_grads = self._pending_grads, None
         if grads is not None and self._grads is not None:
             add(grads, self._grads.records)
-        if self._fp8 is not None and self._step % self.config.fp8_every_steps == 0:
-            fp8_vec, expensive = self._fp8.end_step()
-            if fp8_vec is not None:
-                monitor = self._fp8
-                add(fp8_vec, lambda s, v, _m=monitor, _e=expensive: _m.records(s, v, _e))
+        fp8 = self._fp8
+        every = self.config.fp8_every_steps
+        if fp8 is not None:
+            if fp8.every != every:
+                fp8.set_every(every)  # once, before the first end_step (the monitor is built cadence-free)
+            # `observing` was decided at the end of the previous step() from the predicted step number;
+            # if the job jumped (step=, loaded()), what the hooks measured is still this step's.
+            if fp8.observing:
+                fp8_vec, expensive = fp8.end_step()
+                if fp8_vec is not None:
+                    add(fp8_vec, lambda s, v, _m=fp8, _e=expensive: _m.records(s, v, _e))
         values = event = None
         if parts:
             # One small device tensor, one non-blocking copy to the host. Sync point: none here;
@@ -265,6 +271,9 @@ class Agent:
                 values = stacked if stacked.device.type == "cpu" else stacked.to("cpu")
         self._exporter.emit(_StepSample(fields, values, event, sections))
         self._step += 1
+        if fp8 is not None:
+            # Off-cadence steps cost the FP8 hooks one attribute test each, nothing on the device.
+            fp8.observing = self._step % every == 0
 
     # ------------------------------------------------------------------ events and lifecycle
 

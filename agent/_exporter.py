@@ -29,6 +29,11 @@ from trainvitals.agent._guard import ErrorBudget
 from trainvitals.agent._spill import Spool, spool_path
 
 
+def _dumps(obj: Any) -> str:
+    """Compact JSON, the wire format's spelling (NaN allowed as in json.dumps' default)."""
+    return json.dumps(obj, separators=(",", ":"))
+
+
 class Transport(Protocol):
     def post(self, path: str, body: bytes, timeout: float) -> int:
         """POST JSON; return the HTTP status, raise OSError when the collector is unreachable."""
@@ -217,30 +222,38 @@ class Exporter:
     def _cut_batches(self) -> None:
         while self._queue:
             n = min(len(self._queue), self._cfg.max_batch_records)
-            records: list[dict[str, Any]] = []
+            # Encoded one queue item (one step's records) at a time and joined: the same bytes as
+            # json.dumps of the whole batch, but the C encoder holds the GIL for one step's worth
+            # of records per call instead of a whole send interval's, so the training thread never
+            # waits long for the GIL while a batch is being encoded.
+            parts: list[str] = []
             for _ in range(n):
                 item = self._queue.popleft()
-                if isinstance(item, dict):
-                    records.append(item)
-                else:
-                    records.extend(item.records())
-            batch = {
-                "wire_version": 1,
-                "run": self._run,
-                "rank": self._rank,
-                "incarnation": self._incarnation,
-                "seq": self._seq,
-                "sent_at": time.time(),
-                "records": records,
-            }
+                records = [item] if isinstance(item, dict) else item.records()
+                if records:
+                    parts.append(_dumps(records)[1:-1])
+            header = _dumps(
+                {
+                    "wire_version": 1,
+                    "run": self._run,
+                    "rank": self._rank,
+                    "incarnation": self._incarnation,
+                    "seq": self._seq,
+                    "sent_at": time.time(),
+                    "records": [],
+                }
+            )
             self._seq += 1
-            line = json.dumps(batch, separators=(",", ":")).encode()
+            line = (header[:-2] + ",".join(parts) + "]}").encode()
             if self._record_path is not None:
                 self._record(line)
             if len(self._spool) == 0 and not self._spool.path.exists():
                 # A spool file always starts with the registration: on its own it is replayable.
-                self._spool.append(self._registration_line)
-            if not self._spool.append(line):
+                # Written with the batch in one append: one fsync instead of two.
+                line_to_spool = self._registration_line + b"\n" + line
+            else:
+                line_to_spool = line
+            if not self._spool.append(line_to_spool):
                 self.stats.spool_dropped_batches += 1
                 self._errors.record("spool", OSError(f"spool {self._spool.path} full; batch dropped"))
 

@@ -9,11 +9,19 @@ modules. Two modes, chosen per module:
   delayed-scaling history a recipe with the configured L / margin / algorithm would keep, so a
   run can be checked before it switches to FP8.
 
-Hot-path cost per hooked tensor and step: one `vector_norm(ord=inf)` kernel (max |x| without
-materialising |x|) and one `maximum` into a preallocated slot. At step end everything is
-vectorised over all tensors (a handful of kernels, whatever the tensor count) and appended to
-the step's single device-to-host copy. Expensive statistics (saturation, underflow, crest,
-non-finite) run only on sampled steps.
+Hot-path cost per hooked tensor on a sampled step: one `aminmax` pass (max |x| = max(max x,
+-min x) without materialising |x|; `vector_norm(ord=inf)` gives the same value but runs ~10x
+slower on CPU, see docs/performance-agent.md) and a `maximum` / `minimum` into preallocated
+slots. grad_output is taken by a tensor hook that the forward hook registers on the module's
+output only on sampled steps: a full backward hook would wrap every forward call in autograd
+machinery on every step, sampled or not. On the other steps each hook is one attribute test.
+At step end everything is vectorised over all tensors (a handful of kernels, whatever the
+tensor count) and appended to the step's single device-to-host copy. Expensive statistics
+(saturation, underflow, crest, non-finite) run only on a subset of the sampled steps.
+
+Sampling (`every` > 1, the agent's `fp8_every_steps`): the hooks measure only the steps the
+agent samples, and the shadow history keeps ceil(L / every) samples so that it spans the
+recipe's L steps; staleness is reported in steps.
 """
 
 from __future__ import annotations
@@ -128,8 +136,16 @@ class Fp8Monitor:
         self._fmax = torch.tensor([FP8_MAX[t.fmt] for t in self.tensors], dtype=torch.float32)
         self._min_sub = torch.tensor([FP8_MIN_SUBNORMAL[t.fmt] for t in self.tensors], dtype=torch.float32)
         self._device: torch.device | None = None
-        self._amax = torch.zeros(n)  # this step's amax per tensor (shadow tensors: filled by hooks)
-        self._slots: list[torch.Tensor] = []
+        self._amax = torch.zeros(n)  # this step's amax per tensor (recipe: read; shadow: max(hi, -lo))
+        # Hooks keep max(0, max x) and min(0, min x) per tensor over the step's calls; the zero start
+        # is harmless because amax = max(hi, -lo) >= 0.
+        self._hi = torch.zeros(n)
+        self._lo = torch.zeros(n)
+        self._hi_slots: list[torch.Tensor] = []
+        self._lo_slots: list[torch.Tensor] = []
+        self.every = 1  # cheap-tier cadence in steps; set_every() changes it before the first step
+        self.observing = True  # hooks measure the current step (the agent clears it off-cadence)
+        self._rows = history_len  # history rows, in samples
         self._history = torch.zeros(history_len, n)
         self._hist_pos = 0
         self._hist_filled = 0
@@ -153,16 +169,39 @@ class Fp8Monitor:
             return
         # First hook call: move the buffers next to the activations, once.
         self._device = device
-        for attr in ("_amax", "_history", "_scale", "_expensive", "_fmax", "_min_sub", "_shadow_idx"):
+        for attr in (
+            "_amax", "_hi", "_lo", "_history", "_scale", "_expensive", "_fmax", "_min_sub", "_shadow_idx"
+        ):
             setattr(self, attr, getattr(self, attr).to(device))
-        self._slots = list(self._amax.unbind(0))  # 0-dim views, created once, written in place
+        # 0-dim views, created once and written in place: no Python objects per tensor per step.
+        self._hi_slots = list(self._hi.unbind(0))
+        self._lo_slots = list(self._lo.unbind(0))
         self._scale_slots = list(self._scale.unbind(0))
+
+    def set_every(self, every: int) -> None:
+        """Measure only every `every`-th step (the agent says which through `observing`).
+
+        The shadow history then holds ceil(L / every) samples, i.e. it still spans the L steps a
+        real recipe's history spans (at least one sample, so L < every degrades to 'the last
+        sample'). Call it before the first end_step(): the history starts empty.
+        """
+        if every < 1:
+            raise ValueError("every must be >= 1")
+        if every == self.every:
+            return
+        self.every = every
+        self._rows = max(1, math.ceil(self.history_len / every))
+        self._history = torch.zeros(self._rows, len(self.tensors), device=self._history.device)
+        self._hist_pos = 0
+        self._hist_filled = 0
 
     def _hook_module(self, module: nn.Module, index: dict[str, int], *, cheap: bool) -> None:
         i_in, i_w, i_g = index.get("input"), index.get("weight"), index.get("grad_output")
 
         def forward_pre(mod: nn.Module, args: tuple[Any, ...]) -> None:
-            if not (cheap or self._expensive_now) or not args or not isinstance(args[0], torch.Tensor):
+            if not self.observing or not (cheap or self._expensive_now):
+                return  # off-cadence step: the whole cost of the hook is these two tests
+            if not args or not isinstance(args[0], torch.Tensor):
                 return
             x = _local(args[0]).detach()
             self._ensure_device(x.device)
@@ -172,13 +211,21 @@ class Fp8Monitor:
             if i_w is not None and isinstance(weight, torch.Tensor):
                 self._observe(i_w, _local(weight).detach(), cheap)
 
-        def backward_pre(_mod: nn.Module, grad_output: tuple[torch.Tensor | None, ...]) -> None:
-            g = grad_output[0] if grad_output else None
-            if i_g is not None and g is not None and (cheap or self._expensive_now):
-                self._observe(i_g, _local(g).detach(), cheap)
+        def grad_output_hook(g: torch.Tensor) -> None:
+            # d loss / d output, the module's grad_output[0]; returns None: the gradient is untouched.
+            self._observe(i_g, _local(g).detach(), cheap)  # type: ignore[arg-type]
+
+        guarded_grad_hook = self._guard(grad_output_hook)  # built once, registered per sampled step
+
+        def forward_post(_mod: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
+            if i_g is None or not self.observing or not (cheap or self._expensive_now):
+                return
+            out = output[0] if isinstance(output, (tuple, list)) and output else output
+            if isinstance(out, torch.Tensor) and out.requires_grad:  # no-grad forwards have no backward
+                out.register_hook(guarded_grad_hook)
 
         self._hooks.append(module.register_forward_pre_hook(self._guard(forward_pre)))
-        self._hooks.append(module.register_full_backward_pre_hook(self._guard(backward_pre)))
+        self._hooks.append(module.register_forward_hook(self._guard(forward_post)))
 
     def _guard(self, fn: Callable[..., None]) -> Callable[..., None]:
         # Hooks run inside forward and autograd: an exception here would surface in the job.
@@ -193,9 +240,14 @@ class Fp8Monitor:
 
     def _observe(self, i: int, x: torch.Tensor, cheap: bool) -> None:
         if cheap:
-            slot = self._slots[i]
-            # max over calls within a step (micro-batches, shared modules); exact, on device.
-            torch.maximum(slot, torch.linalg.vector_norm(x, ord=math.inf, dtype=torch.float32), out=slot)
+            if x.dtype.itemsize == 1:
+                x = x.float()  # float8 has no min/max kernels on CPU (fp8.md); such inputs are rare
+            # One read of x (fp8.md tier 1); max over calls within a step (micro-batches, shared
+            # modules) by maximum/minimum into 0-dim slots, in place: exact, on device, no sync.
+            lo, hi = torch.aminmax(x)
+            hi_slot, lo_slot = self._hi_slots[i], self._lo_slots[i]
+            torch.maximum(hi_slot, hi, out=hi_slot)
+            torch.minimum(lo_slot, lo, out=lo_slot)
         if self._expensive_now:
             self._expensive_stats(i, x)
 
@@ -225,6 +277,8 @@ class Fp8Monitor:
             self._ensure_device(self._recipe[0][1].amax_history().device)
         if not self.tensors or self._device is None:
             return None, False
+        # |x| max from the hooks' signed extremes, then the recipe tensors' own amax on top.
+        torch.maximum(self._hi, self._lo.neg(), out=self._amax)
         self._read_recipes()
         amax = self._amax
         A_prev = self._a_prev()  # the amax the scale in use was built from (0: no history yet)
@@ -244,18 +298,22 @@ class Fp8Monitor:
             parts.extend(self._expensive.unbind(0))
         out = torch.cat(parts)
         self._push_history(amax)
-        self._amax.zero_()
+        self._hi.zero_()
+        self._lo.zero_()
         if expensive:
             self._expensive.zero_()
         self._step_counter += 1
-        self._expensive_now = self.expensive_every > 0 and self._step_counter % self.expensive_every == 0
+        # expensive_every is in steps; sampled every `every` steps that is every expensive_every //
+        # every samples (at least every sample).
+        period = max(1, self.expensive_every // self.every)
+        self._expensive_now = self.expensive_every > 0 and self._step_counter % period == 0
         return out, expensive
 
     def _a_prev(self) -> torch.Tensor:
         if self._hist_filled == 0:
             return torch.zeros_like(self._amax)
         if self.amax_algo == "most_recent":
-            return self._history[(self._hist_pos - 1) % self.history_len]
+            return self._history[(self._hist_pos - 1) % self._rows]
         return self._history.amax(dim=0)
 
     def _staleness(self) -> torch.Tensor:
@@ -263,14 +321,14 @@ class Fp8Monitor:
             return torch.full_like(self._amax, math.nan)
         if self.amax_algo == "most_recent":
             return torch.zeros_like(self._amax)
-        # Row of the history maximum -> steps since it was written (ring buffer arithmetic).
+        # Row of the history maximum -> samples since it was written (ring buffer arithmetic) -> steps.
         row = self._history.argmax(dim=0)
-        return ((self._hist_pos - 1 - row) % self.history_len).float()
+        return ((self._hist_pos - 1 - row) % self._rows * self.every).float()
 
     def _push_history(self, amax: torch.Tensor) -> None:
         self._history[self._hist_pos] = amax
-        self._hist_pos = (self._hist_pos + 1) % self.history_len
-        self._hist_filled = min(self.history_len, self._hist_filled + 1)
+        self._hist_pos = (self._hist_pos + 1) % self._rows
+        self._hist_filled = min(self._rows, self._hist_filled + 1)
         # The shadow recipe's next scale: s = (fp8_max / A) / 2**margin; A == 0 keeps the old one.
         A = self._a_prev()
         new_scale = self._fmax / A.clamp_min(torch.finfo(torch.float32).tiny) / 2.0**self.margin

@@ -1,0 +1,512 @@
+"""Step-time overhead and memory of the trainvitals agent on the example GPT (single process, CPU).
+
+    python benchmarks/agent_overhead.py                        # defaults below, ~10 minutes
+    python benchmarks/agent_overhead.py --rounds 10 --long-steps 300   # quick look
+
+What is compared. One model, one optimizer, one data stream, `torch.set_num_threads(1)`. The
+training step is the example's (`trainvitals.examples.train_gpt`): forward, cross-entropy,
+backward, `clip_grad_norm_`, AdamW step, `zero_grad`, and with an agent `agent.step(loss=...,
+grad_norm=..., tokens=..., flops=...)`. Each round runs one block of `--block-steps` timed steps
+per condition, in a freshly shuffled order: the baseline (no agent at all), a second baseline
+(A/A control: the spread it shows is the noise floor of this machine), and one block per agent
+configuration. Before an agent block the agent is attached, after it the agent is closed, both
+outside the timed window; every block starts with `--block-warmup` untimed steps (the first
+step after attach has no FP8 history yet and builds caches).
+
+Why this pairing is fair. Hooks change the model until close(), so either the agent comes and
+goes per block or two model copies are needed. Two copies would sit at different addresses and
+train on different weights, and a long-lived agent's exporter thread would do its work during
+the baseline blocks too, hiding part of its cost. With attach/close per block on a single
+model, both conditions run the same tensors, allocator state and weights trajectory, and the
+exporter thread exists only during agent blocks; blocks are long enough (by default at least
+two send intervals) that its periodic wake-ups fall inside the timed window in proportion.
+What it ships at close() (the tail of the block) is not timed, which is why the exporter
+thread's own CPU time per step is reported separately from a long continuous run.
+
+Statistics. Per round, ratio = (step time of the agent block) / (step time of the baseline
+block), from block means (every cost, periodic ones such as exporter wake-ups and GC included)
+and from block medians (the every-step hot path, robust to other processes stealing the CPU for
+a while). Reported: the median ratio over rounds with a 95% bootstrap interval (resampling
+rounds), for wall time and for the training thread's CPU time. On a shared machine the A/A line
+shows how far apart two identical conditions land; a 0.5% effect is only resolvable when it is
+tight. So the agent's direct cost is also measured by accounting: the time spent inside the
+agent's own training-thread entry points (`agent.step`, the optimizer pre-step hook, every FP8
+module and tensor hook), divided by the baseline step time of the same round. That misses only
+the indirect costs (hook dispatch in `nn.Module.__call__`, cache effects, GIL hand-offs to the
+exporter thread), but its noise scales with the small quantity measured, not with the step. The
+memory section runs `--long-steps` steps with the default agent attached and reports RSS
+every 10% of the run (growth must flatten: the queue, spool and histories are bounded), the
+exporter thread's CPU seconds per step, the tracemalloc peak of Python allocations during
+measured steps with and without the agent, and the Python memory blocks one agent.step()
+leaves alive until the exporter ships them (independent of the number of monitored tensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import random
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import tracemalloc
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import trainvitals.agent as tv
+from trainvitals.examples.train_gpt import GPT, flops_per_token, model_dims, synthetic_batch
+
+# A collector stand-in that acknowledges everything: the agent runs its real delivery path
+# (JSON, HTTP keep-alive, spool truncation) without a database competing for the CPU.
+_SINK = r"""
+import http.server
+class Sink(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+    def log_message(self, *args):
+        pass
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "full": {"fp8_every_steps": 1, "fp8_expensive_every_steps": 1},
+    "cheap-every-step": {"fp8_every_steps": 1},
+    "fp8-off": {"fp8": "off"},
+}
+"""Agent configurations by name: AgentConfig overrides on top of the defaults. --configs also
+takes ad-hoc ones spelled as overrides, e.g. `fp8_every_steps=4+fp8_expensive_every_steps=0`."""
+
+
+def config_overrides(name: str) -> dict[str, Any]:
+    if name in CONFIGS:
+        return CONFIGS[name]
+    if "=" not in name:
+        raise SystemExit(f"unknown config {name!r}; choose from {list(CONFIGS)} or spell key=value+...")
+    out: dict[str, Any] = {}
+    for pair in name.split("+"):
+        key, _, value = pair.partition("=")
+        out[key] = int(value) if value.lstrip("-").isdigit() else value
+    tv.AgentConfig(collector="", **out)  # fail now on a bad key or value, not in round 1
+    return out
+
+
+@dataclass(slots=True)
+class Job:
+    """The example's model, optimizer and data stream, and the agent currently attached (if any)."""
+
+    args: argparse.Namespace
+    model: GPT
+    optimizer: torch.optim.Optimizer
+    gen: torch.Generator
+    dims: dict[str, int]
+    flops: float
+    agent: Any = None
+    step: int = 0
+
+
+@dataclass(slots=True)
+class Block:
+    """Timings of one timed block, per step: means (everything, periodic costs included) and
+    medians (the every-step hot path, robust to other processes taking the CPU now and then)."""
+
+    wall: float
+    cpu: float
+    wall_median: float
+    cpu_median: float
+    agent_direct: float = 0.0
+    exporter_cpu: float | None = None
+
+
+@dataclass(slots=True)
+class Results:
+    """Per-condition block timings, one entry per round."""
+
+    blocks: dict[str, list[Block]] = field(default_factory=dict)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--d", type=int, default=256)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--configs", default="default,full,fp8-off", help=f"comma-separated, from {list(CONFIGS)}")
+    p.add_argument("--rounds", type=int, default=30, help="paired rounds (one block per condition each)")
+    p.add_argument("--block-steps", type=int, default=0, help="timed steps per block; 0: >= 2 send intervals")
+    p.add_argument("--block-warmup", type=int, default=3, help="untimed steps at the start of every block")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps before the first round")
+    p.add_argument("--send-interval", type=float, default=tv.AgentConfig(collector="").send_interval_s)
+    p.add_argument(
+        "--collector",
+        choices=("sink", "unreachable", "off"),
+        default="sink",
+        help="sink: a local process acknowledging every request; unreachable: a closed port "
+        "(everything spills to disk); off: collector='' (spool only, nothing sent)",
+    )
+    p.add_argument("--long-steps", type=int, default=1500, help="steps of the memory run (0: skip)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def make_job(args: argparse.Namespace) -> Job:
+    torch.manual_seed(args.seed)
+    model = GPT(vocab=args.vocab, d=args.d, layers=args.layers, heads=args.heads, seq=args.seq)
+    dims = model_dims(args, model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    gen = torch.Generator().manual_seed(args.seed)
+    return Job(args, model, optimizer, gen, dims, args.batch * args.seq * flops_per_token(dims))
+
+
+def train_step(job: Job) -> None:
+    """The example's training step (train_gpt.main), minus fault injection and checkpoints."""
+    args = job.args
+    x, y = synthetic_batch(job.gen, args)
+    loss = F.cross_entropy(job.model(x).reshape(-1, args.vocab), y.reshape(-1))
+    loss.backward()
+    total_norm = torch.nn.utils.clip_grad_norm_(job.model.parameters(), 1.0)
+    job.optimizer.step()
+    job.optimizer.zero_grad(set_to_none=True)
+    if job.agent is not None:
+        # step= as the example passes it: sampled steps (every fp8_every_steps-th) follow the job's
+        # step counter across blocks, so a block samples its fair share however it is aligned.
+        t0 = time.perf_counter()
+        job.agent.step(
+            loss=loss, grad_norm=total_norm, tokens=args.batch * args.seq, flops=job.flops, step=job.step
+        )
+        _AGENT_SECONDS[0] += time.perf_counter() - t0
+    job.step += 1
+
+
+def attach(job: Job, overrides: dict[str, Any], collector: str, spill_dir: str, send_interval: float) -> None:
+    config = tv.AgentConfig(
+        collector=collector, spill_dir=spill_dir, send_interval_s=send_interval, **overrides
+    )
+    job.agent = tv.attach(
+        job.model,
+        job.optimizer,
+        run="agent-overhead",
+        config=config,
+        registration={
+            "model": job.dims,
+            "parallelism": {"world_size": 1, "dp": 1, "micro_batch": job.args.batch},
+            "hardware": {"gpu_type": "cpu", "gpu_count": 1, "peak_flops": 5e10},
+        },
+    )
+    assert isinstance(job.agent, tv.Agent), "attach() returned a no-op agent (TRAINVITALS_DISABLE?)"
+
+
+_AGENT_SECONDS = [0.0]  # time spent inside agent entry points on the training thread
+
+
+def instrument_agent() -> None:
+    """Accumulate the time spent inside the agent's training-thread entry points.
+
+    Wraps, before any agent is built, the FP8 monitor's hook guard (every module and tensor hook
+    goes through it) and the optimizer pre-step hook; agent.step() is timed in train_step().
+    Costs two perf_counter() calls per hook call, a few microseconds per step.
+    """
+    from trainvitals.agent import _agent, _fp8_monitor
+
+    guard = _fp8_monitor.Fp8Monitor._guard
+
+    def timed_guard(self: Any, fn: Any) -> Any:
+        inner = guard(self, fn)
+
+        def timed(*args: Any) -> None:
+            t0 = time.perf_counter()
+            try:
+                inner(*args)
+            finally:
+                _AGENT_SECONDS[0] += time.perf_counter() - t0
+
+        return timed
+
+    before = _agent.Agent._before_optimizer_step
+
+    def timed_before(self: Any, *args: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            before(self, *args)
+        finally:
+            _AGENT_SECONDS[0] += time.perf_counter() - t0
+
+    _fp8_monitor.Fp8Monitor._guard = timed_guard  # type: ignore[method-assign]
+    _agent.Agent._before_optimizer_step = timed_before  # type: ignore[method-assign]
+
+
+def detach(job: Job) -> None:
+    job.agent.close()
+    job.agent = None
+
+
+def exporter_cpu_seconds(agent: Any) -> float | None:
+    """CPU seconds used so far by the agent's exporter thread (its own clock, not wall time)."""
+    thread: threading.Thread | None = agent._exporter._thread
+    if thread is None or thread.ident is None or not thread.is_alive():
+        return None
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    except (OSError, ProcessLookupError):
+        return None
+
+
+def timed_block(job: Job, steps: int) -> Block:
+    exp0 = exporter_cpu_seconds(job.agent) if job.agent is not None else None
+    walls: list[float] = []
+    cpus: list[float] = []
+    direct0 = _AGENT_SECONDS[0]
+    for _ in range(steps):
+        cpu0, wall0 = time.thread_time(), time.perf_counter()
+        train_step(job)
+        walls.append(time.perf_counter() - wall0)
+        cpus.append(time.thread_time() - cpu0)
+    exp1 = exporter_cpu_seconds(job.agent) if job.agent is not None else None
+    exporter = (exp1 - exp0) / steps if exp0 is not None and exp1 is not None else None
+    return Block(
+        statistics.fmean(walls),
+        statistics.fmean(cpus),
+        statistics.median(walls),
+        statistics.median(cpus),
+        (_AGENT_SECONDS[0] - direct0) / steps,
+        exporter,
+    )
+
+
+def bootstrap_median_ci(values: list[float], rng: random.Random, n: int = 4000) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the median (rounds resampled with replacement)."""
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(n))
+    return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@contextmanager
+def collector_url(mode: str) -> Iterator[str]:
+    if mode == "off":
+        yield ""
+        return
+    if mode == "unreachable":
+        import socket
+
+        with socket.socket() as s:  # a port nobody listens on: connection refused, at once
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        yield f"http://127.0.0.1:{port}"
+        return
+    proc = subprocess.Popen([sys.executable, "-c", _SINK], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        yield f"http://127.0.0.1:{int(proc.stdout.readline())}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def paired_rounds(job: Job, args: argparse.Namespace, url: str, spill: str) -> Results:
+    names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    overrides = {n: config_overrides(n) for n in names}
+    conditions = ["baseline", "baseline-A/A", *names]
+    rng = random.Random(args.seed)
+    results = Results({c: [] for c in conditions})
+    for r in range(args.rounds):
+        order = conditions[:]
+        rng.shuffle(order)  # no condition always runs first, after GC, or after another one
+        for cond in order:
+            if cond in overrides:
+                attach(job, overrides[cond], url, spill, args.send_interval)
+            for _ in range(args.block_warmup):
+                train_step(job)
+            results.blocks[cond].append(timed_block(job, args.block_steps))
+            if job.agent is not None:
+                detach(job)
+        base = results.blocks["baseline"][-1].cpu_median
+        line = "  ".join(f"{c}={results.blocks[c][-1].cpu_median / base:.4f}" for c in conditions[1:])
+        print(f"round {r + 1:>3}/{args.rounds}  baseline {base * 1e3:7.2f} ms/step (CPU, median)  {line}", flush=True)
+    return results
+
+
+def report_pairs(results: Results, rng: random.Random) -> list[str]:
+    base = results.blocks["baseline"]
+    lines = [
+        "Median over rounds of (agent block) / (baseline block), 95% bootstrap interval in brackets.",
+        "mean: block mean step time (all costs); median: block median step time (every-step hot path);",
+        "wall: perf_counter; CPU: the training thread's own CPU time (insensitive to preemption).",
+        "",
+        "direct: time inside agent code per step / baseline mean step time (accounting, see docstring).",
+        "",
+        "| condition | wall, mean | wall, median | CPU, mean | CPU, median | direct | exporter CPU/step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def cell(ratios: list[float]) -> str:
+        lo, hi = bootstrap_median_ci(ratios, rng)
+        return f"{100 * (statistics.median(ratios) - 1):+.2f}% [{100 * (lo - 1):+.2f}, {100 * (hi - 1):+.2f}]"
+
+    for cond, blocks in results.blocks.items():
+        if cond == "baseline":
+            continue
+        pairs = list(zip(base, blocks, strict=True))
+        exp = [b.exporter_cpu for b in blocks if b.exporter_cpu is not None]
+        exp_s = f"{statistics.mean(exp) * 1e6:.0f} us" if exp else "-"
+        direct = cell([1 + b.agent_direct / a.wall for a, b in pairs]) if cond != "baseline-A/A" else "-"
+        lines.append(
+            f"| {cond} | {cell([b.wall / a.wall for a, b in pairs])} |"
+            f" {cell([b.wall_median / a.wall_median for a, b in pairs])} |"
+            f" {cell([b.cpu / a.cpu for a, b in pairs])} |"
+            f" {cell([b.cpu_median / a.cpu_median for a, b in pairs])} |"
+            f" {direct} |"
+            f" {exp_s} |"
+        )
+    mean_base = statistics.median(b.wall for b in base)
+    lines.append(f"\nbaseline step time (median of block means): {mean_base * 1e3:.2f} ms")
+    return lines
+
+
+def python_peak(job: Job, steps: int) -> int:
+    """tracemalloc peak (bytes) of Python allocations over `steps` training steps."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        start = tracemalloc.get_traced_memory()[0]
+        for _ in range(steps):
+            train_step(job)
+        return tracemalloc.get_traced_memory()[1] - start
+    finally:
+        tracemalloc.stop()
+
+
+def retained_blocks_per_step(job: Job, steps: int = 20) -> float:
+    """Python memory blocks allocated by agent code in one training step and still alive after it.
+
+    The exporter is held off (its lock taken) so the queued step samples stay in memory: this is
+    what one step costs the queue until it is shipped. Counted by tracemalloc, restricted to the
+    agent's own source files.
+    """
+    agent_dir = os.path.dirname(tv.__file__)
+    with job.agent._exporter._lock:  # the worker blocks on this lock: nothing leaves the queue
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.take_snapshot()
+            for _ in range(steps):
+                train_step(job)
+            gc.collect()
+            after = tracemalloc.take_snapshot()
+        finally:
+            tracemalloc.stop()
+    only_agent = [tracemalloc.Filter(True, os.path.join(agent_dir, "*"))]
+    diff = after.filter_traces(only_agent).compare_to(before.filter_traces(only_agent), "filename")
+    return sum(d.count_diff for d in diff) / steps
+
+
+def memory_run(job: Job, args: argparse.Namespace, url: str, spill: str) -> list[str]:
+    lines: list[str] = []
+    peak_without = python_peak(job, 30)
+    attach(job, {}, url, spill, args.send_interval)
+    for _ in range(args.block_warmup):
+        train_step(job)
+    peak_with = python_peak(job, 30)
+    samples: list[tuple[int, int]] = []
+    exp0 = exporter_cpu_seconds(job.agent)
+    t0 = time.perf_counter()
+    every = max(1, args.long_steps // 10)
+    for i in range(args.long_steps):
+        train_step(job)
+        if i % every == 0 or i == args.long_steps - 1:
+            samples.append((i, rss_bytes()))
+    elapsed = time.perf_counter() - t0
+    exp1 = exporter_cpu_seconds(job.agent)
+    stats = job.agent.stats()
+    retained = retained_blocks_per_step(job)
+    detach(job)
+    mib = 1024 * 1024
+    lines.append(f"RSS over {args.long_steps} steps with the default agent (MiB, step: rss):")
+    lines.append("  " + "  ".join(f"{i}: {rss / mib:.1f}" for i, rss in samples))
+    half = samples[len(samples) // 2][1]
+    lines.append(
+        f"  growth first->last {(samples[-1][1] - samples[0][1]) / mib:+.1f} MiB, "
+        f"second half {(samples[-1][1] - half) / mib:+.1f} MiB"
+    )
+    if exp0 is not None and exp1 is not None:
+        per_step = (exp1 - exp0) / args.long_steps
+        step = elapsed / args.long_steps
+        lines.append(
+            f"exporter thread CPU: {per_step * 1e6:.0f} us/step = {100 * per_step / step:.2f}% of a "
+            f"{step * 1e3:.1f} ms step (runs beside training; it competes only for the GIL)"
+        )
+    lines.append(
+        f"exporter: {stats['emitted_records']} records emitted, {stats['delivered_batches']} batches "
+        f"delivered, {stats['dropped_records']} dropped, {stats['errors']} agent errors"
+    )
+    lines.append(
+        f"tracemalloc peak of Python allocations over 30 steps: without agent {peak_without / 1024:.0f} KiB,"
+        f" with agent {peak_with / 1024:.0f} KiB"
+    )
+    lines.append(f"Python blocks allocated by agent code per step, alive until shipped: {retained:.1f}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # SIGTERM -> SystemExit, so the collector stand-in and the temporary spool are cleaned up.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    torch.set_num_threads(1)
+    instrument_agent()
+    job = make_job(args)
+    rng = random.Random(args.seed + 1)
+    command = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv)
+    with tempfile.TemporaryDirectory(prefix="tv-bench-") as spill, collector_url(args.collector) as url:
+        for _ in range(args.warmup):
+            train_step(job)
+        if args.block_steps <= 0:
+            t0 = time.perf_counter()
+            for _ in range(5):
+                train_step(job)
+            step_s = (time.perf_counter() - t0) / 5
+            args.block_steps = max(10, math.ceil(2 * args.send_interval / step_s))
+        print(
+            f"model d={args.d} layers={args.layers} heads={args.heads} seq={args.seq} batch={args.batch}; "
+            f"{args.rounds} rounds x {args.block_steps} timed steps per block; collector: {args.collector}; "
+            f"torch {torch.__version__}, {torch.get_num_threads()} thread",
+            flush=True,
+        )
+        results = paired_rounds(job, args, url, spill)
+        table = report_pairs(results, rng)
+        memory = memory_run(job, args, url, spill) if args.long_steps > 0 else []
+    print()
+    print(f"command: {command}")
+    print("\n".join(table))
+    print()
+    print("\n".join(memory))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
