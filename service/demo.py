@@ -44,13 +44,15 @@ def run_demo(*, ranks: int, seconds: float, port: int, workdir: str, keep_servin
         [exe, "serve", "--db", db_url, "--port", str(port), "--insecure-no-auth"],
         stdout=serve_log,
         stderr=subprocess.STDOUT,
+        # A one-minute demo is shorter than a real run's warm-up: let the detectors start at step 100.
+        env={**os.environ, "TRAINVITALS_DETECTOR_WARMUP_STEPS": "100"},
     )
     try:
         _wait_healthy(url, collector)
         run = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
         print(
             f"[demo] training: {ranks} ranks (torchrun, gloo, DDP, emulated FP8), run {run!r}, about {seconds:.0f}s;"
-            f" rank {ranks - 1} is made slow from step 300",
+            f" rank {ranks - 1} is made slow from step 150",
             flush=True,
         )
         env = {**os.environ, "TRAINVITALS_COLLECTOR": url, "TRAINVITALS_SPILL_DIR": str(work / "spool")}
@@ -71,13 +73,13 @@ def run_demo(*, ranks: int, seconds: float, port: int, workdir: str, keep_servin
             "--ckpt-dir",
             str(work / "ckpt"),
             "--fp8",  # train through emulated FP8 delayed scaling: real headroom to look at
-            # A mild straggler from step 300 (the detectors' warm-up end), so there is a finding.
+            # A straggler from step 150 (after the demo's detector warm-up), so there is a finding.
             "--slow-rank",
             str(ranks - 1),
             "--slow-from",
-            "300",
+            "150",
             "--slow-seconds",
-            "0.03",
+            "0.08",
         ]
         t0 = time.monotonic()
         job = subprocess.run(
