@@ -73,6 +73,7 @@ class RunOverview:
     first_step: int | None
     last_step: int | None
     step_seconds_p50: float | None
+    """Median over steps of the cross-rank median step time."""
     step_seconds_min_rank_mean: float | None
     step_seconds_max_rank_mean: float | None
     slowest_rank: int | None
@@ -101,7 +102,11 @@ def run_overview(session: Session, *, run_id: str) -> RunOverview | None:
         .group_by(StepRow.rank)
         .order_by(StepRow.rank)
     ).all()
-    times = sorted(session.scalars(select(StepRow.step_seconds).where(StepRow.run_id == run_id)).all())
+    # Median step time from the per-step summaries (one value per step, not one per rank and step);
+    # only a run nobody has reduced yet falls back to the raw rows.
+    times = sorted(session.scalars(select(StepSummary.step_seconds_p50).where(StepSummary.run_id == run_id)).all())
+    if not times:
+        times = sorted(session.scalars(select(StepRow.step_seconds).where(StepRow.run_id == run_id)).all())
     slowest = max(per_rank, key=lambda r: r[1]) if per_rank else None
 
     def _count(model: type) -> int:
