@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlalchemy import delete, func, insert, select
+from sqlalchemy import Integer, delete, func, insert, select
 from sqlalchemy.orm import Session
 
 from trainvitals.service import advice, reduce
@@ -188,7 +188,7 @@ def _tensor_summaries(session: Session, run_id: str, start: int, upto: int) -> l
             func.max(t.underflow_frac),
             func.max(t.crest_bits),
             func.sum(t.nonfinite),
-            func.min(func.cast(t.shadow, _int_type())),
+            func.min(func.cast(t.shadow, Integer)),
         )
         .where(t.run_id == run_id, t.step >= start, t.step <= upto)
         .group_by(t.step, t.tensor, t.role)
@@ -214,12 +214,6 @@ def _tensor_summaries(session: Session, run_id: str, start: int, upto: int) -> l
         d["shadow"] = bool(d["shadow"])
         out.append(d)
     return out
-
-
-def _int_type() -> Any:
-    from sqlalchemy import Integer
-
-    return Integer
 
 
 # --------------------------------------------------------------------------- detector inputs

@@ -145,14 +145,6 @@ def count_step_rows(session: Session, *, run_id: str) -> int:
     return int(session.scalar(select(func.count()).select_from(StepRow).where(StepRow.run_id == run_id)) or 0)
 
 
-def mark_finished(session: Session, *, run_id: str, now: float) -> None:
-    run = session.get(Run, run_id)
-    if run is not None:
-        run.status = "finished"
-        run.last_seen_at = now
-        session.commit()
-
-
 def delete_run(session: Session, *, run_id: str) -> bool:
     """Delete a run and every record of it; returns False when there was no such run."""
     if session.get(Run, run_id) is None:
