@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from operator import attrgetter, itemgetter
 from typing import Any
@@ -17,8 +18,12 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from trainvitals.service import wire_decode
 from trainvitals.service.store.models import RECORD_TABLES, DeliveredBatch, ReductionState, Run
 from trainvitals.wire import Batch, BatchAck, RunRegistration
+
+# What ingest stores: a pydantic batch (replay, tests) or the route's msgspec decoding of one.
+AnyBatch = Batch | wire_decode.Batch
 
 
 class UnknownRunError(LookupError):
@@ -77,8 +82,13 @@ def _fast_columns(kind: str) -> tuple[str, ...]:
 
 _FAST_COLUMNS = {kind: _fast_columns(kind) for kind in _FAST_KINDS}
 _FAST_GETTERS = {
-    kind: attrgetter(*("group" if c == "group_name" else c for c in cols))
-    for kind, cols in _FAST_COLUMNS.items()
+    kind: attrgetter(*("group" if c == "group_name" else c for c in cols)) for kind, cols in _FAST_COLUMNS.items()
+}
+# Checkpoints and events: record attributes by column name (pydantic models and msgspec structs alike).
+_OTHER_COLUMNS = {
+    kind: tuple(c.name for c in table.columns if c.name not in ("id", *_PREFIX))
+    for kind, table in RECORD_TABLES.items()
+    if kind not in _FAST_KINDS
 }
 _STEP_OF_ROW = itemgetter(len(_PREFIX))
 assert all(cols[0] == "step" for cols in _FAST_COLUMNS.values())
@@ -93,9 +103,11 @@ _PG_COPY = {
 }
 
 
-def batch_rows(
-    batch: Batch,
-) -> tuple[dict[str, list[tuple[Any, ...]]], dict[str, list[dict[str, Any]]], int | None]:
+RowsByKind = dict[str, list[tuple[Any, ...]]]
+DictRowsByKind = dict[str, list[dict[str, Any]]]
+
+
+def batch_rows(batch: AnyBatch) -> tuple[RowsByKind, DictRowsByKind, int | None]:
     """A batch's records as rows (pure): tuples for the fast kinds in (run_id, rank, incarnation,
     *_FAST_COLUMNS[kind]) order, dicts for checkpoints and events, and the lowest step seen."""
     fast: dict[str, list[tuple[Any, ...]]] = {kind: [] for kind in _FAST_KINDS}
@@ -107,7 +119,7 @@ def batch_rows(
         if getter is not None:
             fast[record.kind].append(prefix + getter(record))
         else:
-            row = record.model_dump(exclude={"kind"})
+            row = {column: getattr(record, column) for column in _OTHER_COLUMNS[record.kind]}
             row.update(run_id=batch.run, rank=batch.rank, incarnation=batch.incarnation)
             other.setdefault(record.kind, []).append(row)
     # `step` follows the prefix in every fast table (asserted at import): the low step is a C-level min.
@@ -157,55 +169,140 @@ def _writer(session: Session) -> AbstractContextManager[object]:
 # concurrent batch transactions queue on that row's lock. Once a second is plenty.
 _LAST_SEEN_RESOLUTION_S = 1.0
 
+BatchOutcome = BatchAck | UnknownRunError | WrongProjectError
 
-def store_batch(
-    session: Session, batch: Batch, *, now: float | None = None, project: str | None = None
-) -> BatchAck:
+
+def store_batch(session: Session, batch: AnyBatch, *, now: float | None = None, project: str | None = None) -> BatchAck:
     """Store one batch atomically; a duplicate is acknowledged and stores nothing.
 
     project: the caller's project (None: auth off); a run of another project is refused.
     """
+    outcome = store_batches(session, [(batch, project)], now=now)[0]
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
+
+
+def store_batches(
+    session: Session, items: Sequence[tuple[AnyBatch, str | None]], *, now: float | None = None
+) -> list[BatchOutcome]:
+    """Store several batches in one transaction (group commit); one outcome per item, in order.
+
+    Each batch is still stored whole or not at all: the transaction commits every new batch of the
+    group or, on a database error (raised), none. A batch whose key is already stored, or appears
+    earlier in the same group, is a duplicate; an unknown run or another project's run is refused
+    (returned, not raised) without affecting the others. One commit per group instead of one per
+    batch is what lets a single writer keep up: the commit (WAL flush) is the fixed cost.
+    """
     now = time.time() if now is None else now
-    run = session.execute(
-        select(Run.project, Run.last_seen_at, Run.status).where(Run.run_id == batch.run)
-    ).first()
-    if run is None:
-        raise UnknownRunError(f"run {batch.run!r} is not registered: POST /v1/runs first")
-    if project is not None and run.project != project:
-        raise WrongProjectError(
-            f"run {batch.run!r} belongs to another project than this token's ({project!r})"
+    run_ids = {batch.run for batch, _ in items}
+    runs = {
+        r.run_id: r
+        for r in session.execute(
+            select(Run.run_id, Run.project, Run.last_seen_at, Run.status).where(Run.run_id.in_(run_ids))
         )
-    # Rows are built before the write transaction starts: on SQLite nothing else can write while
-    # it is open, so it should hold only the inserts.
-    fast, other, low = batch_rows(batch)
-    with _writer(session):
-        try:
-            # The idempotency row first: a retried batch conflicts here, before any record is written.
-            session.execute(
-                insert(DeliveredBatch.__table__),
-                {
-                    "run_id": batch.run,
-                    "rank": batch.rank,
-                    "incarnation": batch.incarnation,
-                    "seq": batch.seq,
-                    "received_at": now,
-                    "records": len(batch.records),
-                },
+    }
+    outcomes: list[BatchOutcome | None] = [None] * len(items)
+    candidates: dict[tuple[str, int, int, int], int] = {}  # idempotency key -> item index
+    for i, (batch, project) in enumerate(items):
+        run = runs.get(batch.run)
+        if run is None:
+            outcomes[i] = UnknownRunError(f"run {batch.run!r} is not registered: POST /v1/runs first")
+        elif project is not None and run.project != project:
+            outcomes[i] = WrongProjectError(
+                f"run {batch.run!r} belongs to another project than this token's ({project!r})"
             )
-        except IntegrityError:
-            session.rollback()
-            return BatchAck(accepted=0, duplicate=True)
-        for kind, rows in fast.items():
-            _write_fast(session, kind, rows)
-        for kind, dict_rows in other.items():
-            session.execute(insert(RECORD_TABLES[kind]), dict_rows)
-        _mark_late_data(session, batch.run, low)
+        else:
+            key = (batch.run, batch.rank, batch.incarnation, batch.seq)
+            if key in candidates:
+                outcomes[i] = BatchAck(accepted=0, duplicate=True)  # a retry queued beside its original
+            else:
+                candidates[key] = i
+    if candidates:
+        # Rows are built before the write transaction starts: on SQLite nothing else can write
+        # while it is open, so it should hold only the inserts.
+        built = {i: batch_rows(items[i][0]) for i in candidates.values()}
+        with _writer(session):
+            new_keys = _claim_keys(session, [items[i][0] for i in candidates.values()], now)
+            stored = [i for key, i in candidates.items() if key in new_keys]
+            _write_records(session, [built[i] for i in stored])
+            _touch_runs(session, runs, [items[i][0] for i in stored], [built[i][2] for i in stored], now)
+            session.commit()
+        for key, i in candidates.items():
+            new = key in new_keys
+            outcomes[i] = BatchAck(accepted=len(items[i][0].records) if new else 0, duplicate=not new)
+    return [o for o in outcomes if o is not None]
+
+
+_BATCH_COLUMNS = "run_id, rank, incarnation, seq, received_at, records"
+# One statement whatever the group size (constant SQL: prepared once, no per-group compile).
+_PG_CLAIM = (
+    f"INSERT INTO {DeliveredBatch.__tablename__} ({_BATCH_COLUMNS}) "
+    "SELECT * FROM unnest(%s::varchar[], %s::int[], %s::bigint[], %s::bigint[], %s::float8[], %s::int[]) "
+    "ON CONFLICT DO NOTHING RETURNING run_id, rank, incarnation, seq"
+)
+_SQLITE_CLAIM = (
+    f"INSERT INTO {DeliveredBatch.__tablename__} ({_BATCH_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
+)
+
+
+def _claim_keys(session: Session, batches: list[AnyBatch], now: float) -> set[tuple[str, int, int, int]]:
+    """Insert the idempotency rows; returns the keys that were new (the others are duplicates).
+
+    ON CONFLICT DO NOTHING decides inside the database, so two collectors sharing PostgreSQL that
+    receive the same retried batch cannot both store it.
+    """
+    rows = [(b.run, b.rank, b.incarnation, b.seq, now, len(b.records)) for b in batches]
+    conn = session.connection()
+    if conn.dialect.name == "postgresql":
+        raw = conn.connection.driver_connection
+        with raw.cursor() as cur:  # type: ignore[union-attr]
+            cur.execute(_PG_CLAIM, [list(col) for col in zip(*rows, strict=True)])
+            return {tuple(r) for r in cur.fetchall()}  # type: ignore[misc]
+    # SQLite: one writer at a time (the caller holds it), so a row-by-row rowcount is exact.
+    cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+    new = set()
+    for row in rows:
+        cur.execute(_SQLITE_CLAIM, row)
+        if cur.rowcount == 1:
+            new.add(row[:4])
+    return new
+
+
+def _write_records(session: Session, built: list[tuple[RowsByKind, DictRowsByKind, int | None]]) -> None:
+    """Every record of the stored batches: one COPY / executemany per kind for the whole group."""
+    fast: dict[str, list[tuple[Any, ...]]] = {}
+    other: dict[str, list[dict[str, Any]]] = {}
+    for fast_rows, other_rows, _ in built:
+        for kind, rows in fast_rows.items():
+            fast.setdefault(kind, []).extend(rows)
+        for kind, dict_rows in other_rows.items():
+            other.setdefault(kind, []).extend(dict_rows)
+    for kind, rows in fast.items():
+        _write_fast(session, kind, rows)
+    for kind, dict_rows in other.items():
+        session.execute(insert(RECORD_TABLES[kind]), dict_rows)
+
+
+def _touch_runs(
+    session: Session, runs: dict[str, Any], batches: list[AnyBatch], lows: list[int | None], now: float
+) -> None:
+    """Late data re-dirties reduced steps; last_seen_at (at most once a second) and end of run."""
+    low_by_run: dict[str, int] = {}
+    for batch, low in zip(batches, lows, strict=True):
+        if low is not None:
+            low_by_run[batch.run] = min(low, low_by_run.get(batch.run, low))
+    for run_id, low in low_by_run.items():
+        _mark_late_data(session, run_id, low)
+    finished = {
+        b.run for b in batches if b.rank == 0 and any(r.kind == "event" and r.event == "stop" for r in b.records)
+    }
+    for run_id in {b.run for b in batches}:
+        run = runs[run_id]
         values: dict[Any, Any] = {}
         if now - run.last_seen_at >= _LAST_SEEN_RESOLUTION_S or run.status != "running":
             values[Run.last_seen_at] = now
-        if batch.rank == 0 and any(r.kind == "event" and r.event == "stop" for r in batch.records):
+        if run_id in finished:
             values[Run.status] = "finished"  # rank 0 closing its agent ends the run
         if values:
-            session.execute(update(Run).where(Run.run_id == batch.run).values(values))
-        session.commit()
-    return BatchAck(accepted=len(batch.records), duplicate=False)
+            session.execute(update(Run).where(Run.run_id == run_id).values(values))

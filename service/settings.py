@@ -15,19 +15,18 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="bind address; loopback unless you mean it")
     port: int = 8000
     migrate_on_start: bool = True
-    auth: bool = Field(
-        True, description="require bearer tokens; off only for local demos (--insecure-no-auth)"
-    )
+    auth: bool = Field(True, description="require bearer tokens; off only for local demos (--insecure-no-auth)")
     token_cache_seconds: float = Field(30.0, ge=0, description="token lookups are cached this long")
     max_body_bytes: int = Field(32 * 1024 * 1024, description="larger requests get 413")
+    max_pending_records: int = Field(
+        2_000_000, ge=1, description="records accepted but not yet written; beyond this, 503 (retry)"
+    )
     finished_run_grace_seconds: float = Field(300.0, description="finished runs stay in /metrics this long")
     idle_run_seconds: float = Field(3600.0, description="runs silent this long leave /metrics")
     top_k: int = Field(10, ge=1, le=100, description="worst tensors / slowest ranks exported per run")
     max_grad_groups: int = Field(256, ge=1, description="per-group gradient norms exported per run, at most")
     run_analysis: bool = Field(True, description="reduce + detect in a background thread")
     analysis_interval_seconds: float = Field(2.0, gt=0, description="reduce + detect cadence for live runs")
-    settle_seconds: float = Field(
-        30.0, ge=0, description="reduce a step once all ranks sent it or after this"
-    )
+    settle_seconds: float = Field(30.0, ge=0, description="reduce a step once all ranks sent it or after this")
     detector_warmup_steps: int = Field(300, ge=0, description="detectors stay quiet this many steps from the start")
     rank_window_steps: int = Field(50, ge=1, description="steps per rank window (straggler view)")

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request, status
+from fastapi import Depends, FastAPI, HTTPException, Request, status
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from trainvitals.service.auth import ANONYMOUS, Principal
 from trainvitals.service.exposition import IngestCounters
@@ -21,21 +22,31 @@ def _counters(request: Request) -> IngestCounters:
     return request.app.state.counters
 
 
-def _principal(request: Request, session: Annotated[Session, Depends(_session)]) -> Principal:
-    if not request.app.state.settings.auth:
+async def _principal(request: Request) -> Principal:
+    """The caller's token; async so a cached token costs neither a thread hop nor a query."""
+    app = request.app
+    if not app.state.settings.auth:
         return ANONYMOUS
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
+    token = token.strip()
     if scheme.lower() != "bearer" or not token:
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED, "missing bearer token", headers={"WWW-Authenticate": "Bearer"}
         )
-    principal = request.app.state.verifier.verify(session, token.strip())
+    found, principal = app.state.verifier.cached(token)
+    if not found:
+        principal = await run_in_threadpool(_verify, app, token)
     if principal is None:
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED, "unknown or revoked token", headers={"WWW-Authenticate": "Bearer"}
         )
     return principal
+
+
+def _verify(app: FastAPI, token: str) -> Principal | None:
+    with app.state.sessionmaker() as session:
+        return app.state.verifier.verify(session, token)
 
 
 def require(principal: Principal, scope: str, project: str) -> None:

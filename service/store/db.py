@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 from pathlib import Path
 
 from alembic import command
@@ -12,6 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 import trainvitals.migrations as _migrations
 
 DEFAULT_SQLITE_URL = "sqlite:///trainvitals.db"
+log = logging.getLogger(__name__)
 
 
 def make_engine(url: str) -> Engine:
@@ -33,10 +36,51 @@ def make_engine(url: str) -> Engine:
             # as pages are touched) keeps them hot; measured in benchmarks/ingest_throughput.py.
             cur.execute("PRAGMA cache_size=-65536")
             cur.execute("PRAGMA temp_store=MEMORY")
+            # Checkpoints (copying the WAL back into the database file) are what made commits
+            # expensive: run by whichever connection commits past the threshold, i.e. the ingest
+            # writer. WalCheckpointer does them from its own thread instead (sqlite3 releases
+            # the GIL, so on another core); this larger threshold is only the backstop.
+            cur.execute(f"PRAGMA wal_autocheckpoint={_WAL_BACKSTOP_PAGES}")
             cur.close()
 
         return engine
     return create_engine(url, pool_size=8, max_overflow=8, pool_pre_ping=True)
+
+
+_WAL_BACKSTOP_PAGES = 50_000  # ~200 MB of WAL with 4 KiB pages
+
+
+class WalCheckpointer:
+    """Checkpoints a SQLite database's WAL every `interval` seconds from a background thread.
+
+    PASSIVE mode never blocks writers or readers; it copies what it can and leaves the rest for
+    the next round. A no-op for other backends.
+    """
+
+    def __init__(self, engine: Engine, interval: float = 1.0) -> None:
+        self._engine = engine
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._engine.dialect.name == "sqlite" and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="trainvitals-wal-checkpoint", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(10)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                with self._engine.connect() as conn:
+                    conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
+            except Exception:  # noqa: BLE001 - a busy or closing database: try again next round
+                log.debug("WAL checkpoint failed", exc_info=True)
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:

@@ -75,7 +75,7 @@ class StepRow(Base):
 class TensorStatRow(Base):
     __tablename__ = "tensor_stats"
     __table_args__ = (
-        Index("ix_tensor_stats_run_tensor_step", "run_id", "tensor", "role", "step"),
+        # Only (run, step): the reducer's range scan. Per-tensor queries read tensor_summaries.
         Index("ix_tensor_stats_run_step", "run_id", "step"),
     )
 

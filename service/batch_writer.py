@@ -1,0 +1,135 @@
+"""Group commit: one writer thread stores every queued batch, many per transaction.
+
+A commit has a fixed cost (PostgreSQL flushes its WAL, SQLite writes its WAL frames), and with
+one transaction per request the collector spent most of its time there: request threads queued on
+commits while both cores sat half idle. Here request handlers parse and validate, then hand the
+batch over and wait; the writer takes whatever has queued up while the previous commit ran (no
+timer: an idle collector commits each batch at once) and stores it with one COPY per record kind
+and one commit. A request is acknowledged only after the commit that holds its batch.
+
+Backpressure: at most `max_pending_records` records wait; beyond that `submit` refuses and the
+route answers 503, which the agent treats like an outage (spool, retry later).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from sqlalchemy.orm import Session
+
+from trainvitals.service import ingest
+from trainvitals.service.ingest import AnyBatch
+
+log = logging.getLogger(__name__)
+
+
+class WriterBusyError(RuntimeError):
+    """Too many records are waiting to be written; the sender should retry later."""
+
+
+@dataclass(slots=True)
+class _Pending:
+    batch: AnyBatch
+    project: str | None
+    future: Future[ingest.BatchOutcome] = field(default_factory=Future)
+
+
+class BatchWriter:
+    """Usage::
+
+    writer = BatchWriter(sessionmaker)
+    writer.start()
+    outcome = writer.submit(batch, project=None).result()  # BatchAck or a refusal
+    writer.stop()
+    """
+
+    def __init__(
+        self,
+        sessions: Callable[[], Session],
+        *,
+        max_group_records: int = 50_000,
+        max_pending_records: int = 2_000_000,
+    ) -> None:
+        self._sessions = sessions
+        self._max_group_records = max_group_records
+        self._max_pending_records = max_pending_records
+        self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
+        self._pending_records = 0
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.groups = 0  # transactions committed (tests and benchmarks read the batching factor)
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="trainvitals-batch-writer", daemon=True)
+                self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Write everything already submitted, then stop the thread."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout)
+
+    def submit(self, batch: AnyBatch, *, project: str | None) -> Future[ingest.BatchOutcome]:
+        """Queue a validated batch; the future resolves after the commit that stores it."""
+        if self._thread is None:
+            self.start()  # lazily too: an app used without its lifespan (plain TestClient) still writes
+        n = len(batch.records)
+        with self._lock:
+            if self._pending_records + n > self._max_pending_records and self._pending_records:
+                raise WriterBusyError(f"{self._pending_records} records are waiting to be written; retry shortly")
+            self._pending_records += n
+        item = _Pending(batch, project)
+        self._queue.put(item)
+        return item.future
+
+    def _run(self) -> None:
+        stopping = False
+        while not stopping:
+            first = self._queue.get()
+            if first is None:
+                break
+            group, records = [first], len(first.batch.records)
+            while records < self._max_group_records:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stopping = True
+                    break
+                group.append(item)
+                records += len(item.batch.records)
+            self._write(group)
+            with self._lock:
+                self._pending_records -= records
+
+    def _write(self, group: list[_Pending]) -> None:
+        try:
+            with self._sessions() as session:
+                outcomes = ingest.store_batches(session, [(p.batch, p.project) for p in group])
+            self.groups += 1
+        except Exception as exc:  # noqa: BLE001 - the database refused the group: isolate the cause
+            if len(group) > 1:
+                # One transaction for all of them failed; store them one by one so a single
+                # batch the database rejects does not take the others down with it.
+                for item in group:
+                    self._write([item])
+                return
+            log.exception("storing batch %s failed", _describe(group[0].batch))
+            group[0].future.set_exception(exc)
+            return
+        for item, outcome in zip(group, outcomes, strict=True):
+            item.future.set_result(outcome)
+
+
+def _describe(batch: AnyBatch) -> str:
+    return f"run={batch.run} rank={batch.rank} incarnation={batch.incarnation} seq={batch.seq}"
