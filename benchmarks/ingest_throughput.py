@@ -29,6 +29,7 @@ import http.client
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 import signal
 import socket
@@ -216,6 +217,24 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / _CLK_TCK
 
 
+def process_tree(pid: int) -> list[int]:
+    """pid and all its descendants (the worker processes of `serve --workers N`)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -234,8 +253,8 @@ def _layers_of(rank: int, layers_per_rank: int) -> list[int]:
 
 def batch_template(run: str, rank: int, *, steps_per_batch: int, layers_per_rank: int) -> tuple[bytes, int]:
     """The JSON body of a batch of any rank congruent to `rank` mod tp*pp, with placeholders for
-    rank, dp rank, seq, steps and ts (bytes.replace-d per request: the load generator must cost
-    far less CPU than the collector it measures)."""
+    rank, dp rank, seq, steps and ts (filled by one bytes.join per request: the load generators
+    share the machine's cores with the collector they measure, so they must cost little CPU)."""
     records: list[str] = []
     layers = _layers_of(rank, layers_per_rank)
     stage = (rank // TP) % PP
@@ -282,7 +301,7 @@ def _client_main(
 ) -> None:
     """One load generator: ranks index, index + clients, ...; one keep-alive connection."""
     ranks = list(range(index, WORLD_SIZE, clients))
-    templates: dict[int, tuple[bytes, int]] = {}  # by rank mod tp*pp: the layout repeats per dp group
+    templates: dict[int, tuple[list[bytes], int]] = {}  # by rank mod tp*pp: the layout repeats per dp group
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     headers = {"content-type": "application/json", "authorization": f"Bearer {token}"}
     samples: list[tuple[float, float, int]] = []  # (done monotonic, latency s, records)
@@ -294,16 +313,18 @@ def _client_main(
                 break
             key = rank % (TP * PP)
             if key not in templates:
-                templates[key] = batch_template(
+                template, n = batch_template(
                     run, key, steps_per_batch=steps_per_batch, layers_per_rank=layers_per_rank
                 )
-            template, n = templates[key]
-            now = time.time()
-            body = template.replace(b"@Q@", b"%d" % seq).replace(b"@R@", b"%d" % rank)
-            body = body.replace(b"@D@", b"%d" % (rank // (TP * PP)))
+                templates[key] = (re.split(rb"@([A-Z][0-9]*)@", template), n)
+            parts, n = templates[key]
+            now = b"%.3f" % time.time()
+            values = {b"Q": b"%d" % seq, b"R": b"%d" % rank, b"D": b"%d" % (rank // (TP * PP))}
             for k in range(steps_per_batch):
-                body = body.replace(b"@S%d@" % k, b"%d" % (seq * steps_per_batch + k))
-                body = body.replace(b"@T%d@" % k, b"%.3f" % now)
+                values[b"S%d" % k] = b"%d" % (seq * steps_per_batch + k)
+                values[b"T%d" % k] = now
+            # parts alternates literal text and placeholder names: one join per request.
+            body = b"".join(values[p] if i % 2 else p for i, p in enumerate(parts))
             t0 = time.monotonic()
             conn.request("POST", "/v1/batches", body=body, headers=headers)
             resp = conn.getresponse()
@@ -431,17 +452,18 @@ def _drive(
         time.sleep(warmup)
         client_pids = [p.pid for p in procs if p.pid is not None]
         pg_pids = _postgres_pids(url) if backend == "postgresql" else []
-        cpu0 = (cpu_seconds([col.proc.pid]), cpu_seconds(pg_pids), cpu_seconds(client_pids))
+        collector_pids = process_tree(col.proc.pid)
+        cpu0 = (cpu_seconds(collector_pids), cpu_seconds(pg_pids), cpu_seconds(client_pids))
         t_start = time.monotonic()
         rss_peak = 0
         while time.monotonic() - t_start < seconds:
             time.sleep(0.5)
-            rss_peak = max(rss_peak, read_status_kb(col.proc.pid, "VmRSS"))
+            rss_peak = max(rss_peak, sum(read_status_kb(p, "VmRSS") for p in collector_pids))
         t_end = time.monotonic()
         # Backends connected after the warm-up (pool growth) are counted from zero.
         pg_pids_end = _postgres_pids(url) if backend == "postgresql" else []
-        cpu1 = (cpu_seconds([col.proc.pid]), cpu_seconds(pg_pids_end), cpu_seconds(client_pids))
-        hwm = read_status_kb(col.proc.pid, "VmHWM")
+        cpu1 = (cpu_seconds(collector_pids), cpu_seconds(pg_pids_end), cpu_seconds(client_pids))
+        hwm = sum(read_status_kb(p, "VmHWM") for p in collector_pids)
     finally:
         stop.set()
         results = []

@@ -1,4 +1,4 @@
-"""Group commit: one writer thread stores every queued batch, many per transaction.
+"""Group commit: writer threads store the queued batches, many per transaction.
 
 A commit has a fixed cost (PostgreSQL flushes its WAL, SQLite writes its WAL frames), and with
 one transaction per request the collector spent most of its time there: request threads queued on
@@ -6,6 +6,12 @@ commits while both cores sat half idle. Here request handlers parse and validate
 batch over and wait; the writer takes whatever has queued up while the previous commit ran (no
 timer: an idle collector commits each batch at once) and stores it with one COPY per record kind
 and one commit. A request is acknowledged only after the commit that holds its batch.
+
+On PostgreSQL two writer threads (own connections) overlap: one builds and sends a group while
+the server indexes and commits the other's. Idempotency holds across them (and across collector
+replicas) because the database decides duplicates (ON CONFLICT DO NOTHING); rows shared by
+transactions (a run's `runs` and `reduction_state` rows) are updated in run-id order, so two
+groups cannot deadlock on them. SQLite has one writer at a time, so one thread.
 
 Backpressure: at most `max_pending_records` records wait; beyond that `submit` refuses and the
 route answers 503, which the agent treats like an outage (spool, retry later).
@@ -20,6 +26,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import psycopg
+import sqlalchemy.exc
 from sqlalchemy.orm import Session
 
 from trainvitals.service import ingest
@@ -52,35 +60,42 @@ class BatchWriter:
         self,
         sessions: Callable[[], Session],
         *,
+        threads: int = 1,
         max_group_records: int = 50_000,
         max_pending_records: int = 2_000_000,
     ) -> None:
         self._sessions = sessions
+        self._threads = threads
         self._max_group_records = max_group_records
         self._max_pending_records = max_pending_records
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
         self._pending_records = 0
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._workers: list[threading.Thread] = []
         self.groups = 0  # transactions committed (tests and benchmarks read the batching factor)
 
     def start(self) -> None:
         with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="trainvitals-batch-writer", daemon=True)
-                self._thread.start()
+            if not self._workers:
+                self._workers = [
+                    threading.Thread(target=self._run, name=f"trainvitals-batch-writer-{i}", daemon=True)
+                    for i in range(self._threads)
+                ]
+                for thread in self._workers:
+                    thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Write everything already submitted, then stop the thread."""
+        """Write everything already submitted, then stop the threads."""
         with self._lock:
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            self._queue.put(None)
+            workers, self._workers = self._workers, []
+        for _ in workers:
+            self._queue.put(None)  # one stop mark per thread, queued behind every pending batch
+        for thread in workers:
             thread.join(timeout)
 
     def submit(self, batch: AnyBatch, *, project: str | None) -> Future[ingest.BatchOutcome]:
         """Queue a validated batch; the future resolves after the commit that stores it."""
-        if self._thread is None:
+        if not self._workers:
             self.start()  # lazily too: an app used without its lifespan (plain TestClient) still writes
         n = len(batch.records)
         with self._lock:
@@ -124,11 +139,19 @@ class BatchWriter:
                 for item in group:
                     self._write([item])
                 return
+            if isinstance(exc, _DATA_ERRORS):  # this batch's values, not the database's state
+                group[0].future.set_result(ingest.UnstorableBatchError(f"{type(exc).__name__}: {exc}"[:500]))
+                return
             log.exception("storing batch %s failed", _describe(group[0].batch))
             group[0].future.set_exception(exc)
             return
         for item, outcome in zip(group, outcomes, strict=True):
             item.future.set_result(outcome)
+
+
+# Refusals caused by a value in the batch: psycopg's DataError (numeric value out of range, also
+# raised by binary COPY), SQLAlchemy's wrapper of it, and sqlite3 binding an int beyond 64 bits.
+_DATA_ERRORS = (psycopg.DataError, sqlalchemy.exc.DataError, OverflowError)
 
 
 def _describe(batch: AnyBatch) -> str:

@@ -28,7 +28,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     engine = db.make_engine(settings.db)
     sessions = db.make_sessionmaker(engine)
     worker = AnalysisWorker(sessions, settings)
-    writer = BatchWriter(sessions, max_pending_records=settings.max_pending_records)
+    writer = BatchWriter(
+        sessions,
+        threads=settings.ingest_writer_threads or (1 if engine.dialect.name == "sqlite" else 2),
+        max_pending_records=settings.max_pending_records,
+    )
     checkpointer = db.WalCheckpointer(engine)
 
     @asynccontextmanager

@@ -18,6 +18,9 @@ class Settings(BaseSettings):
     auth: bool = Field(True, description="require bearer tokens; off only for local demos (--insecure-no-auth)")
     token_cache_seconds: float = Field(30.0, ge=0, description="token lookups are cached this long")
     max_body_bytes: int = Field(32 * 1024 * 1024, description="larger requests get 413")
+    ingest_writer_threads: int | None = Field(
+        None, ge=1, description="group-commit writer threads; default 2 on PostgreSQL, 1 on SQLite"
+    )
     max_pending_records: int = Field(
         2_000_000, ge=1, description="records accepted but not yet written; beyond this, 503 (retry)"
     )

@@ -10,7 +10,6 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from trainvitals.service.auth import ANONYMOUS, Principal
-from trainvitals.service.exposition import IngestCounters
 
 
 def _session(request: Request) -> Iterator[Session]:
@@ -18,11 +17,7 @@ def _session(request: Request) -> Iterator[Session]:
         yield session
 
 
-def _counters(request: Request) -> IngestCounters:
-    return request.app.state.counters
-
-
-async def _principal(request: Request) -> Principal:
+async def authenticate(request: Request) -> Principal:
     """The caller's token; async so a cached token costs neither a thread hop nor a query."""
     app = request.app
     if not app.state.settings.auth:
@@ -60,8 +55,7 @@ def require(principal: Principal, scope: str, project: str) -> None:
 
 
 SessionDep = Annotated[Session, Depends(_session)]
-PrincipalDep = Annotated[Principal, Depends(_principal)]
-CountersDep = Annotated[IngestCounters, Depends(_counters)]
+PrincipalDep = Annotated[Principal, Depends(authenticate)]
 
 
 def readable_run(session: Session, principal: Principal, run_id: str) -> None:

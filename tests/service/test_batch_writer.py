@@ -1,0 +1,172 @@
+"""Group commit: store_batches and the BatchWriter thread, on SQLite and PostgreSQL."""
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from sqlalchemy import func, select
+
+from trainvitals.service import ingest
+from trainvitals.service.batch_writer import BatchWriter, WriterBusyError
+from trainvitals.service.store import db
+from trainvitals.service.store.models import DeliveredBatch, StepRow, TensorStatRow
+from trainvitals.wire import Batch, BatchAck, RunRegistration
+
+
+def _batch(rank: int, seq: int, *, run: str = "r1", staleness: int = 3) -> Batch:
+    steps = range(seq * 2, seq * 2 + 2)
+    records: list[dict[str, object]] = [
+        {"kind": "step", "step": s, "ts": 100.0 + s, "step_seconds": 0.5} for s in steps
+    ]
+    records += [
+        {
+            "kind": "tensor",
+            "step": s,
+            "tensor": "blocks.0.fc1",
+            "role": "input",
+            "format": "e4m3",
+            "amax": 3.0,
+            "staleness_steps": staleness,
+        }
+        for s in steps
+    ]
+    return Batch.model_validate({"run": run, "rank": rank, "incarnation": 1, "seq": seq, "records": records})
+
+
+@pytest.fixture
+def sessions(db_url: str):
+    engine = db.make_engine(db_url)
+    factory = db.make_sessionmaker(engine)
+    with factory() as s:
+        ingest.register_run(s, RunRegistration(run="r1", project="a", parallelism={"world_size": 8}))
+        ingest.register_run(s, RunRegistration(run="r2", project="b"))
+    yield factory
+    engine.dispose()
+
+
+def _count(factory, model) -> int:
+    with factory() as s:
+        return int(s.scalar(select(func.count()).select_from(model)) or 0)
+
+
+def test_one_group_decides_each_batch_on_its_own(sessions) -> None:
+    with sessions() as s:
+        ingest.store_batch(s, _batch(0, 0))  # stored before: its retry below is a duplicate
+        outcomes = ingest.store_batches(
+            s,
+            [
+                (_batch(1, 0), "a"),
+                (_batch(0, 0), "a"),  # already in the database
+                (_batch(1, 0), "a"),  # the same batch twice in one group (a retry beside its original)
+                (_batch(2, 0, run="nope"), "a"),
+                (_batch(3, 0, run="r2"), "a"),  # project b's run with project a's token
+                (_batch(4, 0), None),  # auth off
+            ],
+        )
+    assert outcomes[0] == BatchAck(accepted=4, duplicate=False)
+    assert outcomes[1] == BatchAck(accepted=0, duplicate=True)
+    assert outcomes[2] == BatchAck(accepted=0, duplicate=True)
+    assert isinstance(outcomes[3], ingest.UnknownRunError)
+    assert isinstance(outcomes[4], ingest.WrongProjectError)
+    assert outcomes[5] == BatchAck(accepted=4, duplicate=False)
+    # ranks 0, 1 and 4, two steps each, once
+    assert _count(sessions, StepRow) == 6
+    assert _count(sessions, TensorStatRow) == 6
+    assert _count(sessions, DeliveredBatch) == 3
+
+
+def test_writer_groups_what_queued_during_a_commit(sessions) -> None:
+    gate = threading.Event()
+    opened = threading.Event()
+
+    def slow_first_session():
+        if not opened.is_set():
+            opened.set()
+            gate.wait(10)  # the writer is "committing" the first batch while the rest queue up
+        return sessions()
+
+    writer = BatchWriter(slow_first_session)
+    try:
+        first = writer.submit(_batch(0, 0), project=None)
+        assert opened.wait(10)
+        rest = [writer.submit(_batch(rank, 0), project=None) for rank in range(1, 8)]
+        gate.set()
+        acks = [f.result(10) for f in (first, *rest)]
+    finally:
+        writer.stop()
+    assert all(a == BatchAck(accepted=4, duplicate=False) for a in acks)
+    assert writer.groups == 2  # the first batch alone, then the seven that waited: one commit
+    assert _count(sessions, StepRow) == 16
+
+
+def test_concurrent_senders_and_retries_store_every_record_once(sessions) -> None:
+    writer = BatchWriter(sessions, threads=2)
+    batches = [_batch(rank, seq) for rank in range(8) for seq in range(6)]
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            # every batch sent twice, from different threads, as an agent retrying after a timeout would
+            acks = list(pool.map(lambda b: writer.submit(b, project="a").result(30), batches + batches))
+    finally:
+        writer.stop()
+    assert sum(a.accepted for a in acks) == 48 * 4
+    assert sum(a.duplicate for a in acks) == 48
+    assert _count(sessions, StepRow) == 48 * 2
+    assert _count(sessions, DeliveredBatch) == 48
+
+
+def test_a_value_the_database_refuses_rejects_only_its_batch(sessions) -> None:
+    """staleness_steps is a 32-bit column on PostgreSQL and a 64-bit one on SQLite: a value past
+    both is valid JSON and valid wire format, but no database stores it. The group it landed in
+    is retried batch by batch, so its neighbours are stored and only it is refused (no retry loop)."""
+    gate = threading.Event()
+    opened = threading.Event()
+
+    def slow_first_session():
+        if not opened.is_set():
+            opened.set()
+            gate.wait(10)
+        return sessions()
+
+    writer = BatchWriter(slow_first_session)
+    try:
+        first = writer.submit(_batch(0, 0), project=None)
+        assert opened.wait(10)
+        bad = writer.submit(_batch(1, 0, staleness=2**70), project=None)
+        good = writer.submit(_batch(2, 0), project=None)
+        gate.set()
+        outcomes = [first.result(10), bad.result(10), good.result(10)]
+    finally:
+        writer.stop()
+    assert outcomes[0].accepted == 4 and outcomes[2].accepted == 4
+    assert isinstance(outcomes[1], ingest.UnstorableBatchError)
+    assert _count(sessions, StepRow) == 4  # ranks 0 and 2; nothing of rank 1
+    assert _count(sessions, DeliveredBatch) == 2
+
+
+def test_backpressure_refuses_past_the_pending_bound(sessions) -> None:
+    gate = threading.Event()
+
+    def blocked():
+        gate.wait(10)
+        return sessions()
+
+    writer = BatchWriter(blocked, max_pending_records=10)
+    try:
+        first = writer.submit(_batch(0, 0), project=None)  # 4 records pending
+        second = writer.submit(_batch(1, 0), project=None)  # 8
+        with pytest.raises(WriterBusyError):
+            writer.submit(_batch(2, 0), project=None)  # 12 > 10
+        gate.set()
+        assert first.result(10).accepted == 4 and second.result(10).accepted == 4
+        assert writer.submit(_batch(2, 0), project=None).result(10).accepted == 4  # drained: accepted again
+    finally:
+        gate.set()
+        writer.stop()
+
+
+def test_stop_writes_what_was_accepted(sessions) -> None:
+    writer = BatchWriter(sessions)
+    futures = [writer.submit(_batch(rank, 0), project=None) for rank in range(8)]
+    writer.stop()
+    assert all(f.done() and f.result().accepted == 4 for f in futures)
+    assert _count(sessions, StepRow) == 16
