@@ -113,11 +113,11 @@ class CollectorProcess:
 
 @contextmanager
 def collector(
-    url: str, *, env: dict[str, str] | None = None, timeout: float = 60.0
+    url: str, *, env: dict[str, str] | None = None, timeout: float = 60.0, workers: int = 1
 ) -> Iterator[CollectorProcess]:
     """`trainvitals serve` as a subprocess; waits for /healthz; terminated (then killed) on exit."""
     port = free_port()
-    argv = [trainvitals_bin(), "serve", "--db", url, "--port", str(port)]
+    argv = [trainvitals_bin(), "serve", "--db", url, "--port", str(port), "--workers", str(workers)]
     proc = subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + timeout
@@ -395,13 +395,14 @@ def measure(
     steps_per_batch: int,
     layers_per_rank: int,
     analysis: bool = True,
+    workers: int = 1,
 ) -> IngestResult:
     run = "bench-16k"
     with scratch_db(backend, "tv_bench_ingest") as url:
         # Auth stays on, as in production: the token lookup is cached, so it costs ingest little.
         token = create_token(url, project="bench", scope="ingest")
         env = {} if analysis else {"TRAINVITALS_RUN_ANALYSIS": "false"}
-        with collector(url, env=env) as col:
+        with collector(url, env=env, workers=workers) as col:
             return _drive(
                 backend,
                 url,
@@ -511,6 +512,7 @@ def main() -> None:
     parser.add_argument(
         "--no-analysis", action="store_true", help="TRAINVITALS_RUN_ANALYSIS=false: ingest alone"
     )
+    parser.add_argument("--workers", type=int, default=1, help="collector processes (serve --workers N)")
     args = parser.parse_args()
     print(f"$ {' '.join([Path(sys.executable).name, *sys.argv])}")
     print(
@@ -527,6 +529,7 @@ def main() -> None:
             steps_per_batch=args.steps_per_batch,
             layers_per_rank=args.layers_per_rank,
             analysis=not args.no_analysis,
+            workers=args.workers,
         )
         print(f"[{backend}] collector: {res.command}", flush=True)
         results.append(res)

@@ -19,8 +19,11 @@ route answers 503, which the agent treats like an outage (spool, retry later).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
+import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -77,8 +80,12 @@ class BatchWriter:
     def start(self) -> None:
         with self._lock:
             if not self._workers:
+                # Each thread's name is also its ingest_counts row key: unique across processes/hosts.
+                prefix = f"{socket.gethostname()}:{os.getpid()}"
                 self._workers = [
-                    threading.Thread(target=self._run, name=f"trainvitals-batch-writer-{i}", daemon=True)
+                    threading.Thread(
+                        target=self._run, args=(f"{prefix}:{i}",), name=f"trainvitals-batch-writer-{i}", daemon=True
+                    )
                     for i in range(self._threads)
                 ]
                 for thread in self._workers:
@@ -106,7 +113,7 @@ class BatchWriter:
         self._queue.put(item)
         return item.future
 
-    def _run(self) -> None:
+    def _run(self, name: str) -> None:
         stopping = False
         while not stopping:
             first = self._queue.get()
@@ -123,24 +130,26 @@ class BatchWriter:
                     break
                 group.append(item)
                 records += len(item.batch.records)
-            self._write(group)
+            self._write(group, name)
             with self._lock:
                 self._pending_records -= records
 
-    def _write(self, group: list[_Pending]) -> None:
+    def _write(self, group: list[_Pending], name: str) -> None:
         try:
             with self._sessions() as session:
-                outcomes = ingest.store_batches(session, [(p.batch, p.project) for p in group])
+                outcomes = ingest.store_batches(session, [(p.batch, p.project) for p in group], writer=name)
             self.groups += 1
         except Exception as exc:  # noqa: BLE001 - the database refused the group: isolate the cause
             if len(group) > 1:
                 # One transaction for all of them failed; store them one by one so a single
                 # batch the database rejects does not take the others down with it.
                 for item in group:
-                    self._write([item])
+                    self._write([item], name)
                 return
             if isinstance(exc, _DATA_ERRORS):  # this batch's values, not the database's state
                 group[0].future.set_result(ingest.UnstorableBatchError(f"{type(exc).__name__}: {exc}"[:500]))
+                with contextlib.suppress(Exception), self._sessions() as session:
+                    ingest.count_unstorable(session, group[0].batch, writer=name)
                 return
             log.exception("storing batch %s failed", _describe(group[0].batch))
             group[0].future.set_exception(exc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -49,6 +50,24 @@ def _serve(args: argparse.Namespace) -> int:
         )
     if settings.host not in _LOOPBACK:
         print(f"trainvitals: listening on {settings.host}: reachable beyond this machine", file=sys.stderr)
+    if args.workers > 1:
+        # Several processes accept on the one port, each with its own app built from the same
+        # settings (handed over as TRAINVITALS_* variables): ingest scales with them, the counters
+        # live in the database, and one process at a time holds the analysis lease.
+        if settings.migrate_on_start:
+            from trainvitals.service.store import db
+
+            db.upgrade(settings.db)  # once, here: N processes migrating at the same time would race
+        os.environ.update(settings.model_copy(update={"migrate_on_start": False}).as_env())
+        uvicorn.run(
+            "trainvitals.service.main:create_app",
+            factory=True,
+            workers=args.workers,
+            host=settings.host,
+            port=settings.port,
+            log_level=args.log_level,
+        )
+        return 0
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level)
     return 0
 
@@ -180,6 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--insecure-no-auth", action="store_true", help="accept requests without tokens (demos)"
     )
     serve.add_argument("--log-level", default="warning")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="collector processes sharing the port (ingest throughput scales with them on PostgreSQL)",
+    )
     serve.set_defaults(func=_serve)
 
     dbp = sub.add_parser("db", help="schema migrations")

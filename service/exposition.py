@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from threading import Lock
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -21,39 +20,19 @@ from trainvitals.service.store import queries, snapshot
 ADVICE_TTL_SECONDS = 60.0
 
 
-class IngestCounters:
-    """Process-local ingest counters, updated by the ingest route (thread-safe, O(1))."""
-
-    def __init__(self) -> None:
-        self._lock = Lock()
-        self.records_by_run: dict[str, int] = {}
-        self.batches_by_outcome: dict[str, int] = {"stored": 0, "duplicate": 0, "rejected": 0}
-
-    def count_batch(self, *, run: str | None, outcome: str, records: int = 0) -> None:
-        with self._lock:
-            self.batches_by_outcome[outcome] = self.batches_by_outcome.get(outcome, 0) + 1
-            if run is not None and records:
-                self.records_by_run[run] = self.records_by_run.get(run, 0) + records
-
-    def snapshot(self) -> tuple[dict[str, int], dict[str, int]]:
-        with self._lock:
-            return dict(self.records_by_run), dict(self.batches_by_outcome)
-
-
 class TrainvitalsCollector(Collector):
     """Yields every trainvitals_* family from one snapshot of the store per scrape.
 
     Usage::
 
         registry = CollectorRegistry()
-        registry.register(TrainvitalsCollector(session_factory, settings, counters))
+        registry.register(TrainvitalsCollector(session_factory, settings))
     """
 
     def __init__(
         self,
         session_factory: Callable[[], Session],
         settings: Settings,
-        counters: IngestCounters,
         *,
         clock: Callable[[], float] = time.time,
         expected_mfu: Callable[[dict[str, object]], float | None] | None = None,
@@ -61,7 +40,6 @@ class TrainvitalsCollector(Collector):
     ) -> None:
         self._session_factory = session_factory
         self._settings = settings
-        self._counters = counters
         self._clock = clock
         self._expected_mfu = expected_mfu or (lambda _reg: None)
         self._checkpoint_advice = checkpoint_advice
@@ -98,12 +76,13 @@ class TrainvitalsCollector(Collector):
             if self._checkpoint_advice is not None:
                 for sn, r in zip(snaps, runs, strict=True):
                     sn.checkpoint_advice = self._advice_for(session, r, now)
+            counts = queries.ingest_counts(session, project=project)
         yield from _run_families(snaps)
         yield from _fp8_families(snaps)
         yield from _rank_families(snaps)
         yield from _finding_families(snaps)
         yield from _checkpoint_families(snaps, now)
-        yield from self._ingest_families({r.run_id for r in snaps})
+        yield from _ingest_families(counts, {r.run_id for r in snaps})
 
     def _advice_for(self, session: Session, run: object, now: float) -> object:
         run_id = run.run_id  # type: ignore[attr-defined]
@@ -116,26 +95,6 @@ class TrainvitalsCollector(Collector):
             self._advice_cache.clear()
         self._advice_cache[run_id] = (now, value)
         return value
-
-    def _ingest_families(self, live: set[str]) -> Iterator[Metric]:
-        records_by_run, batches = self._counters.snapshot()
-        records = CounterMetricFamily(
-            "trainvitals_ingest_records",
-            "Records stored by this collector process, per live run",
-            labels=["run"],
-        )
-        for run, n in sorted(records_by_run.items()):
-            if run in live:
-                records.add_metric([run], n)
-        outcome = CounterMetricFamily(
-            "trainvitals_ingest_batches",
-            "Batches received by this collector process, by outcome",
-            labels=["outcome"],
-        )
-        for name, n in sorted(batches.items()):
-            outcome.add_metric([name], n)
-        yield records
-        yield outcome
 
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
@@ -384,3 +343,28 @@ def make_registry(collector: TrainvitalsCollector) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
     return registry
+
+
+def _ingest_families(counts: list[queries.IngestCountRow], live: set[str]) -> Iterator[Metric]:
+    records = CounterMetricFamily(
+        "trainvitals_ingest_records",
+        "Records stored, per live run (all collector processes sharing the database)",
+        labels=["run"],
+    )
+    stored: dict[str, int] = {}
+    by_outcome: dict[str, int] = {"stored": 0, "duplicate": 0, "rejected": 0}
+    for row in counts:
+        by_outcome[row.outcome] = by_outcome.get(row.outcome, 0) + row.batches
+        if row.outcome == "stored" and row.run_id in live:
+            stored[row.run_id] = stored.get(row.run_id, 0) + row.records
+    for run, n in sorted(stored.items()):
+        records.add_metric([run], n)
+    outcome = CounterMetricFamily(
+        "trainvitals_ingest_batches",
+        "Batches received, by outcome (all collector processes sharing the database)",
+        labels=["outcome"],
+    )
+    for name, n in sorted(by_outcome.items()):
+        outcome.add_metric([name], n)
+    yield records
+    yield outcome

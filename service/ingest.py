@@ -14,12 +14,12 @@ from contextlib import AbstractContextManager, nullcontext
 from operator import attrgetter, itemgetter
 from typing import Any
 
-from sqlalchemy import BigInteger, Boolean, Float, Integer, String, insert, select, update
+from sqlalchemy import BigInteger, Boolean, Float, Integer, String, insert, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from trainvitals.service import wire_decode
-from trainvitals.service.store.models import RECORD_TABLES, DeliveredBatch, ReductionState, Run
+from trainvitals.service.store.models import RECORD_TABLES, DeliveredBatch, IngestCount, ReductionState, Run
 from trainvitals.wire import Batch, BatchAck, RunRegistration
 
 # What ingest stores: a pydantic batch (replay, tests) or the route's msgspec decoding of one.
@@ -198,7 +198,11 @@ def store_batch(session: Session, batch: AnyBatch, *, now: float | None = None, 
 
 
 def store_batches(
-    session: Session, items: Sequence[tuple[AnyBatch, str | None]], *, now: float | None = None
+    session: Session,
+    items: Sequence[tuple[AnyBatch, str | None]],
+    *,
+    now: float | None = None,
+    writer: str = "direct",
 ) -> list[BatchOutcome]:
     """Store several batches in one transaction (group commit); one outcome per item, in order.
 
@@ -207,6 +211,9 @@ def store_batches(
     earlier in the same group, is a duplicate; an unknown run or another project's run is refused
     (returned, not raised) without affecting the others. One commit per group instead of one per
     batch is what lets a single writer keep up: the commit (WAL flush) is the fixed cost.
+
+    writer: names the ingest_counts rows this transaction adds its outcomes to (one per writer
+    thread, see IngestCount).
     """
     now = time.time() if now is None else now
     run_ids = {batch.run for batch, _ in items}
@@ -232,20 +239,61 @@ def store_batches(
                 outcomes[i] = BatchAck(accepted=0, duplicate=True)  # a retry queued beside its original
             else:
                 candidates[key] = i
-    if candidates:
-        # Rows are built before the write transaction starts: on SQLite nothing else can write
-        # while it is open, so it should hold only the inserts.
-        built = {i: batch_rows(items[i][0]) for i in candidates.values()}
-        with _writer(session):
-            new_keys = _claim_keys(session, [items[i][0] for i in candidates.values()], now)
-            stored = [i for key, i in candidates.items() if key in new_keys]
-            _write_records(session, [built[i] for i in stored])
-            _touch_runs(session, runs, [items[i][0] for i in stored], [built[i][2] for i in stored], now)
-            session.commit()
+    # Rows are built before the write transaction starts: on SQLite nothing else can write
+    # while it is open, so it should hold only the inserts.
+    built = {i: batch_rows(items[i][0]) for i in candidates.values()}
+    with _writer(session):
+        new_keys = _claim_keys(session, [items[i][0] for i in candidates.values()], now) if candidates else set()
+        stored = [i for key, i in candidates.items() if key in new_keys]
+        _write_records(session, [built[i] for i in stored])
+        _touch_runs(session, runs, [items[i][0] for i in stored], [built[i][2] for i in stored], now)
         for key, i in candidates.items():
             new = key in new_keys
             outcomes[i] = BatchAck(accepted=len(items[i][0].records) if new else 0, duplicate=not new)
+        _count(session, writer, [(batch.run, batch.run in runs) for batch, _ in items], outcomes)
+        session.commit()
     return [o for o in outcomes if o is not None]
+
+
+def count_unstorable(session: Session, batch: AnyBatch, *, writer: str) -> None:
+    """Count a batch the database refused (its transaction rolled back) as rejected."""
+    known = session.get(Run, batch.run) is not None
+    _count(session, writer, [(batch.run, known)], [UnstorableBatchError()])
+    session.commit()
+
+
+_COUNT_UPSERT = text(
+    f"INSERT INTO {IngestCount.__tablename__} (run_id, outcome, writer, batches, records) "
+    "VALUES (:run_id, :outcome, :writer, :batches, :records) "
+    "ON CONFLICT (run_id, outcome, writer) DO UPDATE SET "
+    f"batches = {IngestCount.__tablename__}.batches + excluded.batches, "
+    f"records = {IngestCount.__tablename__}.records + excluded.records"
+)
+
+
+def _count(
+    session: Session, writer: str, runs: list[tuple[str, bool]], outcomes: Sequence[BatchOutcome | None]
+) -> None:
+    """Add this group's outcomes to the writer's counter rows (same transaction: exact)."""
+    totals: dict[tuple[str, str], list[int]] = {}
+    for (run_id, known), outcome in zip(runs, outcomes, strict=True):
+        if isinstance(outcome, BatchAck):
+            key = (run_id, "duplicate" if outcome.duplicate else "stored")
+            records = outcome.accepted
+        else:
+            # An unknown run's id is whatever the sender typed: not a label worth a row each.
+            key = (run_id if known else "", "rejected")
+            records = 0
+        acc = totals.setdefault(key, [0, 0])
+        acc[0] += 1
+        acc[1] += records
+    session.execute(
+        _COUNT_UPSERT,
+        [
+            {"run_id": run_id, "outcome": outcome, "writer": writer, "batches": b, "records": r}
+            for (run_id, outcome), (b, r) in sorted(totals.items())
+        ],
+    )
 
 
 _BATCH_COLUMNS = "run_id, rank, incarnation, seq, received_at, records"

@@ -14,7 +14,8 @@ from trainvitals.service import advice
 from trainvitals.service.api.routes import advisors, health, ingest, runs
 from trainvitals.service.auth import TokenVerifier
 from trainvitals.service.batch_writer import BatchWriter
-from trainvitals.service.exposition import IngestCounters, TrainvitalsCollector, make_registry
+from trainvitals.service.exposition import TrainvitalsCollector, make_registry
+from trainvitals.service.leader import AnalysisLease
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import db
 from trainvitals.service.worker import AnalysisWorker
@@ -27,7 +28,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         db.upgrade(settings.db)
     engine = db.make_engine(settings.db)
     sessions = db.make_sessionmaker(engine)
-    worker = AnalysisWorker(sessions, settings)
+    worker = AnalysisWorker(sessions, settings, lease=AnalysisLease(engine))
     writer = BatchWriter(
         sessions,
         threads=settings.ingest_writer_threads or (1 if engine.dialect.name == "sqlite" else 2),
@@ -53,12 +54,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.sessionmaker = sessions
     app.state.worker = worker
     app.state.batch_writer = writer
-    app.state.counters = IngestCounters()
     app.state.verifier = TokenVerifier(settings.token_cache_seconds)
     app.state.collector = TrainvitalsCollector(
         sessions,
         settings,
-        app.state.counters,
         expected_mfu=advice.expected_mfu,
         checkpoint_advice=advice.checkpoint_advice,
     )

@@ -33,3 +33,11 @@ class Settings(BaseSettings):
     settle_seconds: float = Field(30.0, ge=0, description="reduce a step once all ranks sent it or after this")
     detector_warmup_steps: int = Field(300, ge=0, description="detectors stay quiet this many steps from the start")
     rank_window_steps: int = Field(50, ge=1, description="steps per rank window (straggler view)")
+
+    def as_env(self) -> dict[str, str]:
+        """These settings as TRAINVITALS_* variables (how `serve --workers` hands them to its processes)."""
+        return {
+            f"TRAINVITALS_{name.upper()}": str(value).lower() if isinstance(value, bool) else str(value)
+            for name, value in self.model_dump().items()
+            if value is not None
+        }

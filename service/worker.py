@@ -1,6 +1,7 @@
 """Background analysis: every few seconds, reduce and run the detectors for each live run.
 
-One daemon thread per collector process. Each run is processed in its own session and its own
+One daemon thread per collector process; with several processes on one database, only the holder
+of the analysis lease (service/leader.py) runs cycles. Each run is processed in its own session and its own
 try block, so one bad run cannot stop the others; errors are logged, rate-limited.
 """
 
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from sqlalchemy.orm import Session
 
 from trainvitals.service import pipeline
+from trainvitals.service.leader import AnalysisLease
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import queries
 
@@ -23,8 +25,8 @@ logger = logging.getLogger("trainvitals.service")
 class AnalysisWorker:
     """Usage::
 
-    worker = AnalysisWorker(sessionmaker, settings)
-    worker.start()   # or worker.run_once() synchronously (tests, replay)
+    worker = AnalysisWorker(sessionmaker, settings, lease=AnalysisLease(engine))
+    worker.start()   # or worker.run_once() synchronously (tests, replay; no lease asked)
     worker.stop()
     """
 
@@ -34,8 +36,10 @@ class AnalysisWorker:
         settings: Settings,
         *,
         clock: Callable[[], float] = time.time,
+        lease: AnalysisLease | None = None,
     ) -> None:
         self._session_factory = session_factory
+        self._lease = lease
         self._settings = settings
         self._clock = clock
         self._config = pipeline.PipelineConfig(
@@ -77,8 +81,14 @@ class AnalysisWorker:
         return total
 
     def _loop(self) -> None:
-        while not self._stop.wait(self._settings.analysis_interval_seconds):
-            self.run_once()
+        try:
+            while not self._stop.wait(self._settings.analysis_interval_seconds):
+                # Only the lease holder analyses; the others keep checking, to take over if it dies.
+                if self._lease is None or self._lease.acquire():
+                    self.run_once()
+        finally:
+            if self._lease is not None:
+                self._lease.release()
 
     def start(self) -> None:
         if self._thread is None:

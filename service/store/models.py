@@ -299,3 +299,20 @@ class ApiToken(Base):
     name: Mapped[str | None] = mapped_column(String(256))
     created_at: Mapped[float] = mapped_column(Float)
     revoked: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class IngestCount(Base):
+    """Batches and records by outcome, per run and per writer thread of every collector process.
+
+    Updated inside the transaction that stores the batches, so the counts are exact; one row per
+    writer (not one per run) so concurrent transactions never wait on each other's counter row.
+    Summed at scrape time: any collector process sharing the database exports the same totals.
+    """
+
+    __tablename__ = "ingest_counts"
+
+    run_id: Mapped[str] = mapped_column(String(128), primary_key=True)  # '' for batches of unknown runs
+    outcome: Mapped[str] = mapped_column(String(16), primary_key=True)  # stored | duplicate | rejected
+    writer: Mapped[str] = mapped_column(String(128), primary_key=True)  # host:pid:thread
+    batches: Mapped[int] = mapped_column(BigInteger, default=0)
+    records: Mapped[int] = mapped_column(BigInteger, default=0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import case, delete, func, select
 from sqlalchemy.orm import Session
@@ -17,6 +17,7 @@ from trainvitals.service.store.models import (
     FindingRow,
     GradStatRow,
     GradSummary,
+    IngestCount,
     RankWindow,
     ReductionState,
     Run,
@@ -394,3 +395,25 @@ def observed_cadence_inputs(
     run = session.get(Run, run_id)
     exposure = 0.0 if run is None else max(0.0, run.last_seen_at - run.created_at)
     return saves, failures, exposure
+
+
+class IngestCountRow(NamedTuple):
+    run_id: str
+    outcome: str
+    batches: int
+    records: int
+
+
+def ingest_counts(session: Session, *, project: str | None = None) -> list[IngestCountRow]:
+    """Ingest outcomes summed over every writer of every collector process, per run.
+
+    project: only that project's runs (batches of unknown runs belong to no project)."""
+    q = select(
+        IngestCount.run_id,
+        IngestCount.outcome,
+        func.sum(IngestCount.batches),
+        func.sum(IngestCount.records),
+    ).group_by(IngestCount.run_id, IngestCount.outcome)
+    if project is not None:
+        q = q.join(Run, Run.run_id == IngestCount.run_id).where(Run.project == project)
+    return [IngestCountRow(r[0], r[1], int(r[2] or 0), int(r[3] or 0)) for r in session.execute(q)]

@@ -8,7 +8,7 @@ from sqlalchemy import func, select
 
 from trainvitals.service import ingest
 from trainvitals.service.batch_writer import BatchWriter, WriterBusyError
-from trainvitals.service.store import db
+from trainvitals.service.store import db, queries
 from trainvitals.service.store.models import DeliveredBatch, StepRow, TensorStatRow
 from trainvitals.wire import Batch, BatchAck, RunRegistration
 
@@ -73,6 +73,16 @@ def test_one_group_decides_each_batch_on_its_own(sessions) -> None:
     assert _count(sessions, StepRow) == 6
     assert _count(sessions, TensorStatRow) == 6
     assert _count(sessions, DeliveredBatch) == 3
+    with sessions() as s:
+        counts = {(c.run_id, c.outcome): (c.batches, c.records) for c in queries.ingest_counts(s)}
+        project_a = {(c.run_id, c.outcome) for c in queries.ingest_counts(s, project="a")}
+    assert counts == {
+        ("r1", "stored"): (3, 12),  # the earlier store_batch and this group's two
+        ("r1", "duplicate"): (2, 0),
+        ("", "rejected"): (1, 0),  # unknown run: not a label per typo
+        ("r2", "rejected"): (1, 0),
+    }
+    assert project_a == {("r1", "stored"), ("r1", "duplicate")}
 
 
 def test_writer_groups_what_queued_during_a_commit(sessions) -> None:
@@ -112,6 +122,10 @@ def test_concurrent_senders_and_retries_store_every_record_once(sessions) -> Non
     assert sum(a.duplicate for a in acks) == 48
     assert _count(sessions, StepRow) == 48 * 2
     assert _count(sessions, DeliveredBatch) == 48
+    # The counters /metrics exports were kept by the same transactions, per writer thread: exact.
+    with sessions() as s:
+        counts = {(c.run_id, c.outcome): (c.batches, c.records) for c in queries.ingest_counts(s)}
+    assert counts == {("r1", "stored"): (48, 48 * 4), ("r1", "duplicate"): (48, 0)}
 
 
 def test_a_value_the_database_refuses_rejects_only_its_batch(sessions) -> None:
@@ -141,6 +155,9 @@ def test_a_value_the_database_refuses_rejects_only_its_batch(sessions) -> None:
     assert isinstance(outcomes[1], ingest.UnstorableBatchError)
     assert _count(sessions, StepRow) == 4  # ranks 0 and 2; nothing of rank 1
     assert _count(sessions, DeliveredBatch) == 2
+    with sessions() as s:
+        counts = {(c.run_id, c.outcome): c.batches for c in queries.ingest_counts(s)}
+    assert counts == {("r1", "stored"): 2, ("r1", "rejected"): 1}
 
 
 def test_backpressure_refuses_past_the_pending_bound(sessions) -> None:

@@ -4,7 +4,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from trainvitals.service import ingest, pipeline
-from trainvitals.service.exposition import IngestCounters, TrainvitalsCollector, make_registry
+from trainvitals.service.exposition import TrainvitalsCollector, make_registry
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import db, queries
 from trainvitals.wire import Batch, RunRegistration
@@ -23,10 +23,9 @@ def setup(db_url: str):
     engine = db.make_engine(db_url)
     maker = db.make_sessionmaker(engine)
     clock = Clock(1000.0)
-    counters = IngestCounters()
     settings = Settings(db=db_url, finished_run_grace_seconds=60, idle_run_seconds=600)
-    registry = make_registry(TrainvitalsCollector(maker, settings, counters, clock=clock))
-    yield maker, clock, counters, registry
+    registry = make_registry(TrainvitalsCollector(maker, settings, clock=clock))
+    yield maker, clock, registry
     engine.dispose()
 
 
@@ -58,9 +57,8 @@ def _store(maker, run: str, ranks: int, steps: int, *, stop: bool = False, now: 
 
 
 def test_values_reduce_across_ranks(setup) -> None:
-    maker, _clock, counters, registry = setup
+    maker, _clock, registry = setup
     _store(maker, "a", ranks=4, steps=3)
-    counters.count_batch(run="a", outcome="stored", records=12)
     sample = registry.get_sample_value
     assert sample("trainvitals_run_latest_step", {"run": "a"}) == 2
     assert sample("trainvitals_run_complete_step", {"run": "a"}) == 2
@@ -75,12 +73,13 @@ def test_values_reduce_across_ranks(setup) -> None:
     )
     assert sample("trainvitals_run_loss", {"run": "a"}) == pytest.approx(3.5)
     assert sample("trainvitals_run_tokens_per_second", {"run": "a"}) == pytest.approx(400 / 4.0)
+    # counted by the ingest transactions themselves (ingest_counts): 4 batches of 3 records
     assert sample("trainvitals_ingest_records_total", {"run": "a"}) == 12
-    assert sample("trainvitals_ingest_batches_total", {"outcome": "stored"}) == 1
+    assert sample("trainvitals_ingest_batches_total", {"outcome": "stored"}) == 4
 
 
 def test_finished_runs_leave_after_the_grace_and_idle_runs_after_the_timeout(setup) -> None:
-    maker, clock, _counters, registry = setup
+    maker, clock, registry = setup
     _store(maker, "done", ranks=1, steps=2, stop=True)
     _store(maker, "idle", ranks=1, steps=2)
     assert (
@@ -97,7 +96,7 @@ def test_finished_runs_leave_after_the_grace_and_idle_runs_after_the_timeout(set
 
 
 def test_deleted_run_disappears(setup) -> None:
-    maker, _clock, _counters, registry = setup
+    maker, _clock, registry = setup
     _store(maker, "gone", ranks=2, steps=2)
     assert registry.get_sample_value("trainvitals_run_latest_step", {"run": "gone"}) == 1
     with maker() as session:
@@ -106,7 +105,7 @@ def test_deleted_run_disappears(setup) -> None:
 
 
 def test_exposition_passes_promtool(setup, promtool_check) -> None:
-    maker, _clock, _counters, registry = setup
+    maker, _clock, registry = setup
     _store(maker, "a", ranks=3, steps=4)
     result = promtool_check(generate_latest(registry).decode())
     assert result.returncode == 0, result.stdout + result.stderr

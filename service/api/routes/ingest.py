@@ -113,7 +113,6 @@ async def post_batch(request: Request) -> Response:
     if principal.scope not in (None, "ingest"):
         require(principal, "ingest", principal.project or "")
     batch = await _batch_from_body(request)
-    counters = state.counters
     try:
         future = state.batch_writer.submit(batch, project=principal.project)
     except WriterBusyError as exc:
@@ -124,16 +123,11 @@ async def post_batch(request: Request) -> Response:
         raise HTTPException(
             status.HTTP_503_SERVICE_UNAVAILABLE, f"storage failed, nothing stored, retry: {exc}"[:500]
         ) from exc
+    # Counted in the database by the transaction that decided the outcome (ingest_counts).
     if isinstance(outcome, ingest.UnknownRunError):
-        counters.count_batch(run=batch.run, outcome="rejected")
         raise HTTPException(status.HTTP_409_CONFLICT, str(outcome))
     if isinstance(outcome, ingest.WrongProjectError):
-        counters.count_batch(run=batch.run, outcome="rejected")
         raise HTTPException(status.HTTP_403_FORBIDDEN, str(outcome))
     if isinstance(outcome, ingest.UnstorableBatchError):
-        counters.count_batch(run=batch.run, outcome="rejected")
         raise HTTPException(422, f"nothing stored: {outcome}")
-    counters.count_batch(
-        run=batch.run, outcome="duplicate" if outcome.duplicate else "stored", records=outcome.accepted
-    )
     return Response(outcome.model_dump_json(), media_type="application/json")
