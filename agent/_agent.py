@@ -7,7 +7,7 @@ import atexit
 import logging
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -118,7 +118,7 @@ class Agent:
         self.position: Position = position_of(info.rank, parallelism)
         self._flops_per_token = flops_per_token(registration.get("model", {}))
         self._timer = StepTimer(model, time_collectives=config.time_collectives)
-        self._fp8 = self._make_fp8_monitor(model, registration.get("fp8", {}))
+        self._fp8 = self._make_fp8_monitors(model, registration.get("fp8", {}))
         self._checkpoints = CheckpointRecorder(
             self._exporter.emit, checksum=config.checksum, on_error=self._errors.record
         )
@@ -130,34 +130,52 @@ class Agent:
         ref = weakref.ref(self)
         atexit.register(lambda: (a := ref()) is not None and a.close())
 
-    def _make_fp8_monitor(self, model: nn.Module | None, recipe: dict[str, Any]) -> Fp8Monitor | None:
+    def _make_fp8_monitors(self, model: nn.Module | None, recipe: dict[str, Any]) -> list[Fp8Monitor]:
+        """Up to two monitors, each with its own cadence: modules that train through an FP8 recipe
+        are read from the recipe every step (the recipe computed the amax already: a few small
+        reads), bf16/fp32 modules get shadow hooks every `fp8_every_steps` steps (an amax pass
+        over every input, weight and grad_output: the one FP8 cost that scales with activations)."""
         cfg = self.config
         if model is None or cfg.fp8 == "off":
-            return None
+            return []
         if cfg.fp8_ranks == "dp0" and (self.position.dp_rank or 0) != 0:
-            return None  # replica 0 holds every shard once; the others would repeat it
+            return []  # replica 0 holds every shard once; the others would repeat it
         if cfg.fp8_ranks == "dp0" and self.position.dp_rank is None and self.rank != 0:
-            return None  # layout unknown: plain data parallelism is the safe assumption
+            return []  # layout unknown: plain data parallelism is the safe assumption
+        common = {
+            "history_len": int(recipe.get("history_len", 1024)),
+            "margin": int(recipe.get("margin", 0)),
+            "amax_algo": str(recipe.get("amax_algo", "max")),
+            "formats": {
+                "input": recipe.get("input_format", "e4m3"),
+                "weight": recipe.get("weight_format", "e4m3"),
+                "grad_output": recipe.get("grad_format", "e5m2"),
+            },
+            "module_filter": cfg.fp8_module_filter,
+            "expensive_every": cfg.fp8_expensive_every_steps,
+            "errors": self._errors,
+        }
+        monitors: list[Fp8Monitor] = []
         try:
-            monitor = Fp8Monitor(
-                model,
-                history_len=int(recipe.get("history_len", 1024)),
-                margin=int(recipe.get("margin", 0)),
-                amax_algo=str(recipe.get("amax_algo", "max")),
-                formats={
-                    "input": recipe.get("input_format", "e4m3"),
-                    "weight": recipe.get("weight_format", "e4m3"),
-                    "grad_output": recipe.get("grad_format", "e5m2"),
-                },
-                module_filter=cfg.fp8_module_filter,
-                expensive_every=cfg.fp8_expensive_every_steps,
-                mode=cfg.fp8,
-                errors=self._errors,
-            )
+            skip: frozenset[int] = frozenset()
+            if cfg.fp8 in ("auto", "recipe"):
+                reader = Fp8Monitor(model, mode="recipe", **common)  # type: ignore[arg-type]
+                skip = reader.recipe_modules
+                monitors.append(reader)  # every step: set_every(1) is the monitor's default
+            if cfg.fp8 in ("auto", "shadow"):
+                shadow = Fp8Monitor(model, mode="shadow", skip_modules=skip, **common)  # type: ignore[arg-type]
+                shadow.set_every(cfg.fp8_every_steps)
+                monitors.append(shadow)
         except Exception as exc:  # noqa: BLE001 - FP8 monitoring off, everything else keeps working
             self._errors.record("fp8 setup", exc)
-            return None
-        return monitor if monitor.tensors else None
+            for m in monitors:
+                m.close()
+            return []
+        kept = [m for m in monitors if m.tensors]
+        for m in monitors:
+            if not m.tensors:
+                m.close()
+        return kept
 
     # ------------------------------------------------------------------ hot path
 
@@ -175,6 +193,43 @@ class Agent:
         report pre-clip group norms. The optimizer hook then does not measure again this step."""
         if self._grads is not None:
             self._pending_grads = self._grads.compute()
+
+    def clip_grad_norm_(
+        self,
+        parameters: torch.Tensor | Iterable[torch.Tensor],
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_`, same arguments and result, that also measures this
+        step's (pre-clip) group norms from the same per-parameter norms: one pass over the
+        gradients instead of two. Exactly torch's total norm and clipping; where the shared pass
+        cannot give torch's answer (another norm type, DTensor gradients whose total needs the
+        job's collective, parameters other than the monitored ones) it measures as grads_ready()
+        does and clips with torch's own function. An agent error falls back the same way: the
+        job's clipping always happens, and only torch's own errors reach the job.
+        """
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        total: torch.Tensor | None = None
+        if norm_type == 2.0 and self._grads is not None and not self._closed:
+            try:
+                shared = self._grads.compute_with_total(params)
+                if shared is not None:
+                    self._pending_grads, total = shared
+            except Exception as exc:  # noqa: BLE001 - fall back to torch's clipping below
+                self._errors.record("clip_grad_norm_", exc)
+        if total is None:
+            self.grads_ready()
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(  # torch's message and condition (a device sync, as in torch)
+                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
+                "cannot be clipped. To disable this error and scale the gradients by the non-finite norm "
+                "anyway, set `error_if_nonfinite=False`"
+            )
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+        return total
 
     @guarded()
     def step(
@@ -246,11 +301,7 @@ class Agent:
         grads, self._pending_grads = self._pending_grads, None
         if grads is not None and self._grads is not None:
             add(grads, self._grads.records)
-        fp8 = self._fp8
-        every = self.config.fp8_every_steps
-        if fp8 is not None:
-            if fp8.every != every:
-                fp8.set_every(every)  # once, before the first end_step (the monitor is built cadence-free)
+        for fp8 in self._fp8:
             # `observing` was decided at the end of the previous step() from the predicted step number;
             # if the job jumped (step=, loaded()), what the hooks measured is still this step's.
             if fp8.observing:
@@ -271,9 +322,9 @@ class Agent:
                 values = stacked if stacked.device.type == "cpu" else stacked.to("cpu")
         self._exporter.emit(_StepSample(fields, values, event, sections))
         self._step += 1
-        if fp8 is not None:
+        for fp8 in self._fp8:
             # Off-cadence steps cost the FP8 hooks one attribute test each, nothing on the device.
-            fp8.observing = self._step % every == 0
+            fp8.observing = self._step % fp8.every == 0
 
     # ------------------------------------------------------------------ events and lifecycle
 
@@ -388,8 +439,8 @@ class Agent:
             hook.remove()
         self._hooks.clear()
         self._timer.close()
-        if self._fp8 is not None:
-            self._fp8.close()
+        for fp8 in self._fp8:
+            fp8.close()
         timeout = self.config.flush_timeout_s if timeout is None else timeout
         try:
             self._checkpoints.close(timeout / 2)
@@ -413,7 +464,7 @@ class Agent:
     @property
     def hooks(self) -> int:
         """Hooks this agent has installed and not yet removed (0 after close)."""
-        return len(self._hooks) + self._timer.hooks + (self._fp8.hooks if self._fp8 is not None else 0)
+        return len(self._hooks) + self._timer.hooks + sum(m.hooks for m in self._fp8)
 
     def __enter__(self) -> Agent:
         return self
@@ -456,6 +507,9 @@ class NoopAgent:
 
     def grads_ready(self) -> None:
         return None
+
+    def clip_grad_norm_(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(*args, **kwargs)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         return None

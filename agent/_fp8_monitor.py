@@ -42,7 +42,7 @@ from trainvitals.agent._guard import ErrorBudget
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 FP8_MIN_SUBNORMAL = {"e4m3": 2.0**-9, "e5m2": 2.0**-16}
 ROLES = ("input", "weight", "grad_output")
-_CREST_SAMPLE = 65536  # elements sampled for the median in crest_bits (median of all is a sort)
+_CREST_SAMPLE = 4096  # elements sampled (strided) for the median in crest_bits: +-0.05 bits
 
 ModuleFilter = Callable[[str, nn.Module], bool]
 
@@ -92,6 +92,7 @@ class Fp8Monitor:
         module_filter: ModuleFilter | None = None,
         expensive_every: int = 50,
         mode: str = "auto",
+        skip_modules: frozenset[int] = frozenset(),
         errors: ErrorBudget | None = None,
     ) -> None:
         if amax_algo not in ("max", "most_recent"):
@@ -110,6 +111,7 @@ class Fp8Monitor:
 
             for name, state, m in _with_modules(model, find_fp8_modules):
                 recipe_states.setdefault(id(m), []).append((name, state))
+        self.recipe_modules = frozenset(recipe_states)  # ids of the modules read through their recipe
         self.tensors: list[MonitoredTensor] = []
         self._recipe: list[tuple[int, Any]] = []  # (first tensor index, Fp8State)
         self._hooks: list[Any] = []
@@ -125,7 +127,7 @@ class Fp8Monitor:
                         self.tensors.append(
                             MonitoredTensor(clean_name(state_name), role, state.fmt(role), True)
                         )
-            elif mode in ("auto", "shadow") and module_filter(name, module):
+            elif mode in ("auto", "shadow") and id(module) not in skip_modules and module_filter(name, module):
                 shadow_modules.append((fqn, module, len(self.tensors)))
                 for role in ROLES:
                     self.tensors.append(MonitoredTensor(fqn, role, formats[role], False))
@@ -152,10 +154,15 @@ class Fp8Monitor:
         self._scale = torch.zeros(n)  # shadow: the scale a recipe would use this step (0 = none yet)
         self._scale_slots: list[torch.Tensor] = []
         self._expensive = torch.zeros(4, n)
+        self._scratch = torch.empty(0)  # CPU only: |x| of the expensive tier, reused (_abs_f32)
         self._expensive_now = False
         self._step_counter = 0
-        self._recipe_scale_cache: list[tuple[int, int, torch.Tensor]] = []
-        self._recipe_used_scale: list[torch.Tensor | None] = [None] * len(self._recipe)
+        # Recipe tensors: the scale the recipe holds for the next step, and the one it used this
+        # step (0: not known yet), read into these in place; per-module views built once.
+        self._recipe_idx = torch.tensor([i for i, t in enumerate(self.tensors) if t.recipe], dtype=torch.long)
+        self._scale_next = torch.zeros(n)
+        self._scale_used = torch.zeros(n)
+        self._recipe_views: list[tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for _fqn, module, first in shadow_modules:
             self._hook_module(module, {role: first + k for k, role in enumerate(ROLES)}, cheap=True)
         for _fqn, module, first, roles in recipe_modules:
@@ -170,9 +177,15 @@ class Fp8Monitor:
         # First hook call: move the buffers next to the activations, once.
         self._device = device
         for attr in (
-            "_amax", "_hi", "_lo", "_history", "_scale", "_expensive", "_fmax", "_min_sub", "_shadow_idx"
-        ):
+            "_amax", "_hi", "_lo", "_history", "_scale", "_expensive", "_fmax", "_min_sub", "_shadow_idx",
+            "_recipe_idx", "_scale_next", "_scale_used",
+        ):  # fmt: skip
             setattr(self, attr, getattr(self, attr).to(device))
+        self._recipe_views = [
+            (state, self._amax[f : f + len(state.roles)], self._scale_next[f : f + len(state.roles)],
+             self._fmax[f : f + len(state.roles)])
+            for f, state in self._recipe
+        ]  # fmt: skip
         # 0-dim views, created once and written in place: no Python objects per tensor per step.
         self._hi_slots = list(self._hi.unbind(0))
         self._lo_slots = list(self._lo.unbind(0))
@@ -252,18 +265,34 @@ class Fp8Monitor:
             self._expensive_stats(i, x)
 
     def _expensive_stats(self, i: int, x: torch.Tensor) -> None:
-        # Sampled steps only. Float32 comparisons, not casts (fp8.md: cast overflow behaviour on
-        # CPU changed between torch versions).
-        xf = x.float().abs().reshape(-1)
+        # Sampled steps only. Float32 comparisons of |x| against thresholds, not casts (fp8.md: cast
+        # overflow behaviour on CPU changed between torch versions) and not a scaled copy:
+        # |x| * s > fmax  <=>  |x| > fmax / s for s > 0 (s = 0, no scale yet: thresholds inf).
+        # count_nonzero rather than bool.sum() (twice as fast on CPU); NaN fails every comparison.
+        xf = self._abs_f32(x)
         s = self._scale_slots[i]
-        scaled = xf * s
         n = max(1, xf.numel())
-        self._expensive[0, i] = (scaled > self._fmax[i]).sum() / n
-        self._expensive[1, i] = ((xf != 0) & (scaled <= self._min_sub[i] / 2)).sum() / n
+        self._expensive[0, i] = torch.count_nonzero(xf > self._fmax[i] / s) / n
+        tiny = torch.count_nonzero(xf <= self._min_sub[i] / 2 / s) - torch.count_nonzero(xf == 0)
+        self._expensive[1, i] = tiny / n
         step = max(1, xf.numel() // _CREST_SAMPLE)
         median = xf[::step].median()
         self._expensive[2, i] = torch.log2(xf.max() / median.clamp_min(torch.finfo(torch.float32).tiny))
-        self._expensive[3, i] = (~torch.isfinite(x)).sum()
+        self._expensive[3, i] = n - torch.count_nonzero(xf <= torch.finfo(torch.float32).max)  # inf, NaN
+
+    def _abs_f32(self, x: torch.Tensor) -> torch.Tensor:
+        """|x| as a flat float32 tensor. On CPU into a reused scratch buffer: a fresh multi-MB
+        allocation there is fresh pages from the OS each time, and those page faults cost several
+        times the arithmetic. On accelerators the caching allocator makes the plain form cheap, and
+        a scratch buffer the size of the largest activation would hold memory for nothing."""
+        if x.device.type != "cpu":
+            return x.float().abs().reshape(-1)
+        n = x.numel()
+        if self._scratch.numel() < n:
+            self._scratch = torch.empty(n, dtype=torch.float32)
+        out = self._scratch[:n]
+        out.copy_(x.reshape(-1))
+        return out.abs_()
 
     # ------------------------------------------------------------------ step end
 
@@ -333,41 +362,34 @@ class Fp8Monitor:
         A = self._a_prev()
         new_scale = self._fmax / A.clamp_min(torch.finfo(torch.float32).tiny) / 2.0**self.margin
         self._scale.copy_(torch.where((A > 0) & torch.isfinite(A), new_scale, self._scale))
-        for first, k, s in self._recipe_scale_cache:
-            self._scale[first : first + k] = s  # expensive tier of recipe tensors uses the real scale
+        if self._recipe:  # the expensive tier of recipe tensors uses the recipe's real scale
+            self._scale.index_copy_(0, self._recipe_idx, self._scale_used.index_select(0, self._recipe_idx))
 
     def _read_recipes(self) -> None:
-        for first, state in self._recipe:
-            k = len(state.roles)
+        # Every step for recipe modules: two in-place copies per module into preallocated views,
+        # no tensors or lists created per module.
+        for state, amax, scale_next, fmax in self._recipe_views:
+            scale_next.copy_(state.scale())
             if state.history_len == 1:
                 # The update clears the only row (TE, emulation): recover this step's amax from the
                 # scale it produced, A = fp8_max / (s_next * 2**margin) ('most_recent' of one entry).
-                s_next = state.scale().to(self._amax.device, torch.float32)
-                amax = self._fmax[first : first + k] / (s_next * 2.0**state.margin)
+                torch.div(fmax, scale_next, out=amax)
+                amax.div_(2.0**state.margin)
             else:
-                amax = state.amax_history()[state.newest_row()].to(self._amax.device, torch.float32)
-            self._amax[first : first + k] = amax
+                amax.copy_(state.amax_history()[state.newest_row()])
 
-    def _recipe_headroom(self, amax: torch.Tensor) -> tuple[list[int], torch.Tensor] | None:
+    def _recipe_headroom(self, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """H = log2(fp8_max / (amax_t * s_t)) with the scale the recipe USED this step: at step end a
         recipe already holds the next step's scale (TE, torchao, the emulation), so s_t is the one
-        read at the previous step end."""
+        read at the previous step end (NaN on the first step: not known)."""
         if not self._recipe:
             return None
-        idx: list[int] = []
-        values: list[torch.Tensor] = []
-        next_scales: list[tuple[int, int, torch.Tensor]] = []
-        for (first, state), used in zip(self._recipe, self._recipe_used_scale, strict=True):
-            k = len(state.roles)
-            s_next = state.scale().to(amax.device, torch.float32).clone()
-            next_scales.append((first, k, s_next))
-            if used is None:
-                continue  # first step: the scale in use is unknown to us
-            values.append(torch.log2(self._fmax[first : first + k] / (amax[first : first + k] * used)))
-            idx.extend(range(first, first + k))
-        self._recipe_used_scale = [s for _, _, s in next_scales]
-        self._recipe_scale_cache = next_scales
-        return (idx, torch.cat(values)) if values else None
+        idx = self._recipe_idx
+        used = self._scale_used.index_select(0, idx)
+        values = torch.log2(self._fmax.index_select(0, idx) / (amax.index_select(0, idx) * used))
+        values = torch.where(used > 0, values, torch.full_like(values, math.nan))
+        self._scale_used.copy_(self._scale_next)  # this step's next scale is the next step's used one
+        return idx, values
 
     # ------------------------------------------------------------------ off the training thread
 

@@ -100,17 +100,46 @@ class GradNormTracker:
         self._group_of = torch.tensor([index[n] for n in names], dtype=torch.long)
         self._owned = torch.tensor([_owned(p, model, ownership) for p in self._params], dtype=torch.float32)
         self._cache: dict[tuple[torch.device, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._clip_key: tuple[int, ...] = ()
+        self._clip_ok = False
 
     @property
     def width(self) -> int:
         return 3 * len(self.group_names) + 3
 
     def compute(self) -> torch.Tensor | None:
+        out = self._compute()
+        return None if out is None else out[0]
+
+    def compute_with_total(self, params: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The group vector plus the total L2 norm of `params`' gradients, from one pass.
+
+        The total is what torch.nn.utils.clip_grad_norm_(params) computes (same per-parameter
+        norms, summed), so a job clipping through Agent.clip_grad_norm_ pays one norm pass for
+        both. None when that identity does not hold: not the tracker's parameters, or sharded
+        (DTensor) gradients, whose total needs the job's own collective.
+        """
+        key = tuple(map(id, params))
+        if key != self._clip_key:  # decided once per parameter list (the same list every step)
+            plain = all(getattr(p, "placements", None) is None for p in params)
+            trainable = {id(p) for p in params if p.requires_grad}
+            self._clip_ok = plain and trainable == {id(p) for p in self._params}
+            self._clip_key = key
+        if not self._clip_ok:
+            return None
+        out = self._compute()
+        if out is None:
+            return None
+        vec, sq, norms_dtype = out
+        return vec, sq.sum().sqrt().to(norms_dtype)
+
+    def _compute(self) -> tuple[torch.Tensor, torch.Tensor, torch.dtype] | None:
         present = [i for i, p in enumerate(self._params) if p.grad is not None]
         if not present:
             return None
         grads = [_local(self._params[i].grad) for i in present]  # type: ignore[arg-type]
         norms = torch._foreach_norm(grads, 2.0)
+        norms_dtype = norms[0].dtype
         device = norms[0].device
         if any(n.device != device for n in norms):  # e.g. CPU-offloaded parameters
             norms = [n.to(device, non_blocking=True) for n in norms]
@@ -124,7 +153,7 @@ class GradNormTracker:
         out = torch.zeros(self.width, dtype=torch.float32, device=device)
         out[: 3 * n_groups].view(3, n_groups).index_add_(1, group_of, per_param)
         out[3 * n_groups :] = per_param.sum(dim=1)
-        return out
+        return out, sq, norms_dtype
 
     def _indices(self, device: torch.device, present: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         key = (device, present)

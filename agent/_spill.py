@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -46,19 +47,21 @@ class Spool:
             os.fsync(fh.fileno())  # the point of spilling is to survive the process
         return True
 
-    def pending(self) -> list[tuple[int, bytes]]:
-        """Undelivered lines with the offset just past each, oldest first."""
-        if not self.path.exists():
-            return []
-        out = []
-        with open(self.path, "rb") as fh:
+    def pending(self) -> Iterator[tuple[int, bytes]]:
+        """Undelivered lines with the offset just past each, oldest first, read lazily: after a
+        long outage the spool can hold up to max_bytes, and a delivery attempt that fails at the
+        first line must not have read (or hold) the rest."""
+        try:
+            fh = open(self.path, "rb")  # noqa: SIM115 - closed by the with below, also on early exit
+        except FileNotFoundError:
+            return
+        with fh:
             fh.seek(self._offset)
             pos = self._offset
             for raw in fh:
                 pos += len(raw)
                 if raw.endswith(b"\n") and raw.strip():  # a torn last line (crash mid-write) waits
-                    out.append((pos, raw.rstrip(b"\n")))
-        return out
+                    yield pos, raw.rstrip(b"\n")
 
     def mark_delivered(self, offset: int) -> None:
         self._offset = offset

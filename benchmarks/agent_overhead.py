@@ -5,7 +5,8 @@
 
 What is compared. One model, one optimizer, one data stream, `torch.set_num_threads(1)`. The
 training step is the example's (`trainvitals.examples.train_gpt`): forward, cross-entropy,
-backward, `clip_grad_norm_`, AdamW step, `zero_grad`, and with an agent `agent.step(loss=...,
+backward, `clip_grad_norm_` (with an agent: `agent.clip_grad_norm_`, torch's clipping that also
+yields the agent's group norms), AdamW step, `zero_grad`, and with an agent `agent.step(loss=...,
 grad_norm=..., tokens=..., flops=...)`. Each round runs one block of `--block-steps` timed steps
 per condition, in a freshly shuffled order: the baseline (no agent at all), a second baseline
 (A/A control: the spread it shows is the noise floor of this machine), and one block per agent
@@ -136,6 +137,7 @@ class Block:
     cpu_median: float
     agent_direct: float = 0.0
     exporter_cpu: float | None = None
+    clip: float = 0.0
 
 
 @dataclass(slots=True)
@@ -168,12 +170,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--long-steps", type=int, default=1500, help="steps of the memory run (0: skip)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="train through the emulated FP8 delayed-scaling Linear (as the example's --fp8): the agent "
+        "reads the recipe every step instead of shadow-hooking on sampled steps",
+    )
     return p.parse_args(argv)
 
 
 def make_job(args: argparse.Namespace) -> Job:
     torch.manual_seed(args.seed)
     model = GPT(vocab=args.vocab, d=args.d, layers=args.layers, heads=args.heads, seq=args.seq)
+    if args.fp8:
+        from trainvitals.agent.fp8_emulation import DelayedScalingRecipe, convert_linears
+
+        convert_linears(model.layers, DelayedScalingRecipe(history_len=16))
     dims = model_dims(args, model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     gen = torch.Generator().manual_seed(args.seed)
@@ -186,7 +198,15 @@ def train_step(job: Job) -> None:
     x, y = synthetic_batch(job.gen, args)
     loss = F.cross_entropy(job.model(x).reshape(-1, args.vocab), y.reshape(-1))
     loss.backward()
-    total_norm = torch.nn.utils.clip_grad_norm_(job.model.parameters(), 1.0)
+    # As the example: clipping through the agent when there is one (torch's clip_grad_norm_ whose
+    # per-parameter norms also give the agent its group norms). Timed in both conditions: the
+    # agent's part of it is the difference (clip_seconds, used by the direct accounting).
+    t0 = time.perf_counter()
+    if job.agent is not None:
+        total_norm = job.agent.clip_grad_norm_(job.model.parameters(), 1.0)
+    else:
+        total_norm = torch.nn.utils.clip_grad_norm_(job.model.parameters(), 1.0)
+    _CLIP_SECONDS[0] += time.perf_counter() - t0
     job.optimizer.step()
     job.optimizer.zero_grad(set_to_none=True)
     if job.agent is not None:
@@ -213,12 +233,14 @@ def attach(job: Job, overrides: dict[str, Any], collector: str, spill_dir: str, 
             "model": job.dims,
             "parallelism": {"world_size": 1, "dp": 1, "micro_batch": job.args.batch},
             "hardware": {"gpu_type": "cpu", "gpu_count": 1, "peak_flops": 5e10},
+            "fp8": {"enabled": job.args.fp8, "history_len": 16 if job.args.fp8 else 1024},
         },
     )
     assert isinstance(job.agent, tv.Agent), "attach() returned a no-op agent (TRAINVITALS_DISABLE?)"
 
 
 _AGENT_SECONDS = [0.0]  # time spent inside agent entry points on the training thread
+_CLIP_SECONDS = [0.0]  # time spent clipping (torch's, or the agent's which includes torch's work)
 
 
 def instrument_agent() -> None:
@@ -278,6 +300,7 @@ def timed_block(job: Job, steps: int) -> Block:
     walls: list[float] = []
     cpus: list[float] = []
     direct0 = _AGENT_SECONDS[0]
+    clip0 = _CLIP_SECONDS[0]
     for _ in range(steps):
         cpu0, wall0 = time.thread_time(), time.perf_counter()
         train_step(job)
@@ -292,6 +315,7 @@ def timed_block(job: Job, steps: int) -> Block:
         statistics.median(cpus),
         (_AGENT_SECONDS[0] - direct0) / steps,
         exporter,
+        (_CLIP_SECONDS[0] - clip0) / steps,
     )
 
 
@@ -374,7 +398,12 @@ def report_pairs(results: Results, rng: random.Random) -> list[str]:
         pairs = list(zip(base, blocks, strict=True))
         exp = [b.exporter_cpu for b in blocks if b.exporter_cpu is not None]
         exp_s = f"{statistics.mean(exp) * 1e6:.0f} us" if exp else "-"
-        direct = cell([1 + b.agent_direct / a.wall for a, b in pairs]) if cond != "baseline-A/A" else "-"
+        # Agent entry points, plus what clipping through the agent cost beyond torch's own clip.
+        direct = (
+            cell([1 + (b.agent_direct + b.clip - a.clip) / a.wall for a, b in pairs])
+            if cond != "baseline-A/A"
+            else "-"
+        )
         lines.append(
             f"| {cond} | {cell([b.wall / a.wall for a, b in pairs])} |"
             f" {cell([b.wall_median / a.wall_median for a, b in pairs])} |"
@@ -435,6 +464,7 @@ def memory_run(job: Job, args: argparse.Namespace, url: str, spill: str) -> list
     peak_with = python_peak(job, 30)
     samples: list[tuple[int, int]] = []
     exp0 = exporter_cpu_seconds(job.agent)
+    direct0, clip0 = _AGENT_SECONDS[0], _CLIP_SECONDS[0]
     t0 = time.perf_counter()
     every = max(1, args.long_steps // 10)
     for i in range(args.long_steps):
@@ -442,10 +472,27 @@ def memory_run(job: Job, args: argparse.Namespace, url: str, spill: str) -> list
         if i % every == 0 or i == args.long_steps - 1:
             samples.append((i, rss_bytes()))
     elapsed = time.perf_counter() - t0
+    agent_direct = (_AGENT_SECONDS[0] - direct0) / args.long_steps
+    agent_clip = (_CLIP_SECONDS[0] - clip0) / args.long_steps
     exp1 = exporter_cpu_seconds(job.agent)
     stats = job.agent.stats()
     retained = retained_blocks_per_step(job)
     detach(job)
+    # Amortised direct cost: the periodic tiers (shadow FP8 every fp8_every_steps, expensive every
+    # 50) land in some timed blocks and not others, which the per-round median understates; over
+    # the long run every one of them is counted. Baseline: the same number of steps without agent.
+    clip0, t0 = _CLIP_SECONDS[0], time.perf_counter()
+    for _ in range(args.long_steps):
+        train_step(job)
+    base_step = (time.perf_counter() - t0) / args.long_steps
+    base_clip = (_CLIP_SECONDS[0] - clip0) / args.long_steps
+    amortised = agent_direct + agent_clip - base_clip
+    lines.append(
+        f"direct cost amortised over {args.long_steps} steps (every periodic tier included): "
+        f"{amortised * 1e3:.3f} ms/step = {100 * amortised / base_step:+.2f}% of the {base_step * 1e3:.1f} ms "
+        f"baseline step (agent entry points {agent_direct * 1e3:.3f} ms, clipping through the agent "
+        f"{(agent_clip - base_clip) * 1e3:+.3f} ms beyond torch's)"
+    )
     mib = 1024 * 1024
     lines.append(f"RSS over {args.long_steps} steps with the default agent (MiB, step: rss):")
     lines.append("  " + "  ".join(f"{i}: {rss / mib:.1f}" for i, rss in samples))

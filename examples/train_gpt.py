@@ -221,11 +221,10 @@ def main(argv: list[str] | None = None) -> int:
         logits = ddp(x)
         loss = F.cross_entropy(logits.reshape(-1, args.vocab), y.reshape(-1))
         (loss * (args.spike_scale if step in spikes else 1.0)).backward()
-        # Clipping as most LLM recipes do (--clip 0: measure the total norm only). The agent sees the
-        # gradients at optimizer.step, after clipping; the pre-clip total goes along as grad_norm.
-        total_norm = torch.nn.utils.clip_grad_norm_(
-            ddp.parameters(), args.clip if args.clip > 0 else math.inf
-        )
+        # Clipping as most LLM recipes do (--clip 0: measure the total norm only), through the agent:
+        # torch's clip_grad_norm_, whose per-parameter norms also give the agent this step's pre-clip
+        # group norms, so the gradients are read once rather than twice.
+        total_norm = agent.clip_grad_norm_(ddp.parameters(), args.clip if args.clip > 0 else math.inf)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if rank == args.slow_rank and step >= args.slow_from:

@@ -1,8 +1,10 @@
 """Turn validated wire messages into rows, atomically and idempotently.
 
-The HTTP route and `trainvitals replay` both call `store_batch`: one transaction inserts the
-batch's idempotency row and all its records, so a batch is stored whole or not at all, and a
-retried batch (same run, rank, incarnation, seq) is acknowledged without storing anything.
+`store_batches` is the one write path: the HTTP route reaches it through the group-commit writer
+(service/batch_writer.py, many batches per transaction), `trainvitals replay` and tests through
+`store_batch` (one). A transaction inserts its batches' idempotency rows and all their records,
+so a batch is stored whole or not at all, and a retried batch (same run, rank, incarnation, seq)
+is acknowledged without storing anything.
 """
 
 from __future__ import annotations

@@ -162,3 +162,23 @@ def test_rejected_batch_is_set_aside_not_retried_forever(collector, tmp_path: Pa
     exp.run_once(deadline=time.monotonic() + 10)
     assert _stored_steps(collector.db_url) == [2]
     exp.shutdown()
+
+
+def test_spool_is_read_lazily_and_resumes_where_delivery_stopped(tmp_path: Path) -> None:
+    """A failed attempt reads only up to the line that failed (a full 512 MiB spool is streamed,
+    not loaded), and the next attempt starts at that line; torn last lines wait."""
+    from trainvitals.agent._spill import Spool
+
+    spool = Spool(tmp_path / "s.jsonl", max_bytes=1 << 20)
+    for i in range(5):
+        assert spool.append(b'{"n": %d}' % i)
+    lines = spool.pending()
+    offset, first = next(lines)  # an iterator: nothing past the first line has been read yet
+    assert first == b'{"n": 0}'
+    spool.mark_delivered(offset)
+    offset, second = next(lines)
+    assert second == b'{"n": 1}'
+    lines.close()  # the attempt failed here: line 1 stays undelivered
+    with open(spool.path, "ab") as fh:
+        fh.write(b'{"n": 5')  # a crash mid-append leaves a torn line
+    assert [line for _, line in spool.pending()] == [b'{"n": %d}' % i for i in range(1, 5)]

@@ -144,3 +144,45 @@ def test_recipe_mode_with_history_of_one() -> None:
     assert out[("0", "input")]["amax"] == pytest.approx(4.0)
     assert out[("0", "input")]["headroom_bits"] == pytest.approx(-1.0, abs=1e-6)
     mon.close()
+
+
+def test_agent_reads_recipes_every_step_and_samples_shadow_modules(tmp_path) -> None:
+    """Default cadence on a model with one FP8-recipe Linear and one plain Linear: the recipe's
+    tensors have a record every step (the cheap tier costs a few reads there), the plain one only
+    every fp8_every_steps-th step (its amax is a pass over the activations). A jump on a step the
+    shadow hooks skip is still seen in full by the recipe reader, with the scale used that step."""
+    import json
+
+    import trainvitals.agent as tv
+    from trainvitals.agent.fp8_emulation import DelayedScalingRecipe, convert_linears
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 8)), nn.ReLU(), nn.Linear(8, 2))
+    assert convert_linears(model[0], DelayedScalingRecipe(history_len=8, margin=0)) == 1  # "0.0" only
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    record = tmp_path / "rec.jsonl"
+    config = tv.AgentConfig(collector="", spill_dir=str(tmp_path), record_file=str(record), fp8_ranks="all")
+    assert config.fp8_every_steps == 20
+    agent = tv.attach(model, opt, run="cadence", config=config)
+    try:
+        for step in range(25):
+            scale = 8.0 if step == 13 else 1.0  # 13: not a shadow-sampled step
+            x = torch.full((4, 8), scale)
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            agent.step(loss=0.0)
+    finally:
+        agent.close()
+    steps: dict[tuple[str, str], list[int]] = {}
+    by_step: dict[int, dict] = {}
+    for line in record.read_text().splitlines():
+        for r in json.loads(line).get("records", []):
+            if r["kind"] == "tensor":
+                steps.setdefault((r["tensor"], r["role"]), []).append(r["step"])
+                if (r["tensor"], r["role"]) == ("0.0", "input"):
+                    by_step[r["step"]] = r
+    assert steps[("0.0", "input")] == list(range(25))  # recipe: every step
+    assert steps[("2", "input")] == [0, 20]  # shadow: sampled
+    assert by_step[13]["amax"] == pytest.approx(8.0) and by_step[13]["headroom_bits"] == pytest.approx(-3.0, abs=1e-6)
+    assert by_step[14]["headroom_bits"] == pytest.approx(3.0, abs=1e-6)

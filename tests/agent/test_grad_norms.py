@@ -73,8 +73,123 @@ def test_missing_gradients_are_skipped() -> None:
     model = Tiny()
     assert GradNormTracker(model).compute() is None
     model.head(torch.randn(2, 8)).sum().backward()  # only the head gets a gradient
-    records = {
-        r["group"]: r for r in GradNormTracker(model).records(0, GradNormTracker(model).compute().tolist())
-    }
+    records = {r["group"]: r for r in GradNormTracker(model).records(0, GradNormTracker(model).compute().tolist())}
     assert records["layers.0"]["local_sq"] == 0.0
     assert records["head"]["local_sq"] > 0
+
+
+# --------------------------------------------------------------------------- Agent.clip_grad_norm_
+
+
+def _recorded_grads(path) -> dict[int, dict[str, dict]]:
+    import json
+
+    out: dict[int, dict[str, dict]] = {}
+    for line in path.read_text().splitlines():
+        for r in json.loads(line).get("records", []):  # the first line is the run registration
+            if r["kind"] == "grad":
+                out.setdefault(r["step"], {})[r["group"]] = r
+    return out
+
+
+def _twin_models() -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    import copy
+
+    torch.manual_seed(0)
+    model = Tiny()
+    return model, copy.deepcopy(model), torch.randint(0, 10, (4, 5))
+
+
+def test_agent_clip_is_torchs_clip_with_one_norm_pass(tmp_path, monkeypatch) -> None:
+    import trainvitals.agent as tv
+
+    ours, theirs, x = _twin_models()
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+    record = tmp_path / "rec.jsonl"
+    agent = tv.attach(
+        ours, opt, run="clip", config=tv.AgentConfig(collector="", spill_dir=str(tmp_path), record_file=str(record))
+    )
+    passes = 0
+    real_norm = torch._foreach_norm
+
+    def counting_norm(*args, **kwargs):
+        nonlocal passes
+        passes += 1
+        return real_norm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_norm", counting_norm)
+    try:
+        ours(x).pow(2).mean().backward()
+        theirs(x).pow(2).mean().backward()
+        total = agent.clip_grad_norm_(ours.parameters(), max_norm=0.05)
+        passes_agent = passes
+        opt.step()  # the optimizer hook must not measure again this step
+        agent.step(loss=0.0)
+        passes_after_step = passes
+        expected = nn.utils.clip_grad_norm_(theirs.parameters(), max_norm=0.05)
+    finally:
+        monkeypatch.setattr(torch, "_foreach_norm", real_norm)
+        agent.close()
+    assert passes_agent == 1 and passes_after_step == 1  # torch's clip alone also makes one
+    assert total.item() == pytest.approx(expected.item(), rel=1e-6) and total.dtype == expected.dtype
+    assert total.item() > 0.05  # it clipped
+    for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+        # ours were also updated by opt.step(): compare the update direction via the grads it used
+        assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-9)
+    grads = _recorded_grads(record)[0]
+    # Pre-clip group norms: the global one is the total clip_grad_norm_ returned, not max_norm.
+    assert math.sqrt(grads[GLOBAL_GROUP]["owned_sq"]) == pytest.approx(expected.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("case", ["inf_norm", "subset", "nonfinite"])
+def test_agent_clip_falls_back_to_torch_where_one_pass_cannot_answer(tmp_path, case) -> None:
+    import trainvitals.agent as tv
+
+    ours, theirs, x = _twin_models()
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+    record = tmp_path / "rec.jsonl"
+    agent = tv.attach(
+        ours, opt, run="clip", config=tv.AgentConfig(collector="", spill_dir=str(tmp_path), record_file=str(record))
+    )
+    try:
+        ours(x).pow(2).mean().backward()
+        theirs(x).pow(2).mean().backward()
+        if case == "nonfinite":
+            ours.head.weight.grad[0, 0] = float("inf")
+            theirs.head.weight.grad[0, 0] = float("inf")
+            with pytest.raises(RuntimeError, match="non-finite") as ours_err:
+                agent.clip_grad_norm_(ours.parameters(), 1.0, error_if_nonfinite=True)
+            with pytest.raises(RuntimeError, match="non-finite") as theirs_err:
+                nn.utils.clip_grad_norm_(theirs.parameters(), 1.0, error_if_nonfinite=True)
+            assert str(ours_err.value) == str(theirs_err.value)  # the job sees torch's own error
+            return
+        args = {"inf_norm": (list(ours.parameters()), 0.01, float("inf")), "subset": (ours.layers.parameters(), 0.01)}
+        targs = {
+            "inf_norm": (list(theirs.parameters()), 0.01, float("inf")),
+            "subset": (theirs.layers.parameters(), 0.01),
+        }
+        total = agent.clip_grad_norm_(*args[case])
+        expected = nn.utils.clip_grad_norm_(*targs[case])
+        opt.step()
+        agent.step(loss=0.0)
+    finally:
+        agent.close()
+    assert total.item() == pytest.approx(expected.item(), rel=1e-6)
+    for p, q in zip(ours.layers.parameters(), theirs.layers.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-9)
+    # measured before clipping (grads_ready), so the global norm is the unclipped L2 total
+    ours_grads = _recorded_grads(record)[0]
+    assert ours_grads[GLOBAL_GROUP]["owned_sq"] > 0.01**2
+
+
+def test_noop_agent_clips_like_torch(monkeypatch) -> None:
+    import trainvitals.agent as tv
+
+    monkeypatch.setenv("TRAINVITALS_DISABLE", "1")
+    ours, theirs, x = _twin_models()
+    agent = tv.attach(ours, None, run="clip")
+    ours(x).pow(2).mean().backward()
+    theirs(x).pow(2).mean().backward()
+    assert agent.clip_grad_norm_(ours.parameters(), 0.05).item() == pytest.approx(
+        nn.utils.clip_grad_norm_(theirs.parameters(), 0.05).item()
+    )
