@@ -272,13 +272,19 @@ class Fp8Monitor:
         xf = self._abs_f32(x)
         s = self._scale_slots[i]
         n = max(1, xf.numel())
-        self._expensive[0, i] = torch.count_nonzero(xf > self._fmax[i] / s) / n
+        xmax = xf.max()  # NaN if any element is NaN
+        sat_threshold = self._fmax[i] / s
+        # On CPU reading a scalar waits for nothing, so a finite maximum at or below the threshold
+        # answers two of the counts (nothing saturates, nothing is non-finite) without their passes.
+        settled = xf.device.type == "cpu" and bool(torch.isfinite(xmax)) and bool(xmax <= sat_threshold)
+        if not settled:
+            self._expensive[0, i] = torch.count_nonzero(xf > sat_threshold) / n
+            self._expensive[3, i] = n - torch.count_nonzero(xf <= torch.finfo(torch.float32).max)  # inf, NaN
         tiny = torch.count_nonzero(xf <= self._min_sub[i] / 2 / s) - torch.count_nonzero(xf == 0)
         self._expensive[1, i] = tiny / n
         step = max(1, xf.numel() // _CREST_SAMPLE)
         median = xf[::step].median()
-        self._expensive[2, i] = torch.log2(xf.max() / median.clamp_min(torch.finfo(torch.float32).tiny))
-        self._expensive[3, i] = n - torch.count_nonzero(xf <= torch.finfo(torch.float32).max)  # inf, NaN
+        self._expensive[2, i] = torch.log2(xmax / median.clamp_min(torch.finfo(torch.float32).tiny))
 
     def _abs_f32(self, x: torch.Tensor) -> torch.Tensor:
         """|x| as a flat float32 tensor. On CPU into a reused scratch buffer: a fresh multi-MB
@@ -307,7 +313,9 @@ class Fp8Monitor:
         if not self.tensors or self._device is None:
             return None, False
         # |x| max from the hooks' signed extremes, then the recipe tensors' own amax on top.
-        torch.maximum(self._hi, self._lo.neg(), out=self._amax)
+        has_shadow = len(self._recipe_idx) < len(self.tensors)  # hooks' extremes only for shadow tensors
+        if has_shadow:
+            torch.maximum(self._hi, self._lo.neg(), out=self._amax)
         self._read_recipes()
         amax = self._amax
         A_prev = self._a_prev()  # the amax the scale in use was built from (0: no history yet)
@@ -327,8 +335,9 @@ class Fp8Monitor:
             parts.extend(self._expensive.unbind(0))
         out = torch.cat(parts)
         self._push_history(amax)
-        self._hi.zero_()
-        self._lo.zero_()
+        if has_shadow:
+            self._hi.zero_()
+            self._lo.zero_()
         if expensive:
             self._expensive.zero_()
         self._step_counter += 1
@@ -358,10 +367,11 @@ class Fp8Monitor:
         self._history[self._hist_pos] = amax
         self._hist_pos = (self._hist_pos + 1) % self._rows
         self._hist_filled = min(self._rows, self._hist_filled + 1)
-        # The shadow recipe's next scale: s = (fp8_max / A) / 2**margin; A == 0 keeps the old one.
-        A = self._a_prev()
-        new_scale = self._fmax / A.clamp_min(torch.finfo(torch.float32).tiny) / 2.0**self.margin
-        self._scale.copy_(torch.where((A > 0) & torch.isfinite(A), new_scale, self._scale))
+        if len(self._recipe_idx) < len(self.tensors):
+            # The shadow recipe's next scale: s = (fp8_max / A) / 2**margin; A == 0 keeps the old one.
+            A = self._a_prev()
+            new_scale = self._fmax / A.clamp_min(torch.finfo(torch.float32).tiny) / 2.0**self.margin
+            self._scale.copy_(torch.where((A > 0) & torch.isfinite(A), new_scale, self._scale))
         if self._recipe:  # the expensive tier of recipe tensors uses the recipe's real scale
             self._scale.index_copy_(0, self._recipe_idx, self._scale_used.index_select(0, self._recipe_idx))
 
