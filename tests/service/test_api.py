@@ -71,6 +71,20 @@ def test_unknown_run_and_oversized_body(client: TestClient) -> None:
     assert resp.status_code == 413 and "exceeds" in resp.json()["detail"]
 
 
+def test_chunked_body_without_length_is_held_to_the_limit_too(client: TestClient) -> None:
+    client.post("/v1/runs", json={"run": "r1"})
+    big = json.dumps(_batch(steps=range(3000))).encode()
+
+    def chunks():  # no Content-Length: the body limit must be enforced while reading
+        for i in range(0, len(big), 4096):
+            yield big[i : i + 4096]
+
+    resp = client.post("/v1/batches", content=chunks(), headers={"content-type": "application/json"})
+    # the route's own check (the middleware's message names the declared length)
+    assert resp.status_code == 413 and resp.json()["detail"].startswith("request body exceeds the limit")
+    assert client.get("/v1/runs/r1").json()["step_records"] == 0
+
+
 def test_metrics_and_openapi(client: TestClient) -> None:
     client.post("/v1/runs", json={"run": "r1"})
     client.post("/v1/batches", json=_batch())

@@ -48,7 +48,15 @@ async def _batch_from_body(request: Request) -> AnyBatch:
     Errors are raised as FastAPI's, with the same `body.` locations, so the 422 message still
     names the offending field (records.3.step.step_seconds).
     """
-    body = await request.body()
+    limit = request.app.state.settings.max_body_bytes
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():  # BodyLimit saw no Content-Length if this is chunked
+        size += len(chunk)
+        if size > limit:
+            raise HTTPException(413, f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    body = b"".join(chunks)
     if len(body) > _PARSE_INLINE_BYTES:
         return await run_in_threadpool(_decode, body)
     return _decode(body)
