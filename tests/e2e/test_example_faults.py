@@ -125,14 +125,17 @@ def test_crash_and_relaunch_resumes_from_the_last_checkpoint(tmp_path: Path, unu
 def test_fp8_run_with_gradient_spikes_pages_clipping_on_the_right_tensors(tmp_path: Path, unused_port: int) -> None:
     """--fp8 trains through emulated delayed scaling; loss spikes x50 overflow the E5M2
     grad_output scales: clipping is paged per tensor from the first spike, spikes are counted.
-    (Spike steps are multiples of 10: the agent's default FP8 cadence samples every 10th step.)"""
+    (The emulated recipe is read every step, so any spike step would do.)"""
     col = Collector(tmp_path, unused_port)
     try:
         run = _torchrun(["--run-name", "fp8", "--steps", "240", "--collector", col.url, "--fp8",
                          "--spike-steps", "120,150,180,210", "--spike-scale", "50"], tmp_path, ranks=2)
         assert run.returncode == 0, run.stderr[-3000:]
+        # Until the fourth spike is counted: the finding appears with the first spike the worker
+        # has reduced, and the last steps may still be settling when the job exits.
         findings = col.wait_for("/v1/runs/fp8/findings",
-                                lambda fs: any(f["kind"] == "grad_spike" for f in fs), timeout=120)
+                                lambda fs: any(f["kind"] == "grad_spike" and f["magnitude"] >= 4 for f in fs),
+                                timeout=120)
         worst = _get(col.url + "/v1/runs/fp8/tensors/worst?k=3")
     finally:
         col.stop()
