@@ -219,15 +219,12 @@ class Agent:
                     self._pending_grads, total = shared
             except Exception as exc:  # noqa: BLE001 - fall back to torch's clipping below
                 self._errors.record("clip_grad_norm_", exc)
-        if total is None:
-            self.grads_ready()
+        # A non-finite total the job asked to be told about: torch's own clip raises torch's error
+        # (the check is a device sync, in torch as here).
+        if total is None or (error_if_nonfinite and not torch.isfinite(total)):
+            if total is None:
+                self.grads_ready()
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(  # torch's message and condition (a device sync, as in torch)
-                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
-                "cannot be clipped. To disable this error and scale the gradients by the non-finite norm "
-                "anyway, set `error_if_nonfinite=False`"
-            )
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
         return total
 

@@ -132,9 +132,8 @@ class Fp8Monitor:
                 for role in ROLES:
                     self.tensors.append(MonitoredTensor(fqn, role, formats[role], False))
         n = len(self.tensors)
-        self._shadow_idx = torch.tensor(
-            [i for i, t in enumerate(self.tensors) if not t.recipe], dtype=torch.long
-        )
+        # Shadow tensors get hooks, extremes and a shadow scale; a recipe-only monitor skips that math.
+        self._has_shadow = any(not t.recipe for t in self.tensors)
         self._fmax = torch.tensor([FP8_MAX[t.fmt] for t in self.tensors], dtype=torch.float32)
         self._min_sub = torch.tensor([FP8_MIN_SUBNORMAL[t.fmt] for t in self.tensors], dtype=torch.float32)
         self._device: torch.device | None = None
@@ -177,7 +176,7 @@ class Fp8Monitor:
         # First hook call: move the buffers next to the activations, once.
         self._device = device
         for attr in (
-            "_amax", "_hi", "_lo", "_history", "_scale", "_expensive", "_fmax", "_min_sub", "_shadow_idx",
+            "_amax", "_hi", "_lo", "_history", "_scale", "_expensive", "_fmax", "_min_sub",
             "_recipe_idx", "_scale_next", "_scale_used",
         ):  # fmt: skip
             setattr(self, attr, getattr(self, attr).to(device))
@@ -313,8 +312,7 @@ class Fp8Monitor:
         if not self.tensors or self._device is None:
             return None, False
         # |x| max from the hooks' signed extremes, then the recipe tensors' own amax on top.
-        has_shadow = len(self._recipe_idx) < len(self.tensors)  # hooks' extremes only for shadow tensors
-        if has_shadow:
+        if self._has_shadow:  # the hooks' extremes
             torch.maximum(self._hi, self._lo.neg(), out=self._amax)
         self._read_recipes()
         amax = self._amax
@@ -335,7 +333,7 @@ class Fp8Monitor:
             parts.extend(self._expensive.unbind(0))
         out = torch.cat(parts)
         self._push_history(amax)
-        if has_shadow:
+        if self._has_shadow:
             self._hi.zero_()
             self._lo.zero_()
         if expensive:
@@ -367,7 +365,7 @@ class Fp8Monitor:
         self._history[self._hist_pos] = amax
         self._hist_pos = (self._hist_pos + 1) % self._rows
         self._hist_filled = min(self._rows, self._hist_filled + 1)
-        if len(self._recipe_idx) < len(self.tensors):
+        if self._has_shadow:
             # The shadow recipe's next scale: s = (fp8_max / A) / 2**margin; A == 0 keeps the old one.
             A = self._a_prev()
             new_scale = self._fmax / A.clamp_min(torch.finfo(torch.float32).tiny) / 2.0**self.margin

@@ -100,15 +100,19 @@ def _twin_models() -> tuple[nn.Module, nn.Module, torch.Tensor]:
     return model, copy.deepcopy(model), torch.randint(0, 10, (4, 5))
 
 
-def test_agent_clip_is_torchs_clip_with_one_norm_pass(tmp_path, monkeypatch) -> None:
+def _attached_twins(tmp_path):
+    """An agent on one of two identical models (the other clips with torch), recording to a file."""
     import trainvitals.agent as tv
 
     ours, theirs, x = _twin_models()
     opt = torch.optim.SGD(ours.parameters(), lr=0.1)
     record = tmp_path / "rec.jsonl"
-    agent = tv.attach(
-        ours, opt, run="clip", config=tv.AgentConfig(collector="", spill_dir=str(tmp_path), record_file=str(record))
-    )
+    config = tv.AgentConfig(collector="", spill_dir=str(tmp_path), record_file=str(record))
+    return tv.attach(ours, opt, run="clip", config=config), opt, ours, theirs, x, record
+
+
+def test_agent_clip_is_torchs_clip_with_one_norm_pass(tmp_path, monkeypatch) -> None:
+    agent, opt, ours, theirs, x, record = _attached_twins(tmp_path)
     passes = 0
     real_norm = torch._foreach_norm
 
@@ -143,14 +147,7 @@ def test_agent_clip_is_torchs_clip_with_one_norm_pass(tmp_path, monkeypatch) -> 
 
 @pytest.mark.parametrize("case", ["inf_norm", "subset", "nonfinite"])
 def test_agent_clip_falls_back_to_torch_where_one_pass_cannot_answer(tmp_path, case) -> None:
-    import trainvitals.agent as tv
-
-    ours, theirs, x = _twin_models()
-    opt = torch.optim.SGD(ours.parameters(), lr=0.1)
-    record = tmp_path / "rec.jsonl"
-    agent = tv.attach(
-        ours, opt, run="clip", config=tv.AgentConfig(collector="", spill_dir=str(tmp_path), record_file=str(record))
-    )
+    agent, opt, ours, theirs, x, record = _attached_twins(tmp_path)
     try:
         ours(x).pow(2).mean().backward()
         theirs(x).pow(2).mean().backward()

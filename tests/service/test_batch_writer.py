@@ -85,16 +85,22 @@ def test_one_group_decides_each_batch_on_its_own(sessions) -> None:
     assert project_a == {("r1", "stored"), ("r1", "duplicate")}
 
 
-def test_writer_groups_what_queued_during_a_commit(sessions) -> None:
-    gate = threading.Event()
-    opened = threading.Event()
+def _first_session_held(sessions):
+    """A session factory whose first call blocks until `gate` is set: the writer is "committing"
+    its first group while the batches submitted meanwhile queue up. `opened`: that call began."""
+    opened, gate = threading.Event(), threading.Event()
 
-    def slow_first_session():
+    def factory():
         if not opened.is_set():
             opened.set()
-            gate.wait(10)  # the writer is "committing" the first batch while the rest queue up
+            gate.wait(10)
         return sessions()
 
+    return opened, gate, factory
+
+
+def test_writer_groups_what_queued_during_a_commit(sessions) -> None:
+    opened, gate, slow_first_session = _first_session_held(sessions)
     writer = BatchWriter(slow_first_session)
     try:
         first = writer.submit(_batch(0, 0), project=None)
@@ -132,15 +138,7 @@ def test_a_value_the_database_refuses_rejects_only_its_batch(sessions) -> None:
     """staleness_steps is a 32-bit column on PostgreSQL and a 64-bit one on SQLite: a value past
     both is valid JSON and valid wire format, but no database stores it. The group it landed in
     is retried batch by batch, so its neighbours are stored and only it is refused (no retry loop)."""
-    gate = threading.Event()
-    opened = threading.Event()
-
-    def slow_first_session():
-        if not opened.is_set():
-            opened.set()
-            gate.wait(10)
-        return sessions()
-
+    opened, gate, slow_first_session = _first_session_held(sessions)
     writer = BatchWriter(slow_first_session)
     try:
         first = writer.submit(_batch(0, 0), project=None)
