@@ -11,14 +11,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from sqlalchemy import Integer, delete, func, insert, select
 from sqlalchemy.orm import Session
 
-from trainvitals.service import advice, reduce
+from trainvitals.service import reduce
+from trainvitals.service.detector_inputs import DetectorInputs
 from trainvitals.service.store.models import (
-    CheckpointRow,
-    EventRow,
     FindingRow,
     GradStatRow,
     GradSummary,
@@ -71,23 +69,38 @@ def _state(session: Session, run_id: str) -> ReductionState:
 
 
 def _reduce_upto(session: Session, run: Run, start: int, now: float, settle: float) -> int:
-    """Newest step every rank has reported (low watermark), or older than the settle time."""
-    per_rank = session.execute(
-        select(StepRow.rank, func.max(StepRow.step)).where(StepRow.run_id == run.run_id).group_by(StepRow.rank)
-    ).all()
-    if not per_rank:
-        return start - 1
-    watermark = min(s for _, s in per_rank) if len(per_rank) >= run.world_size else start - 1
-    settled = session.scalar(
-        select(func.max(StepRow.step)).where(StepRow.run_id == run.run_id, StepRow.ts <= now - settle)
-    )
+    """Newest step up to which every rank has reported (low watermark), or older than the settle
+    time. Reads only steps >= start: the cost of a cycle follows the new rows, not the run's length."""
+    rid = run.run_id
     if run.status == "finished":
-        settled = max(s for _, s in per_rank)
+        newest = session.scalar(select(func.max(StepRow.step)).where(StepRow.run_id == rid))
+        return start - 1 if newest is None else int(newest)
+    watermark = start - 1
+    for step, ranks in session.execute(
+        select(StepRow.step, func.count(func.distinct(StepRow.rank)))
+        .where(StepRow.run_id == rid, StepRow.step >= start)
+        .group_by(StepRow.step)
+        .order_by(StepRow.step)
+    ):
+        if ranks < run.world_size:
+            break
+        watermark = step
+    settled = session.scalar(
+        select(func.max(StepRow.step)).where(StepRow.run_id == rid, StepRow.step >= start, StepRow.ts <= now - settle)
+    )
     return max(watermark, settled if settled is not None else -1)
 
 
 def reduce_run(session: Session, run: Run, *, now: float, config: PipelineConfig = PipelineConfig()) -> int:
     """Reduce not-yet-reduced (or re-dirtied) steps; returns how many steps were (re)written."""
+    return reduce_steps(session, run, now=now, config=config)[0]
+
+
+def reduce_steps(session: Session, run: Run, *, now: float, config: PipelineConfig) -> tuple[int, int | None]:
+    """(steps (re)written, the first step whose stored rows changed since the last cycle or None).
+
+    Late rows for reduced steps that cannot be reduced again yet (the watermark has not reached
+    them) still count as changed: the detectors' per-rank timing reads raw rows."""
     state = _state(session, run.run_id)
     start = state.reduced_upto + 1
     if state.dirty_from is not None:
@@ -95,7 +108,7 @@ def reduce_run(session: Session, run: Run, *, now: float, config: PipelineConfig
     upto = _reduce_upto(session, run, start, now, config.settle_seconds)
     if upto < start:
         session.commit()
-        return 0
+        return 0, state.dirty_from
     # Whole rank windows are recomputed, so read from the start of the first touched window.
     w = config.rank_window_steps
     read_from = min(start, start // w * w)
@@ -154,7 +167,7 @@ def reduce_run(session: Session, run: Run, *, now: float, config: PipelineConfig
     state.reduced_upto = max(state.reduced_upto, upto)
     state.dirty_from = None
     session.commit()
-    return len(steps)
+    return len(steps), start
 
 
 def _keep_set(rows: list[reduce.StepIn]) -> set[tuple[int, int, int]] | None:
@@ -219,178 +232,29 @@ def _tensor_summaries(session: Session, run_id: str, start: int, upto: int) -> l
 # --------------------------------------------------------------------------- detector inputs
 
 
-def _rank_steps(session: Session, run_id: str, *, reduced_upto: int | None, lookback: int) -> Any:
-    """Per-step x per-rank timing matrices over the recent `lookback` reduced steps (the straggler
-    detectors window them themselves and need per-step tails for intermittent slowness). Memory is
-    lookback x ranks x 3 floats: 600 x 16,384 ~ 236 MB, so keep the lookback modest at that scale."""
-    from trainvitals.service.detectors.series import RankSteps
+def build_series(
+    session: Session,
+    run: Run,
+    *,
+    now: float,
+    config: PipelineConfig = PipelineConfig(),
+    inputs: DetectorInputs | None = None,
+    rewritten_from: int | None = None,
+) -> Any:
+    """RunSeries (the detectors' input) from the summary tables, over the recent lookback.
 
-    if reduced_upto is None:
-        return None
-    rows = session.execute(
-        select(
-            StepRow.step,
-            StepRow.rank,
-            StepRow.incarnation,
-            StepRow.step_seconds,
-            StepRow.compute_seconds,
-            StepRow.wait_seconds,
-            StepRow.pp_stage,
-        )
-        .where(StepRow.run_id == run_id, StepRow.step > reduced_upto - lookback, StepRow.step <= reduced_upto)
-        .order_by(StepRow.incarnation)  # the newest incarnation is written last and wins
-    ).all()
-    if not rows:
-        return None
-    steps = sorted({r[0] for r in rows})
-    rank_ids = sorted({r[1] for r in rows})
-    si = {x: i for i, x in enumerate(steps)}
-    ri = {x: i for i, x in enumerate(rank_ids)}
-    mats = [np.full((len(steps), len(rank_ids)), np.nan) for _ in range(3)]
-    stage = np.full(len(rank_ids), -1, dtype=np.int64)
-    for step, rank, _inc, total, comp, wait, pp in rows:
-        i, j = si[step], ri[rank]
-        mats[0][i, j] = total
-        mats[1][i, j] = np.nan if comp is None else comp
-        mats[2][i, j] = np.nan if wait is None else wait
-        if pp is not None:
-            stage[j] = pp
-    return RankSteps(
-        steps=np.array(steps, dtype=np.int64),
-        ranks=np.array(rank_ids, dtype=np.int64),
-        step_seconds=mats[0],
-        compute_seconds=mats[1],
-        wait_seconds=mats[2],
-        pp_stage=stage,
-    )
-
-
-def build_series(session: Session, run: Run, *, now: float, config: PipelineConfig = PipelineConfig()) -> Any:
-    """RunSeries (the detectors' input) from the summary tables, over the recent lookback."""
-    from trainvitals.service.detectors.series import (
-        CheckpointEvent,
-        GroupGradNorms,
-        RunEvent,
-        RunSeries,
-        RunSteps,
-        TensorSeries,
-    )
-
-    rid = run.run_id
-    latest = session.scalar(select(func.max(StepSummary.step)).where(StepSummary.run_id == rid))
-    lo = -1 if latest is None else latest - config.detector_lookback_steps
-    s = StepSummary
-    rows = session.execute(
-        select(
-            s.step, s.loss, s.grad_norm, s.grad_nonfinite, s.step_seconds_max, s.ts, s.tokens, s.flops, s.loss_nonfinite
-        )
-        .where(s.run_id == rid, s.step > lo)
-        .order_by(s.step)
-    ).all()
-    cols = list(zip(*rows, strict=True)) if rows else [[] for _ in range(9)]
-
-    def arr(values: Any, dtype: Any = np.float64) -> np.ndarray:
-        return np.array([np.nan if v is None else v for v in values], dtype=dtype)
-
-    steps = RunSteps(
-        steps=np.array(cols[0], dtype=np.int64),
-        loss=arr(cols[1]),
-        grad_norm=arr(cols[2]),
-        grad_nonfinite=np.array(cols[3], dtype=np.int64),
-        step_seconds=arr(cols[4]),
-        ts=arr(cols[5]),
-        tokens=arr(cols[6]),
-        flops=arr(cols[7]),
-    )
-
-    g = GradSummary
-    grad_rows = session.execute(
-        select(g.step, g.group_name, g.norm).where(g.run_id == rid, g.step > lo, g.group_name != GLOBAL_GROUP)
-    ).all()
-    groups = None
-    if grad_rows:
-        names = sorted({r[1] for r in grad_rows})
-        gsteps = sorted({r[0] for r in grad_rows})
-        gi = {n: i for i, n in enumerate(names)}
-        si = {x: i for i, x in enumerate(gsteps)}
-        norms = np.full((len(gsteps), len(names)), np.nan)
-        for st, name, norm in grad_rows:
-            norms[si[st], gi[name]] = norm
-        groups = GroupGradNorms(steps=np.array(gsteps, dtype=np.int64), groups=names, norms=norms)
-
-    t = TensorSummary
-    tensor_rows = session.execute(
-        select(
-            t.tensor,
-            t.role,
-            t.format,
-            t.shadow,
-            t.step,
-            t.amax,
-            t.headroom_bits,
-            t.lag_bits,
-            t.sat_frac,
-            t.underflow_frac,
-            t.nonfinite,
-        )
-        .where(t.run_id == rid, t.step > lo)
-        .order_by(t.tensor, t.role, t.step)
-    ).all()
-    tensors: list[Any] = []
-    by_tensor: dict[tuple[str, str], list[Any]] = {}
-    for r in tensor_rows:
-        by_tensor.setdefault((r[0], r[1]), []).append(r)
-    for (name, role), rs in by_tensor.items():
-        c = list(zip(*rs, strict=True))
-        tensors.append(
-            TensorSeries(
-                tensor=name,
-                role=role,
-                format=rs[0][2],
-                shadow=bool(rs[0][3]),
-                steps=np.array(c[4], dtype=np.int64),
-                amax=arr(c[5]),
-                headroom_bits=arr(c[6]),
-                lag_bits=arr(c[7]),
-                sat_frac=arr(c[8]),
-                underflow_frac=arr(c[9]),
-                nonfinite=arr(c[10]),
-            )
-        )
-
-    ranks = _rank_steps(session, rid, reduced_upto=latest, lookback=config.straggler_lookback_steps)
-
-    checkpoints = [
-        CheckpointEvent(
-            generation=c.generation,
-            step=c.step,
-            status=c.status,
-            ts=c.ts,
-            stall_seconds=c.stall_seconds,
-            persist_seconds=c.persist_seconds,
-        )
-        for c in session.scalars(select(CheckpointRow).where(CheckpointRow.run_id == rid).order_by(CheckpointRow.ts))
-    ]
-    events = [
-        RunEvent(event=e.event, ts=e.ts, step=e.step, detail=e.detail, rank=e.rank)
-        for e in session.scalars(select(EventRow).where(EventRow.run_id == rid).order_by(EventRow.ts))
-    ]
-    reg = run.registration or {}
-    history_len = (reg.get("fp8") or {}).get("history_len")
-    for ts_ in tensors:
-        ts_.history_len = history_len
-    return RunSeries(
-        run=rid,
-        steps=steps,
-        groups=groups,
-        tensors=tensors,
-        ranks=ranks,
-        checkpoints=checkpoints,
-        events=events,
-        expected_mfu=advice.expected_mfu(reg),
-        peak_flops_total=peak_flops_total(reg),
-        checkpoint_interval_seconds=(reg.get("checkpoint") or {}).get("interval_seconds"),
+    inputs: what an earlier cycle read for this run (the worker keeps one per run); None reads
+    the whole lookback. rewritten_from: the first step this cycle's reduction (re)wrote.
+    """
+    inputs = DetectorInputs() if inputs is None else inputs
+    return inputs.build(
+        session,
+        run,
+        rewritten_from=rewritten_from,
         now=now,
+        lookback_steps=config.detector_lookback_steps,
+        rank_lookback_steps=config.straggler_lookback_steps,
+        peak_flops_total=peak_flops_total(run.registration),
     )
 
 
@@ -443,15 +307,23 @@ def store_findings(session: Session, run_id: str, findings: list[Any], *, now: f
 
 
 def process_run(
-    session: Session, run: Run, *, now: float | None = None, config: PipelineConfig = PipelineConfig()
+    session: Session,
+    run: Run,
+    *,
+    now: float | None = None,
+    config: PipelineConfig = PipelineConfig(),
+    inputs: DetectorInputs | None = None,
 ) -> int:
-    """Reduce, detect, store findings. Returns the number of steps reduced."""
+    """Reduce, detect, store findings. Returns the number of steps reduced.
+
+    inputs: the run's detector inputs kept from the previous cycle (live worker); None: read them whole.
+    """
     now = time.time() if now is None else now
-    reduced = reduce_run(session, run, now=now, config=config)
+    reduced, first = reduce_steps(session, run, now=now, config=config)
     from trainvitals.service.detectors.run_all import DetectorConfig, detect
     from trainvitals.service.detectors.suppression import SuppressionConfig
 
-    series = build_series(session, run, now=now, config=config)
+    series = build_series(session, run, now=now, config=config, inputs=inputs, rewritten_from=first)
     detector_config = DetectorConfig(suppression=SuppressionConfig(warmup_steps=config.detector_warmup_steps))
     store_findings(session, run.run_id, detect(series, config=detector_config), now=now)
     return reduced

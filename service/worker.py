@@ -15,6 +15,7 @@ from collections.abc import Callable
 from sqlalchemy.orm import Session
 
 from trainvitals.service import pipeline
+from trainvitals.service.detector_inputs import DetectorInputs
 from trainvitals.service.leader import AnalysisLease
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import queries
@@ -47,6 +48,7 @@ class AnalysisWorker:
             rank_window_steps=settings.rank_window_steps,
             detector_warmup_steps=settings.detector_warmup_steps,
         )
+        self._inputs: dict[str, DetectorInputs] = {}  # per live run, kept between cycles
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_log = 0.0
@@ -65,14 +67,18 @@ class AnalysisWorker:
                 idle_seconds=self._settings.idle_run_seconds,
             )
             run_ids = [r.run_id for r in runs]
+        for gone in self._inputs.keys() - set(run_ids):
+            del self._inputs[gone]
         for run_id in run_ids:
             with self._session_factory() as session:
                 try:
                     run = queries.get_run(session, run_id=run_id)
                     if run is not None:
-                        total += pipeline.process_run(session, run, now=now, config=self._config)
+                        inputs = self._inputs.setdefault(run_id, DetectorInputs())
+                        total += pipeline.process_run(session, run, now=now, config=self._config, inputs=inputs)
                 except Exception as exc:  # noqa: BLE001 - keep analysing the other runs
                     session.rollback()
+                    self._inputs.pop(run_id, None)  # read it whole next time
                     self.errors += 1
                     if now - self._last_log > 60:
                         self._last_log = now
@@ -86,6 +92,9 @@ class AnalysisWorker:
                 # Only the lease holder analyses; the others keep checking, to take over if it dies.
                 if self._lease is None or self._lease.acquire():
                     self.run_once()
+                else:
+                    # Another process analyses meanwhile: what this one kept goes stale.
+                    self._inputs.clear()
         finally:
             if self._lease is not None:
                 self._lease.release()

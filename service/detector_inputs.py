@@ -1,0 +1,367 @@
+"""The detectors' input for one run (`RunSeries`), read from the summary tables and kept between
+analysis cycles.
+
+A cycle re-reads only the steps its reduction (re)wrote. Everything older is unchanged in the
+store: late data re-dirties the steps it lands on and the reduction rewrites them, which lowers the
+step this cache reloads from. So a 16,384-rank run costs the rows of its new steps per cycle, not
+its whole lookback again (600 steps x 16,384 ranks of timing and 20,000 steps of every monitored
+tensor: tens of millions of rows, minutes per cycle). A fresh instance loads the whole lookback,
+which is what replay and the first cycle after a start or a lease takeover do, through this code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from trainvitals.service import advice
+from trainvitals.service.detectors.series import (
+    CheckpointEvent,
+    GroupGradNorms,
+    RankSteps,
+    RunEvent,
+    RunSeries,
+    RunSteps,
+    TensorSeries,
+)
+from trainvitals.service.store.models import (
+    CheckpointRow,
+    EventRow,
+    GradSummary,
+    Run,
+    StepRow,
+    StepSummary,
+    TensorSummary,
+)
+from trainvitals.service.store.queries import GLOBAL_GROUP
+
+_I64, _F64 = np.int64, np.float64
+
+
+def _column(values: Sequence[Any], dtype: Any) -> np.ndarray:
+    if dtype is _F64:
+        return np.array([np.nan if v is None else v for v in values], dtype=_F64)
+    return np.array([0 if v is None else v for v in values], dtype=dtype)
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    # Kept arrays go to the detectors as they are, cycle after cycle: one that wrote into its input
+    # would corrupt the next cycle's, so writing raises instead.
+    a.flags.writeable = False
+    return a
+
+
+class _Columns:
+    """One source's rows as numpy columns, ascending by their first column (the step)."""
+
+    def __init__(self, dtypes: Sequence[Any]) -> None:
+        self.dtypes = tuple(dtypes)
+        self.cols = [np.empty(0, dtype=d) for d in self.dtypes]
+
+    @property
+    def steps(self) -> np.ndarray:
+        return self.cols[0]
+
+    def cut(self, *, after: float, upto: float) -> None:
+        """Keep the rows with after < step <= upto (views, no copy)."""
+        lo = int(np.searchsorted(self.steps, after, side="right"))
+        hi = int(np.searchsorted(self.steps, upto, side="right"))
+        self.cols = [c[lo:hi] for c in self.cols]
+
+    def append(self, rows: Sequence[Sequence[Any]]) -> None:
+        if rows:
+            new = list(zip(*rows, strict=True))
+            self.cols = [
+                _frozen(np.concatenate([c, _column(v, d)])) for c, v, d in zip(self.cols, new, self.dtypes, strict=True)
+            ]
+
+
+class _RankMatrix:
+    """Per-step x per-rank timing (newest incarnation wins), extended by the rows of new steps."""
+
+    def __init__(self) -> None:
+        self.steps = np.empty(0, dtype=_I64)
+        self.ranks = np.empty(0, dtype=_I64)
+        self.mats = [np.empty((0, 0)) for _ in range(3)]  # step, compute, wait seconds
+        self.stage = np.empty(0, dtype=_I64)
+
+    def cut(self, *, after: float, upto: float) -> None:
+        lo = int(np.searchsorted(self.steps, after, side="right"))
+        hi = int(np.searchsorted(self.steps, upto, side="right"))
+        self.steps = self.steps[lo:hi]
+        self.mats = [m[lo:hi] for m in self.mats]
+        # A rank that has no step left in the window is not part of it (as in a fresh read).
+        present = ~np.all(np.isnan(self.mats[0]), axis=0) if len(self.steps) else np.zeros(len(self.ranks), bool)
+        if not present.all():
+            self.ranks, self.stage = self.ranks[present], self.stage[present]
+            self.mats = [m[:, present] for m in self.mats]
+
+    def _widen(self, ranks: np.ndarray) -> None:
+        """Add columns (NaN) for ranks seen for the first time, keeping the ranks sorted."""
+        union = np.union1d(self.ranks, ranks)
+        if len(union) == len(self.ranks):
+            return
+        at = np.searchsorted(union, self.ranks)
+        mats = []
+        for m in self.mats:
+            wide = np.full((m.shape[0], len(union)), np.nan)
+            wide[:, at] = m
+            mats.append(wide)
+        stage = np.full(len(union), -1, dtype=_I64)
+        stage[at] = self.stage
+        self.ranks, self.mats, self.stage = union, mats, stage
+
+    def append(self, rows: Sequence[Sequence[Any]]) -> None:
+        """rows: (step, rank, incarnation, step_s, compute_s, wait_s, pp_stage) of steps newer than
+        every held step, ordered by incarnation (the newest is written last and wins)."""
+        if not rows:
+            return
+        step, rank, _inc, total, comp, wait, pp = (list(c) for c in zip(*rows, strict=True))
+        step_a, rank_a = np.array(step, dtype=_I64), np.array(rank, dtype=_I64)
+        self._widen(np.unique(rank_a))
+        new_steps = np.unique(step_a)
+        si = np.searchsorted(new_steps, step_a)
+        ri = np.searchsorted(self.ranks, rank_a)
+        # Last row per (step, rank) cell: the newest incarnation (fancy assignment order is unspecified).
+        cell = si * len(self.ranks) + ri
+        _, last_rev = np.unique(cell[::-1], return_index=True)
+        last = len(cell) - 1 - last_rev
+        block = []
+        for values in (total, comp, wait):
+            m = np.full((len(new_steps), len(self.ranks)), np.nan)
+            m[si[last], ri[last]] = _column(values, _F64)[last]
+            block.append(m)
+        self.steps = np.concatenate([self.steps, new_steps])
+        self.mats = [_frozen(np.concatenate([old, new])) for old, new in zip(self.mats, block, strict=True)]
+        pp_a = np.array([-1 if p is None else p for p in pp], dtype=_I64)
+        known = pp_a >= 0
+        self.stage[ri[known]] = pp_a[known]
+
+    def series(self) -> RankSteps | None:
+        if not len(self.steps):
+            return None
+        return RankSteps(
+            steps=self.steps,
+            ranks=self.ranks,
+            step_seconds=self.mats[0],
+            compute_seconds=self.mats[1],
+            wait_seconds=self.mats[2],
+            pp_stage=self.stage.copy(),
+        )
+
+
+_STEP_DTYPES = (_I64, _F64, _F64, _I64, _F64, _F64, _F64, _F64, _I64)
+_TENSOR_DTYPES = (_I64, _F64, _F64, _F64, _F64, _F64, _F64)
+
+
+class DetectorInputs:
+    """Usage::
+
+    inputs = DetectorInputs()          # one per run, kept by the analysis worker
+    series = inputs.build(session, run, rewritten_from=first_step_reduced_this_cycle, ...)
+
+    `rewritten_from`: the lowest step whose summaries (or raw timing rows) changed since the last
+    build (None: nothing changed). Rows below it are kept, rows from it on are read again.
+    """
+
+    def __init__(self) -> None:
+        self.loaded_upto: int | None = None  # newest step read (None: nothing read yet)
+        self._steps = _Columns(_STEP_DTYPES)
+        self._groups = _Columns((_I64, np.int32, _F64))  # step, group code, norm
+        self._group_names: list[str] = []
+        self._group_code: dict[str, int] = {}
+        self._tensors: dict[tuple[str, str], tuple[str, bool, _Columns]] = {}
+        self._ranks = _RankMatrix()
+
+    def build(
+        self,
+        session: Session,
+        run: Run,
+        *,
+        rewritten_from: int | None,
+        now: float,
+        lookback_steps: int,
+        rank_lookback_steps: int,
+        peak_flops_total: float | None,
+    ) -> RunSeries:
+        rid = run.run_id
+        latest = session.scalar(
+            select(StepSummary.step).where(StepSummary.run_id == rid).order_by(StepSummary.step.desc()).limit(1)
+        )
+        latest = -1 if latest is None else int(latest)
+        since = -1 if self.loaded_upto is None else self.loaded_upto  # rows above this step are read
+        if rewritten_from is not None:
+            since = min(since, rewritten_from - 1)
+        lo = latest - lookback_steps
+        # Drop what is re-read and what left the lookback; then read (max(since, lo), latest].
+        self._cut(after=lo, upto=since, rank_after=latest - rank_lookback_steps)
+        self._read(session, rid, after=max(since, lo), upto=latest, rank_after=max(since, latest - rank_lookback_steps))
+        self.loaded_upto = latest
+        return self._series(session, run, now=now, peak_flops_total=peak_flops_total)
+
+    def _cut(self, *, after: int, upto: int, rank_after: int) -> None:
+        self._steps.cut(after=after, upto=upto)
+        self._groups.cut(after=after, upto=upto)
+        for key, (*_, cols) in list(self._tensors.items()):
+            cols.cut(after=after, upto=upto)
+            if not len(cols.steps):  # left the window: a fresh read would not list it
+                del self._tensors[key]
+        self._ranks.cut(after=rank_after, upto=upto)
+
+    def _read(self, session: Session, rid: str, *, after: int, upto: int, rank_after: int) -> None:
+        if upto <= after and upto <= rank_after:
+            return
+        s = StepSummary
+        self._steps.append(
+            session.execute(
+                select(
+                    s.step,
+                    s.loss,
+                    s.grad_norm,
+                    s.grad_nonfinite,
+                    s.step_seconds_max,
+                    s.ts,
+                    s.tokens,
+                    s.flops,
+                    s.loss_nonfinite,
+                )  # fmt: skip
+                .where(s.run_id == rid, s.step > after, s.step <= upto)
+                .order_by(s.step)
+            ).all()
+        )
+        g = GradSummary
+        grad_rows = session.execute(
+            select(g.step, g.group_name, g.norm)
+            .where(g.run_id == rid, g.step > after, g.step <= upto, g.group_name != GLOBAL_GROUP)
+            .order_by(g.step)
+        ).all()
+        for name in sorted({r[1] for r in grad_rows} - self._group_code.keys()):
+            self._group_code[name] = len(self._group_names)
+            self._group_names.append(name)
+        self._groups.append([(st, self._group_code[name], norm) for st, name, norm in grad_rows])
+
+        t = TensorSummary
+        by_tensor: dict[tuple[str, str], list[Any]] = {}
+        first: dict[tuple[str, str], tuple[str, bool]] = {}
+        for r in session.execute(
+            select(
+                t.tensor,
+                t.role,
+                t.format,
+                t.shadow,
+                t.step,
+                t.amax,
+                t.headroom_bits,
+                t.lag_bits,
+                t.sat_frac,
+                t.underflow_frac,
+                t.nonfinite,
+            )  # fmt: skip
+            .where(t.run_id == rid, t.step > after, t.step <= upto)
+            .order_by(t.tensor, t.role, t.step)
+        ):
+            key = (r[0], r[1])
+            by_tensor.setdefault(key, []).append(r[4:])
+            first.setdefault(key, (r[2], bool(r[3])))
+        for key, rows in by_tensor.items():
+            if key not in self._tensors:
+                self._tensors[key] = (*first[key], _Columns(_TENSOR_DTYPES))
+            self._tensors[key][2].append(rows)
+
+        self._ranks.append(
+            session.execute(
+                select(
+                    StepRow.step,
+                    StepRow.rank,
+                    StepRow.incarnation,
+                    StepRow.step_seconds,
+                    StepRow.compute_seconds,
+                    StepRow.wait_seconds,
+                    StepRow.pp_stage,
+                )  # fmt: skip
+                .where(StepRow.run_id == rid, StepRow.step > rank_after, StepRow.step <= upto)
+                .order_by(StepRow.incarnation)  # the newest incarnation is written last and wins
+            ).all()
+        )
+
+    def _series(self, session: Session, run: Run, *, now: float, peak_flops_total: float | None) -> RunSeries:
+        c = self._steps.cols
+        steps = RunSteps(
+            steps=c[0],
+            loss=c[1],
+            grad_norm=c[2],
+            grad_nonfinite=c[3],
+            step_seconds=c[4],
+            ts=c[5],
+            tokens=c[6],
+            flops=c[7],
+            loss_nonfinite=c[8],
+        )
+        groups = None
+        if len(self._groups.steps):
+            gsteps, codes, norms = self._groups.cols
+            present = np.unique(codes)
+            names = sorted(self._group_names[k] for k in present)
+            column = np.full(len(self._group_names), -1, dtype=np.int64)
+            column[[self._group_code[n] for n in names]] = np.arange(len(names))
+            steps_u, row = np.unique(gsteps, return_inverse=True)
+            matrix = np.full((len(steps_u), len(names)), np.nan)
+            matrix[row, column[codes]] = norms
+            groups = GroupGradNorms(steps=steps_u, groups=names, norms=matrix)
+
+        reg = run.registration or {}
+        history_len = (reg.get("fp8") or {}).get("history_len")
+        tensors = []
+        for (name, role), (fmt, shadow, cols) in sorted(self._tensors.items()):
+            st, amax, headroom, lag, sat, under, nonfinite = cols.cols
+            tensors.append(
+                TensorSeries(
+                    tensor=name,
+                    role=role,
+                    format=fmt,
+                    shadow=shadow,
+                    steps=st,
+                    amax=amax,
+                    headroom_bits=headroom,
+                    lag_bits=lag,
+                    sat_frac=sat,
+                    underflow_frac=under,
+                    nonfinite=nonfinite,
+                    history_len=history_len,
+                )  # fmt: skip
+            )
+        rid = run.run_id
+        checkpoints = [
+            CheckpointEvent(
+                generation=c.generation,
+                step=c.step,
+                status=c.status,
+                ts=c.ts,
+                stall_seconds=c.stall_seconds,
+                persist_seconds=c.persist_seconds,
+            )
+            for c in session.scalars(
+                select(CheckpointRow).where(CheckpointRow.run_id == rid).order_by(CheckpointRow.ts)
+            )
+        ]
+        events = [
+            RunEvent(event=e.event, ts=e.ts, step=e.step, detail=e.detail, rank=e.rank)
+            for e in session.scalars(select(EventRow).where(EventRow.run_id == rid).order_by(EventRow.ts))
+        ]
+        return RunSeries(
+            run=rid,
+            steps=steps,
+            groups=groups,
+            tensors=tensors,
+            ranks=self._ranks.series(),
+            checkpoints=checkpoints,
+            events=events,
+            expected_mfu=advice.expected_mfu(reg),
+            peak_flops_total=peak_flops_total,
+            checkpoint_interval_seconds=(reg.get("checkpoint") or {}).get("interval_seconds"),
+            now=now,
+        )

@@ -1,0 +1,122 @@
+"""Detector inputs kept between analysis cycles equal a fresh read of the whole lookback, cycle
+after cycle: through late data, a restart that replays steps, a rank that appears late, tensors
+and groups that come and go, and lookbacks short enough that rows leave the window."""
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+
+from trainvitals.service import ingest, pipeline
+from trainvitals.service.detector_inputs import DetectorInputs
+from trainvitals.service.store import db, queries
+from trainvitals.wire import Batch, RunRegistration
+
+WORLD = 4
+CONFIG = pipeline.PipelineConfig(settle_seconds=5.0, detector_lookback_steps=15, straggler_lookback_steps=7)
+
+
+@pytest.fixture
+def session(db_url: str):
+    engine = db.make_engine(db_url)
+    with db.make_sessionmaker(engine)() as s:
+        yield s
+    engine.dispose()
+
+
+def _records(rank: int, step: int, inc: int, rng: random.Random) -> list[dict]:
+    recs: list[dict] = [
+        {"kind": "step", "step": step, "ts": 100.0 + step, "step_seconds": 1.0 + rng.random(),
+         "compute_seconds": rng.choice([None, 0.8]), "wait_seconds": 0.1, "loss": rng.choice([2.0, 2.5, "nan"]),
+         "tokens": 10, "flops": 1e9, "pp_stage": rank % 2},
+        {"kind": "grad", "step": step, "group": "__global__", "owned_sq": 1.0, "local_sq": 1.0},
+        {"kind": "grad", "step": step, "group": f"layers.{rank % 2}", "owned_sq": rng.random(), "local_sq": 1.0},
+    ]  # fmt: skip
+    if step % 3 == 0 or step > 30:  # a tensor sampled on some steps, another appearing late
+        recs.append({"kind": "tensor", "step": step, "tensor": "layers.0.fc", "role": "input", "format": "e4m3",
+                     "amax": rng.random() * inc, "headroom_bits": rng.random() * 4})  # fmt: skip
+    if step > 20:
+        recs.append({"kind": "tensor", "step": step, "tensor": f"layers.{rank % 2}.proj", "role": "grad_output",
+                     "format": "e5m2", "amax": rng.random(), "headroom_bits": 1.0, "sat_frac": rng.random()})  # fmt: skip
+    return recs
+
+
+def _assert_same(cached: object, fresh: object, path: str = "series") -> None:
+    if isinstance(fresh, np.ndarray):
+        assert isinstance(cached, np.ndarray), path
+        assert cached.dtype == fresh.dtype and cached.shape == fresh.shape, path
+        assert np.array_equal(cached, fresh, equal_nan=fresh.dtype.kind == "f"), path
+    elif dataclasses.is_dataclass(fresh):
+        assert type(cached) is type(fresh), path
+        for f in dataclasses.fields(fresh):
+            _assert_same(getattr(cached, f.name), getattr(fresh, f.name), f"{path}.{f.name}")
+    elif isinstance(fresh, list):
+        assert isinstance(cached, list) and len(cached) == len(fresh), path
+        for i, (c, f) in enumerate(zip(cached, fresh, strict=True)):
+            _assert_same(c, f, f"{path}[{i}]")
+    else:
+        assert cached == fresh, path
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_kept_inputs_equal_a_fresh_read_every_cycle(session, seed: int) -> None:
+    rng = random.Random(seed)
+    ingest.register_run(session, RunRegistration(run="r", parallelism={"world_size": WORLD},
+                                                 hardware={"gpu_count": WORLD, "peak_flops": 1e10}))  # fmt: skip
+    incarnation = dict.fromkeys(range(WORLD), 1)
+    sent = dict.fromkeys(range(WORLD), 0)  # next step each rank sends
+    seq = dict.fromkeys(range(WORLD), 0)
+    inputs = DetectorInputs()
+    for cycle in range(14):
+        n = rng.randint(2, 5)  # steps per batch this cycle, the same for every rank (they run in lockstep)
+        for rank in range(WORLD):
+            if rank == 3 and cycle < 3:
+                continue  # joins late (elastic): the timing matrix gains a column
+            if rank == 3 and cycle == 3:
+                sent[3] = sent[0] - n  # where rank 0 was before this cycle's batch
+            k = n
+            if rank == 2 and cycle in (5, 6):
+                continue  # an outage: its steps arrive late and re-dirty reduced ones
+            if rank == 2 and cycle == 7:
+                k += sent[0] - n - sent[2]  # the spool replays what the outage held back
+            if rank == 1 and cycle == 9:
+                incarnation[1] += 1  # restart from an earlier checkpoint: steps replayed, newest wins
+                sent[1] -= 6
+                k += 6  # and it catches up within the cycle
+            steps = range(sent[rank], sent[rank] + k)
+            recs = [r for s in steps for r in _records(rank, s, incarnation[rank], rng)]
+            batch = Batch.model_validate(
+                {"run": "r", "rank": rank, "incarnation": incarnation[rank], "seq": seq[rank], "records": recs}
+            )
+            ingest.store_batch(session, batch)
+            sent[rank] += k
+            seq[rank] += 1
+        now = 100.0 + max(sent.values()) + rng.choice([0.0, 10.0])  # sometimes the laggards settle
+        run = queries.get_run(session, run_id="r")
+        _, first = pipeline.reduce_steps(session, run, now=now, config=CONFIG)
+        cached = pipeline.build_series(session, run, now=now, config=CONFIG, inputs=inputs, rewritten_from=first)
+        fresh = pipeline.build_series(session, run, now=now, config=CONFIG)
+        _assert_same(cached, fresh)
+    # The scenario reached what it is about: trimmed windows, a full timing matrix, both tensors.
+    assert fresh.ranks is not None and list(fresh.ranks.ranks) == [0, 1, 2, 3]
+    assert len(fresh.ranks.steps) == CONFIG.straggler_lookback_steps
+    assert len(fresh.steps.steps) == CONFIG.detector_lookback_steps
+    assert {t.tensor for t in fresh.tensors} >= {"layers.0.fc", "layers.0.proj", "layers.1.proj"}
+
+
+def test_kept_arrays_are_read_only(session) -> None:
+    """Detectors get the kept arrays themselves: one writing into them must fail, not corrupt the
+    next cycle."""
+    ingest.register_run(session, RunRegistration(run="r", parallelism={"world_size": 1}))
+    rng = random.Random(0)
+    recs = [r for s in range(5) for r in _records(0, s, 1, rng)]
+    ingest.store_batch(session, Batch.model_validate({"run": "r", "rank": 0, "incarnation": 1, "seq": 0,
+                                                      "records": recs}))  # fmt: skip
+    run = queries.get_run(session, run_id="r")
+    pipeline.reduce_steps(session, run, now=1e9, config=CONFIG)
+    series = pipeline.build_series(session, run, now=1e9, config=CONFIG, inputs=DetectorInputs())
+    with pytest.raises(ValueError, match="read-only"):
+        series.steps.loss[0] = 0.0
+    with pytest.raises(ValueError, match="read-only"):
+        series.ranks.step_seconds[0, 0] = 0.0
