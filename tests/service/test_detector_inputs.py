@@ -10,19 +10,11 @@ import pytest
 
 from trainvitals.service import ingest, pipeline
 from trainvitals.service.detector_inputs import DetectorInputs
-from trainvitals.service.store import db, queries
+from trainvitals.service.store import queries
 from trainvitals.wire import Batch, RunRegistration
 
 WORLD = 4
 CONFIG = pipeline.PipelineConfig(settle_seconds=5.0, detector_lookback_steps=15, straggler_lookback_steps=7)
-
-
-@pytest.fixture
-def session(db_url: str):
-    engine = db.make_engine(db_url)
-    with db.make_sessionmaker(engine)() as s:
-        yield s
-    engine.dispose()
 
 
 def _records(rank: int, step: int, inc: int, rng: random.Random) -> list[dict]:
@@ -38,7 +30,8 @@ def _records(rank: int, step: int, inc: int, rng: random.Random) -> list[dict]:
                      "amax": rng.random() * inc, "headroom_bits": rng.random() * 4})  # fmt: skip
     if step > 20:
         recs.append({"kind": "tensor", "step": step, "tensor": f"layers.{rank % 2}.proj", "role": "grad_output",
-                     "format": "e5m2", "amax": rng.random(), "headroom_bits": 1.0, "sat_frac": rng.random()})  # fmt: skip
+                     "format": "e5m2", "amax": rng.random(), "headroom_bits": 1.0,
+                     "sat_frac": rng.random()})  # fmt: skip
     return recs
 
 

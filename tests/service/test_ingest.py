@@ -4,7 +4,7 @@ import pytest
 from sqlalchemy import func, select
 
 from trainvitals.service import ingest
-from trainvitals.service.store import db, queries
+from trainvitals.service.store import queries
 from trainvitals.service.store.models import DeliveredBatch, GradStatRow, StepRow
 from trainvitals.wire import Batch, RunRegistration
 
@@ -34,14 +34,6 @@ def _steps(rank: int, steps: range, seq: int, incarnation: int = 1) -> Batch:
     return Batch.model_validate(
         {"run": "r1", "rank": rank, "incarnation": incarnation, "seq": seq, "records": records}
     )
-
-
-@pytest.fixture
-def session(db_url: str):
-    engine = db.make_engine(db_url)
-    with db.make_sessionmaker(engine)() as s:
-        yield s
-    engine.dispose()
 
 
 def test_batches_are_stored_once(session) -> None:

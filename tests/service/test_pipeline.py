@@ -4,17 +4,9 @@ import pytest
 from sqlalchemy import select
 
 from trainvitals.service import ingest, pipeline
-from trainvitals.service.store import db, queries
+from trainvitals.service.store import queries
 from trainvitals.service.store.models import GradSummary, RankWindow, StepSummary, TensorSummary
 from trainvitals.wire import Batch, RunRegistration
-
-
-@pytest.fixture
-def session(db_url: str):
-    engine = db.make_engine(db_url)
-    with db.make_sessionmaker(engine)() as s:
-        yield s
-    engine.dispose()
 
 
 def _batch(rank: int, seq: int, steps: range, *, inc: int = 1, seconds: float = 1.0, **extra: object) -> Batch:
