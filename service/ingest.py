@@ -16,12 +16,13 @@ from contextlib import AbstractContextManager, nullcontext
 from operator import attrgetter, itemgetter
 from typing import Any
 
-from sqlalchemy import BigInteger, Boolean, Float, Integer, String, insert, select, text, update
+from sqlalchemy import BigInteger, Boolean, Integer, String, insert, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from trainvitals.service import wire_decode
 from trainvitals.service.store.models import RECORD_TABLES, DeliveredBatch, IngestCount, ReductionState, Run
+from trainvitals.service.store.types import Real, nan_as_text
 from trainvitals.wire import Batch, BatchAck, RunRegistration
 
 # What ingest stores: a pydantic batch (replay, tests) or the route's msgspec decoding of one.
@@ -105,9 +106,13 @@ _SQLITE_INSERT = {
     f"VALUES ({', '.join('?' * (len(_PREFIX) + len(cols)))})"
     for kind, cols in _FAST_COLUMNS.items()
 }
+_SQLITE_REAL_POSITIONS = {
+    kind: tuple(i for i, c in enumerate((*_PREFIX, *cols)) if isinstance(RECORD_TABLES[kind].c[c].type, Real))
+    for kind, cols in _FAST_COLUMNS.items()
+}
 # Binary COPY: psycopg packs each value in C instead of formatting text (about a third of the
 # client's per-row cost), and the server skips parsing numbers from text.
-_PG_BINARY_TYPES = {Integer: "int4", BigInteger: "int8", Float: "float8", Boolean: "bool", String: "varchar"}
+_PG_BINARY_TYPES = {Integer: "int4", BigInteger: "int8", Real: "float8", Boolean: "bool", String: "varchar"}
 _PG_COPY = {
     kind: f"COPY {RECORD_TABLES[kind].name} ({', '.join((*_PREFIX, *cols))}) FROM STDIN (FORMAT BINARY)"
     for kind, cols in _FAST_COLUMNS.items()
@@ -157,7 +162,7 @@ def _write_fast(session: Session, kind: str, rows: list[tuple[Any, ...]]) -> Non
     else:
         # Plain DBAPI executemany: SQLAlchemy's per-row bind processing is not needed for these
         # column types (float, int, str, bool), and skipping it is most of the SQLite insert cost.
-        conn.exec_driver_sql(_SQLITE_INSERT[kind], rows)  # type: ignore[arg-type]
+        conn.exec_driver_sql(_SQLITE_INSERT[kind], nan_as_text(rows, _SQLITE_REAL_POSITIONS[kind]))  # type: ignore[arg-type]
 
 
 def _mark_late_data(session: Session, run_id: str, low: int | None) -> None:

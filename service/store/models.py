@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, Boolean, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from trainvitals.service.store.types import Real
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY; PostgreSQL wants BIGINT for big tables.
 _BigId = BigInteger().with_variant(Integer(), "sqlite")
@@ -29,8 +31,8 @@ class Run(Base):
     registration: Mapped[dict[str, Any]] = mapped_column(JSON)
     world_size: Mapped[int] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(16), default="running")  # running | finished
-    created_at: Mapped[float] = mapped_column(Float)
-    last_seen_at: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[float] = mapped_column(Real)
+    last_seen_at: Mapped[float] = mapped_column(Real)
 
 
 class DeliveredBatch(Base):
@@ -42,7 +44,7 @@ class DeliveredBatch(Base):
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
     incarnation: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    received_at: Mapped[float] = mapped_column(Float)
+    received_at: Mapped[float] = mapped_column(Real)
     records: Mapped[int] = mapped_column(Integer)
 
 
@@ -55,16 +57,16 @@ class StepRow(Base):
     rank: Mapped[int] = mapped_column(Integer)
     incarnation: Mapped[int] = mapped_column(BigInteger)
     step: Mapped[int] = mapped_column(BigInteger)
-    ts: Mapped[float] = mapped_column(Float)
-    step_seconds: Mapped[float] = mapped_column(Float)
-    compute_seconds: Mapped[float | None] = mapped_column(Float)
-    wait_seconds: Mapped[float | None] = mapped_column(Float)
-    data_seconds: Mapped[float | None] = mapped_column(Float)
-    loss: Mapped[float | None] = mapped_column(Float)
+    ts: Mapped[float] = mapped_column(Real)
+    step_seconds: Mapped[float] = mapped_column(Real)
+    compute_seconds: Mapped[float | None] = mapped_column(Real)
+    wait_seconds: Mapped[float | None] = mapped_column(Real)
+    data_seconds: Mapped[float | None] = mapped_column(Real)
+    loss: Mapped[float | None] = mapped_column(Real)
     tokens: Mapped[int | None] = mapped_column(BigInteger)
-    flops: Mapped[float | None] = mapped_column(Float)
-    lr: Mapped[float | None] = mapped_column(Float)
-    grad_norm: Mapped[float | None] = mapped_column(Float)
+    flops: Mapped[float | None] = mapped_column(Real)
+    lr: Mapped[float | None] = mapped_column(Real)
+    grad_norm: Mapped[float | None] = mapped_column(Real)
     pp_stage: Mapped[int | None] = mapped_column(Integer)
     tp_rank: Mapped[int | None] = mapped_column(Integer)
     dp_rank: Mapped[int | None] = mapped_column(Integer)
@@ -87,14 +89,14 @@ class TensorStatRow(Base):
     tensor: Mapped[str] = mapped_column(String(256))
     role: Mapped[str] = mapped_column(String(16))
     format: Mapped[str] = mapped_column(String(8))
-    amax: Mapped[float] = mapped_column(Float)
-    scale: Mapped[float | None] = mapped_column(Float)
-    headroom_bits: Mapped[float | None] = mapped_column(Float)
-    lag_bits: Mapped[float | None] = mapped_column(Float)
+    amax: Mapped[float] = mapped_column(Real)
+    scale: Mapped[float | None] = mapped_column(Real)
+    headroom_bits: Mapped[float | None] = mapped_column(Real)
+    lag_bits: Mapped[float | None] = mapped_column(Real)
     staleness_steps: Mapped[int | None] = mapped_column(Integer)
-    sat_frac: Mapped[float | None] = mapped_column(Float)
-    underflow_frac: Mapped[float | None] = mapped_column(Float)
-    crest_bits: Mapped[float | None] = mapped_column(Float)
+    sat_frac: Mapped[float | None] = mapped_column(Real)
+    underflow_frac: Mapped[float | None] = mapped_column(Real)
+    crest_bits: Mapped[float | None] = mapped_column(Real)
     nonfinite: Mapped[int | None] = mapped_column(BigInteger)
     shadow: Mapped[bool] = mapped_column(Boolean, default=False)
 
@@ -109,8 +111,8 @@ class GradStatRow(Base):
     incarnation: Mapped[int] = mapped_column(BigInteger)
     step: Mapped[int] = mapped_column(BigInteger)
     group_name: Mapped[str] = mapped_column(String(256))
-    owned_sq: Mapped[float] = mapped_column(Float)
-    local_sq: Mapped[float] = mapped_column(Float)
+    owned_sq: Mapped[float] = mapped_column(Real)
+    local_sq: Mapped[float] = mapped_column(Real)
     nonfinite: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
@@ -128,11 +130,11 @@ class CheckpointRow(Base):
     step: Mapped[int] = mapped_column(BigInteger)
     generation: Mapped[int] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(16))
-    ts: Mapped[float] = mapped_column(Float)
+    ts: Mapped[float] = mapped_column(Real)
     path: Mapped[str | None] = mapped_column(Text)
     bytes: Mapped[int | None] = mapped_column(BigInteger)
-    stall_seconds: Mapped[float | None] = mapped_column(Float)
-    persist_seconds: Mapped[float | None] = mapped_column(Float)
+    stall_seconds: Mapped[float | None] = mapped_column(Real)
+    persist_seconds: Mapped[float | None] = mapped_column(Real)
     checksum: Mapped[str | None] = mapped_column(String(128))
     error: Mapped[str | None] = mapped_column(Text)
 
@@ -145,7 +147,7 @@ class EventRow(Base):
     run_id: Mapped[str] = mapped_column(String(128))
     rank: Mapped[int] = mapped_column(Integer)
     incarnation: Mapped[int] = mapped_column(BigInteger)
-    ts: Mapped[float] = mapped_column(Float)
+    ts: Mapped[float] = mapped_column(Real)
     step: Mapped[int | None] = mapped_column(BigInteger)
     event: Mapped[str] = mapped_column(String(32))
     detail: Mapped[str | None] = mapped_column(Text)
@@ -173,28 +175,28 @@ class StepSummary(Base):
     run_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     ranks: Mapped[int] = mapped_column(Integer)
-    ts: Mapped[float] = mapped_column(Float)
-    step_seconds_min: Mapped[float] = mapped_column(Float)
-    step_seconds_p50: Mapped[float] = mapped_column(Float)
-    step_seconds_p90: Mapped[float] = mapped_column(Float)
-    step_seconds_p99: Mapped[float] = mapped_column(Float)
-    step_seconds_max: Mapped[float] = mapped_column(Float)
+    ts: Mapped[float] = mapped_column(Real)
+    step_seconds_min: Mapped[float] = mapped_column(Real)
+    step_seconds_p50: Mapped[float] = mapped_column(Real)
+    step_seconds_p90: Mapped[float] = mapped_column(Real)
+    step_seconds_p99: Mapped[float] = mapped_column(Real)
+    step_seconds_max: Mapped[float] = mapped_column(Real)
     slowest_rank: Mapped[int] = mapped_column(Integer)
-    compute_seconds_p50: Mapped[float | None] = mapped_column(Float)
-    wait_seconds_p50: Mapped[float | None] = mapped_column(Float)
-    data_seconds_p50: Mapped[float | None] = mapped_column(Float)
-    loss: Mapped[float | None] = mapped_column(Float)
+    compute_seconds_p50: Mapped[float | None] = mapped_column(Real)
+    wait_seconds_p50: Mapped[float | None] = mapped_column(Real)
+    data_seconds_p50: Mapped[float | None] = mapped_column(Real)
+    loss: Mapped[float | None] = mapped_column(Real)
     """Mean over the ranks that reported a finite loss."""
     loss_nonfinite: Mapped[int] = mapped_column(Integer, default=0)
     """Ranks that reported a NaN/inf loss (kept apart: a mean would hide or be poisoned by them)."""
-    grad_norm: Mapped[float | None] = mapped_column(Float)
+    grad_norm: Mapped[float | None] = mapped_column(Real)
     """Job-reported (pre-clip) total when present, else sqrt of summed owned squares."""
-    agent_grad_norm: Mapped[float | None] = mapped_column(Float)
+    agent_grad_norm: Mapped[float | None] = mapped_column(Real)
     """sqrt(sum over ranks of owned_sq): the gradients the optimizer applied."""
     grad_nonfinite: Mapped[int] = mapped_column(BigInteger, default=0)
-    tokens: Mapped[float | None] = mapped_column(Float)
-    flops: Mapped[float | None] = mapped_column(Float)
-    mfu: Mapped[float | None] = mapped_column(Float)
+    tokens: Mapped[float | None] = mapped_column(Real)
+    flops: Mapped[float | None] = mapped_column(Real)
+    mfu: Mapped[float | None] = mapped_column(Real)
     stage_step_seconds_p50: Mapped[dict[str, float] | None] = mapped_column(JSON)
     """Per pipeline stage (key: stage number) median step time, when stages are known."""
 
@@ -210,13 +212,13 @@ class TensorSummary(Base):
     role: Mapped[str] = mapped_column(String(16), primary_key=True)
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     format: Mapped[str] = mapped_column(String(8))
-    amax: Mapped[float] = mapped_column(Float)  # max over ranks
-    headroom_bits: Mapped[float | None] = mapped_column(Float)  # min over ranks
-    lag_bits: Mapped[float | None] = mapped_column(Float)  # max
+    amax: Mapped[float] = mapped_column(Real)  # max over ranks
+    headroom_bits: Mapped[float | None] = mapped_column(Real)  # min over ranks
+    lag_bits: Mapped[float | None] = mapped_column(Real)  # max
     staleness_steps: Mapped[int | None] = mapped_column(Integer)  # max
-    sat_frac: Mapped[float | None] = mapped_column(Float)  # max
-    underflow_frac: Mapped[float | None] = mapped_column(Float)  # max
-    crest_bits: Mapped[float | None] = mapped_column(Float)  # max
+    sat_frac: Mapped[float | None] = mapped_column(Real)  # max
+    underflow_frac: Mapped[float | None] = mapped_column(Real)  # max
+    crest_bits: Mapped[float | None] = mapped_column(Real)  # max
     nonfinite: Mapped[int | None] = mapped_column(BigInteger)  # sum
     shadow: Mapped[bool] = mapped_column(Boolean, default=False)
 
@@ -230,9 +232,9 @@ class GradSummary(Base):
     run_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     group_name: Mapped[str] = mapped_column(String(256), primary_key=True)
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    norm: Mapped[float] = mapped_column(Float)
+    norm: Mapped[float] = mapped_column(Real)
     nonfinite: Mapped[int] = mapped_column(BigInteger, default=0)
-    replica_spread: Mapped[float | None] = mapped_column(Float)
+    replica_spread: Mapped[float | None] = mapped_column(Real)
     """max/min of local_sq over ranks holding the same replica (DDP): != 1 means replicas disagree."""
 
 
@@ -247,11 +249,11 @@ class RankWindow(Base):
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
     steps: Mapped[int] = mapped_column(Integer)
     pp_stage: Mapped[int | None] = mapped_column(Integer)
-    step_seconds_mean: Mapped[float] = mapped_column(Float)
-    step_seconds_p50: Mapped[float] = mapped_column(Float)
-    step_seconds_max: Mapped[float] = mapped_column(Float)
-    compute_seconds_mean: Mapped[float | None] = mapped_column(Float)
-    wait_seconds_mean: Mapped[float | None] = mapped_column(Float)
+    step_seconds_mean: Mapped[float] = mapped_column(Real)
+    step_seconds_p50: Mapped[float] = mapped_column(Real)
+    step_seconds_max: Mapped[float] = mapped_column(Real)
+    compute_seconds_mean: Mapped[float | None] = mapped_column(Real)
+    wait_seconds_mean: Mapped[float | None] = mapped_column(Real)
 
 
 class ReductionState(Base):
@@ -280,11 +282,11 @@ class FindingRow(Base):
     subject: Mapped[str] = mapped_column(String(256))
     onset_step: Mapped[int] = mapped_column(BigInteger)
     last_step: Mapped[int] = mapped_column(BigInteger)
-    magnitude: Mapped[float] = mapped_column(Float)
+    magnitude: Mapped[float] = mapped_column(Real)
     summary: Mapped[str] = mapped_column(Text)
     active: Mapped[bool] = mapped_column(Boolean, default=True)
-    first_seen_at: Mapped[float] = mapped_column(Float)
-    updated_at: Mapped[float] = mapped_column(Float)
+    first_seen_at: Mapped[float] = mapped_column(Real)
+    updated_at: Mapped[float] = mapped_column(Real)
 
 
 class ApiToken(Base):
@@ -297,7 +299,7 @@ class ApiToken(Base):
     project: Mapped[str] = mapped_column(String(256))
     scope: Mapped[str] = mapped_column(String(16))  # ingest | read
     name: Mapped[str | None] = mapped_column(String(256))
-    created_at: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[float] = mapped_column(Real)
     revoked: Mapped[bool] = mapped_column(Boolean, default=False)
 
 

@@ -96,6 +96,7 @@ def test_kept_inputs_equal_a_fresh_read_every_cycle(session, seed: int) -> None:
     assert len(fresh.ranks.steps) == CONFIG.straggler_lookback_steps
     assert len(fresh.steps.steps) == CONFIG.detector_lookback_steps
     assert {t.tensor for t in fresh.tensors} >= {"layers.0.fc", "layers.0.proj", "layers.1.proj"}
+    assert fresh.steps.loss_nonfinite is not None and fresh.steps.loss_nonfinite.sum() > 0  # NaN losses kept
 
 
 def test_kept_arrays_are_read_only(session) -> None:

@@ -1,11 +1,13 @@
 """Reduction across ranks into summaries: incarnations, late data, watermarks, TP amax."""
 
+import math
+
 import pytest
 from sqlalchemy import select
 
 from trainvitals.service import ingest, pipeline
 from trainvitals.service.store import queries
-from trainvitals.service.store.models import GradSummary, RankWindow, StepSummary, TensorSummary
+from trainvitals.service.store.models import GradSummary, RankWindow, StepRow, StepSummary, TensorSummary
 from trainvitals.wire import Batch, RunRegistration
 
 
@@ -67,3 +69,28 @@ def test_rank_windows_and_late_rank(session) -> None:
                                      RankWindow.step_seconds_mean)).all()
     assert sorted(windows) == [(0, 0, 50, 1.0), (0, 1, 50, 3.0), (50, 0, 10, 1.0), (50, 1, 10, 3.0)]
     assert session.scalar(select(StepSummary.step_seconds_max).where(StepSummary.step == 3)) == 3.0
+
+
+def test_nan_is_kept_on_both_backends(session) -> None:
+    """A diverging rank sends NaN: SQLite would store a NaN REAL as NULL (losing a batch whose amax
+    is NaN to NOT NULL, reading a NaN loss as 'not reported'); both backends keep it, and NaN wins
+    max and loses min over ranks alike."""
+    _register(session)
+    nan = float("nan")
+    for rank, (loss, amax, headroom) in enumerate([(nan, nan, nan), (2.5, 3.0, 1.5)]):
+        ingest.store_batch(session, Batch.model_validate({"run": "r", "rank": rank, "incarnation": 1, "seq": 0,
+                                                          "records": [
+            {"kind": "step", "step": 0, "ts": 100.0, "step_seconds": 1.0, "loss": loss, "grad_norm": float("inf")},
+            {"kind": "grad", "step": 0, "group": "__global__", "owned_sq": nan, "local_sq": nan, "nonfinite": 3},
+            {"kind": "tensor", "step": 0, "tensor": "fc", "role": "input", "format": "e4m3", "amax": amax,
+             "headroom_bits": headroom},
+        ]}))  # fmt: skip
+    raw = session.execute(select(StepRow.loss).order_by(StepRow.rank)).scalars().all()
+    assert math.isnan(raw[0]) and raw[1] == 2.5
+    assert _reduce(session) == 1
+    s = session.scalars(select(StepSummary)).one()
+    assert (s.loss, s.loss_nonfinite, s.grad_norm, s.grad_nonfinite) == (2.5, 1, float("inf"), 3 * 2)
+    t = session.scalars(select(TensorSummary)).one()
+    assert math.isnan(t.amax) and t.headroom_bits == 1.5
+    g = session.scalars(select(GradSummary).where(GradSummary.group_name == "__global__")).one()
+    assert math.isnan(g.norm) and g.nonfinite == 6
