@@ -14,7 +14,10 @@ Hot-path cost per hooked tensor on a sampled step: one `aminmax` pass (max |x| =
 slower on CPU, see docs/performance-agent.md) and a `maximum` / `minimum` into preallocated
 slots. grad_output is taken by a tensor hook that the forward hook registers on the module's
 output only on sampled steps: a full backward hook would wrap every forward call in autograd
-machinery on every step, sampled or not. On the other steps each hook is one attribute test.
+machinery on every step, sampled or not. The forward hooks themselves are registered only for
+the steps they measure (shadow modules: sampled steps; recipe modules: expensive steps) and
+removed after them: a module with any hook takes the slow path of `nn.Module.__call__` on every
+call, even when the hook returns at once.
 At step end everything is vectorised over all tensors (a handful of kernels, whatever the
 tensor count) and appended to the step's single device-to-host copy. Expensive statistics
 (saturation, underflow, crest, non-finite) run only on a subset of the sampled steps.
@@ -114,7 +117,10 @@ class Fp8Monitor:
         self.recipe_modules = frozenset(recipe_states)  # ids of the modules read through their recipe
         self.tensors: list[MonitoredTensor] = []
         self._recipe: list[tuple[int, Any]] = []  # (first tensor index, Fp8State)
-        self._hooks: list[Any] = []
+        # Forward hooks per kind, registered only while needed (_sync_hooks): shadow modules while
+        # observing, recipe modules (expensive tier only) while observing an expensive step.
+        self._shadow_hooks = _HookSet()
+        self._recipe_hooks = _HookSet()
         shadow_modules: list[tuple[str, nn.Module, int]] = []
         recipe_modules: list[tuple[str, nn.Module, int, tuple[str, ...]]] = []
         for name, module in model.named_modules():
@@ -145,7 +151,7 @@ class Fp8Monitor:
         self._hi_slots: list[torch.Tensor] = []
         self._lo_slots: list[torch.Tensor] = []
         self.every = 1  # cheap-tier cadence in steps; set_every() changes it before the first step
-        self.observing = True  # hooks measure the current step (the agent clears it off-cadence)
+        self._observing = True  # hooks measure the current step (the agent clears it off-cadence)
         self._rows = history_len  # history rows, in samples
         self._history = torch.zeros(history_len, n)
         self._hist_pos = 0
@@ -167,6 +173,7 @@ class Fp8Monitor:
         for _fqn, module, first, roles in recipe_modules:
             # The recipe already knows the amax: hooks only serve the sampled expensive tier.
             self._hook_module(module, {role: first + k for k, role in enumerate(roles)}, cheap=False)
+        self._sync_hooks()
 
     # ------------------------------------------------------------------ hooks (hot path)
 
@@ -207,12 +214,26 @@ class Fp8Monitor:
         self._hist_pos = 0
         self._hist_filled = 0
 
+    @property
+    def observing(self) -> bool:
+        """Whether the hooks measure the current step; the agent sets it before each step."""
+        return self._observing
+
+    @observing.setter
+    def observing(self, value: bool) -> None:
+        self._observing = value
+        self._sync_hooks()
+
+    def _sync_hooks(self) -> None:
+        # Called between steps (the agent sets `observing`, end_step() decides the expensive tier), so
+        # no forward is in flight. Registering again appends the hooks after any the job added since.
+        self._shadow_hooks.set(self._observing)
+        self._recipe_hooks.set(self._observing and self._expensive_now)
+
     def _hook_module(self, module: nn.Module, index: dict[str, int], *, cheap: bool) -> None:
         i_in, i_w, i_g = index.get("input"), index.get("weight"), index.get("grad_output")
 
         def forward_pre(mod: nn.Module, args: tuple[Any, ...]) -> None:
-            if not self.observing or not (cheap or self._expensive_now):
-                return  # off-cadence step: the whole cost of the hook is these two tests
             if not args or not isinstance(args[0], torch.Tensor):
                 return
             x = _local(args[0]).detach()
@@ -230,14 +251,12 @@ class Fp8Monitor:
         guarded_grad_hook = self._guard(grad_output_hook)  # built once, registered per sampled step
 
         def forward_post(_mod: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
-            if i_g is None or not self.observing or not (cheap or self._expensive_now):
-                return
             out = output[0] if isinstance(output, (tuple, list)) and output else output
             if isinstance(out, torch.Tensor) and out.requires_grad:  # no-grad forwards have no backward
                 out.register_hook(guarded_grad_hook)
 
-        self._hooks.append(module.register_forward_pre_hook(self._guard(forward_pre)))
-        self._hooks.append(module.register_forward_hook(self._guard(forward_post)))
+        hooks = self._shadow_hooks if cheap else self._recipe_hooks
+        hooks.add(module, self._guard(forward_pre), self._guard(forward_post) if i_g is not None else None)
 
     def _guard(self, fn: Callable[..., None]) -> Callable[..., None]:
         # Hooks run inside forward and autograd: an exception here would surface in the job.
@@ -343,6 +362,7 @@ class Fp8Monitor:
         # every samples (at least every sample).
         period = max(1, self.expensive_every // self.every)
         self._expensive_now = self.expensive_every > 0 and self._step_counter % period == 0
+        self._sync_hooks()
         return out, expensive
 
     def _a_prev(self) -> torch.Tensor:
@@ -432,13 +452,47 @@ class Fp8Monitor:
         return out
 
     def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        self._shadow_hooks.close()
+        self._recipe_hooks.close()
 
     @property
     def hooks(self) -> int:
-        return len(self._hooks)
+        """Module hooks registered right now (they come and go with the sampled steps; 0 after close)."""
+        return self._shadow_hooks.registered + self._recipe_hooks.registered
+
+
+class _HookSet:
+    """Forward pre- and post-hooks of a group of modules, registered and removed together."""
+
+    def __init__(self) -> None:
+        self._specs: list[tuple[nn.Module, Callable[..., None], Callable[..., None] | None]] = []
+        self._handles: list[Any] = []
+        self._on = False
+
+    def add(self, module: nn.Module, pre: Callable[..., None], post: Callable[..., None] | None) -> None:
+        self._specs.append((module, pre, post))
+
+    def set(self, on: bool) -> None:
+        if on == self._on:
+            return
+        self._on = on
+        if not on:
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            return
+        for module, pre, post in self._specs:
+            self._handles.append(module.register_forward_pre_hook(pre))
+            if post is not None:
+                self._handles.append(module.register_forward_hook(post))
+
+    def close(self) -> None:
+        self.set(False)
+        self._specs.clear()  # closed for good: set(True) registers nothing
+
+    @property
+    def registered(self) -> int:
+        return len(self._handles)
 
 
 def _with_modules(

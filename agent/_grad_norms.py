@@ -99,7 +99,7 @@ class GradNormTracker:
         index = {g: i for i, g in enumerate(self.group_names)}
         self._group_of = torch.tensor([index[n] for n in names], dtype=torch.long)
         self._owned = torch.tensor([_owned(p, model, ownership) for p in self._params], dtype=torch.float32)
-        self._cache: dict[tuple[torch.device, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cache: dict[tuple[torch.device, tuple[int, ...]], _Reduction] = {}
         self._clip_key: tuple[int, ...] = ()
         self._clip_ok = False
 
@@ -114,10 +114,11 @@ class GradNormTracker:
     def compute_with_total(self, params: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The group vector plus the total L2 norm of `params`' gradients, from one pass.
 
-        The total is what torch.nn.utils.clip_grad_norm_(params) computes (same per-parameter
-        norms, summed), so a job clipping through Agent.clip_grad_norm_ pays one norm pass for
-        both. None when that identity does not hold: not the tracker's parameters, or sharded
-        (DTensor) gradients, whose total needs the job's own collective.
+        The total is what torch.nn.utils.clip_grad_norm_(params) computes (the same per-parameter
+        norms, stacked, and torch's own vector_norm of them), so a job clipping through
+        Agent.clip_grad_norm_ pays one norm pass for both. None when that identity does not hold:
+        not the tracker's parameters, or sharded (DTensor) gradients, whose total needs the job's
+        own collective.
         """
         key = tuple(map(id, params))
         if key != self._clip_key:  # decided once per parameter list (the same list every step)
@@ -130,37 +131,47 @@ class GradNormTracker:
         out = self._compute()
         if out is None:
             return None
-        vec, sq, norms_dtype = out
-        return vec, sq.sum().sqrt().to(norms_dtype)
+        vec, norms = out
+        return vec, torch.linalg.vector_norm(norms, 2.0)
 
-    def _compute(self) -> tuple[torch.Tensor, torch.Tensor, torch.dtype] | None:
-        present = [i for i, p in enumerate(self._params) if p.grad is not None]
+    def _compute(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(group vector, the stacked per-parameter norms in the gradients' dtype)."""
+        present: list[int] = []
+        grads: list[torch.Tensor] = []
+        for i, p in enumerate(self._params):
+            g = p.grad
+            if g is not None:
+                present.append(i)
+                grads.append(_local(g))
         if not present:
             return None
-        grads = [_local(self._params[i].grad) for i in present]  # type: ignore[arg-type]
         norms = torch._foreach_norm(grads, 2.0)
-        norms_dtype = norms[0].dtype
         device = norms[0].device
         if any(n.device != device for n in norms):  # e.g. CPU-offloaded parameters
             norms = [n.to(device, non_blocking=True) for n in norms]
-        sq = torch.stack(norms).float().square()
-        group_of, owned = self._indices(device, tuple(present))
-        n_groups = len(self.group_names)
-        # Rows local_sq, owned_sq, nonfinite per parameter, reduced into groups and totals with one
-        # index_add_ and one sum: each kernel is a few microseconds of launch/dispatch, so the
-        # count matters more than their (tiny) size.
-        per_param = torch.stack([sq, sq * owned, (~torch.isfinite(sq)).float()])
-        out = torch.zeros(self.width, dtype=torch.float32, device=device)
-        out[: 3 * n_groups].view(3, n_groups).index_add_(1, group_of, per_param)
-        out[3 * n_groups :] = per_param.sum(dim=1)
-        return out, sq, norms_dtype
+        stacked = torch.stack(norms)
+        r = self._reduction(device, tuple(present))
+        # Rows local_sq, owned_sq, nonfinite per parameter, written in place into a reused buffer and
+        # reduced into groups and totals by two index_add: each op costs a few microseconds of
+        # dispatch, 10-30 us with the caches cold after backward, far more than its arithmetic on a
+        # few hundred values, so the number of ops (and of distinct ops) is what matters here. Hence
+        # mul throughout (x * x is what square computes) and nonfinite as (sq * 0 != 0): NaN exactly
+        # for inf and NaN, in two ops where isfinite alone is four.
+        norms32 = stacked if stacked.dtype == torch.float32 else stacked.float()
+        torch.mul(norms32, norms32, out=r.sq)
+        torch.mul(r.sq, r.owned, out=r.owned_sq)
+        torch.mul(r.sq, r.zero_rows, out=r.nonfinite)
+        torch.ne(r.nonfinite, r.nonfinite, out=r.nonfinite)
+        out = r.zeros.index_add(0, r.to_group, r.rows)  # [local_sq | owned_sq | nonfinite] per group
+        out.index_add_(0, r.to_total, r.rows)  # the three totals, at the end
+        return out, stacked
 
-    def _indices(self, device: torch.device, present: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _reduction(self, device: torch.device, present: tuple[int, ...]) -> _Reduction:
         key = (device, present)
         cached = self._cache.get(key)
         if cached is None:
             sel = torch.tensor(present, dtype=torch.long)
-            cached = (self._group_of[sel].to(device), self._owned[sel].to(device))
+            cached = _Reduction(self._group_of[sel], self._owned[sel], len(self.group_names), device)
             self._cache = {key: cached}  # the set of present grads is stable after step 1
         return cached
 
@@ -192,3 +203,20 @@ class GradNormTracker:
             }
         )
         return out
+
+
+class _Reduction:
+    """Per-parameter rows and the index maps that reduce them into the tracker's vector, built once
+    per (device, set of parameters with a gradient). The rows buffer is reused every step (stream
+    order keeps that safe on accelerators); the output vector is fresh, it travels to the exporter."""
+
+    def __init__(self, group_of: torch.Tensor, owned: torch.Tensor, n_groups: int, device: torch.device) -> None:
+        n = group_of.numel()
+        self.rows = torch.zeros(3 * n, dtype=torch.float32, device=device)
+        self.sq, self.owned_sq, self.nonfinite = self.rows.view(3, n).unbind(0)
+        self.owned = owned.to(device)
+        self.zero_rows = torch.zeros(n, dtype=torch.float32, device=device)
+        self.zeros = torch.zeros(3 * n_groups + 3, dtype=torch.float32, device=device)  # never written
+        row = torch.arange(3).repeat_interleave(n)  # which row each element of `rows` belongs to
+        self.to_group = (row * n_groups + group_of.repeat(3)).to(device)
+        self.to_total = (3 * n_groups + row).to(device)

@@ -186,3 +186,54 @@ def test_agent_reads_recipes_every_step_and_samples_shadow_modules(tmp_path) -> 
     assert steps[("2", "input")] == [0, 20]  # shadow: sampled
     assert by_step[13]["amax"] == pytest.approx(8.0) and by_step[13]["headroom_bits"] == pytest.approx(-3.0, abs=1e-6)
     assert by_step[14]["headroom_bits"] == pytest.approx(3.0, abs=1e-6)
+
+
+def _hooked(model: nn.Module) -> set[str]:
+    return {n for n, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks}
+
+
+def test_module_hooks_exist_only_for_measured_steps(tmp_path) -> None:
+    """Off-cadence steps leave the monitored modules without hooks (nn.Module.__call__'s fast path);
+    shadow hooks come back for the sampled steps, recipe hooks only for the expensive ones."""
+    import trainvitals.agent as tv
+    from trainvitals.agent.fp8_emulation import DelayedScalingRecipe, convert_linears
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 8)), nn.ReLU(), nn.Linear(8, 2))
+    convert_linears(model[0], DelayedScalingRecipe(history_len=8))  # "0.0": recipe; "2": shadow
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    config = tv.AgentConfig(
+        collector="", spill_dir=str(tmp_path), fp8_ranks="all", fp8_every_steps=4, fp8_expensive_every_steps=8
+    )
+    agent = tv.attach(model, opt, run="hooks", config=config)
+    hooked: dict[int, set[str]] = {}
+    try:
+        for step in range(17):
+            hooked[step] = _hooked(model) - {""}  # the root module carries the step timer's hook
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            agent.step(loss=0.0)
+    finally:
+        agent.close()
+    assert {s for s, names in hooked.items() if "2" in names} == {0, 4, 8, 12, 16}
+    assert {s for s, names in hooked.items() if "0.0" in names} == {8, 16}
+    assert _hooked(model) == set() and agent.hooks == 0
+
+
+def test_sampled_steps_measure_the_same_with_hooks_registered_per_step() -> None:
+    """A monitor switched off and on between steps measures exactly what an always-on one does."""
+    ref_model, model = _model(), _model()
+    kwargs = {"history_len": 4, "mode": "shadow", "expensive_every": 2, "module_filter": lambda n, m: True}
+    ref = Fp8Monitor(ref_model, **kwargs)  # type: ignore[arg-type]
+    mon = Fp8Monitor(model, **kwargs)  # type: ignore[arg-type]
+    for scale in (1.0, 3.0, 0.5, 8.0, 1.0):
+        mon.observing = False
+        model(torch.randn(4, 8)).sum().backward()  # an off-cadence step: not measured
+        mon.observing = True
+        a, ea = _run(ref, ref_model, scale)
+        b, eb = _run(mon, model, scale)
+        assert ea == eb and a == b
+    ref.close()
+    mon.close()
+    assert mon.hooks == 0 and not _hooked(model)
