@@ -46,6 +46,7 @@ FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 FP8_MIN_SUBNORMAL = {"e4m3": 2.0**-9, "e5m2": 2.0**-16}
 ROLES = ("input", "weight", "grad_output")
 _CREST_SAMPLE = 4096  # elements sampled (strided) for the median in crest_bits: +-0.05 bits
+_F32_MAX = torch.finfo(torch.float32).max
 
 ModuleFilter = Callable[[str, nn.Module], bool]
 
@@ -160,6 +161,7 @@ class Fp8Monitor:
         self._scale_slots: list[torch.Tensor] = []
         self._expensive = torch.zeros(4, n)
         self._scratch = torch.empty(0)  # CPU only: |x| of the expensive tier, reused (_abs_f32)
+        self._flags = torch.empty(0)  # CPU only: comparison results of the expensive tier (_count)
         self._expensive_now = False
         self._step_counter = 0
         # Recipe tensors: the scale the recipe holds for the next step, and the one it used this
@@ -286,23 +288,46 @@ class Fp8Monitor:
         # Sampled steps only. Float32 comparisons of |x| against thresholds, not casts (fp8.md: cast
         # overflow behaviour on CPU changed between torch versions) and not a scaled copy:
         # |x| * s > fmax  <=>  |x| > fmax / s for s > 0 (s = 0, no scale yet: thresholds inf).
-        # count_nonzero rather than bool.sum() (twice as fast on CPU); NaN fails every comparison.
+        # NaN fails every comparison; |x| <= 0 is |x| == 0.
         xf = self._abs_f32(x)
         s = self._scale_slots[i]
         n = max(1, xf.numel())
-        xmax = xf.max()  # NaN if any element is NaN
+        xmax = xf.amax()  # NaN if any element is NaN; amax, not max(): 3x faster on CPU
         sat_threshold = self._fmax[i] / s
-        # On CPU reading a scalar waits for nothing, so a finite maximum at or below the threshold
-        # answers two of the counts (nothing saturates, nothing is non-finite) without their passes.
-        settled = xf.device.type == "cpu" and bool(torch.isfinite(xmax)) and bool(xmax <= sat_threshold)
-        if not settled:
-            self._expensive[0, i] = torch.count_nonzero(xf > sat_threshold) / n
-            self._expensive[3, i] = n - torch.count_nonzero(xf <= torch.finfo(torch.float32).max)  # inf, NaN
-        tiny = torch.count_nonzero(xf <= self._min_sub[i] / 2 / s) - torch.count_nonzero(xf == 0)
+        under_threshold = self._min_sub[i] / 2 / s
+        # On CPU reading a scalar waits for nothing, and the extremes of |x| settle most counts
+        # without their passes: a finite maximum means nothing is non-finite, and nothing saturates
+        # if it is at or below the threshold; a minimum above the underflow threshold means no
+        # underflow, above 0 no zeros. (NaN extremes fail every test: the counts run.)
+        cpu = xf.device.type == "cpu"
+        hi = xmax.item() if cpu else math.nan  # on an accelerator nothing is read: every count runs
+        lo = xf.amin().item() if cpu else math.nan
+        finite = math.isfinite(hi)
+        if not (finite and hi <= sat_threshold.item()):
+            self._expensive[0, i] = self._count(torch.gt, xf, sat_threshold) / n
+            self._expensive[3, i] = 0 if finite else n - self._count(torch.le, xf, _F32_MAX)  # inf, NaN
+        tiny: torch.Tensor | int = 0
+        if not (cpu and lo > under_threshold.item()):
+            tiny = self._count(torch.le, xf, under_threshold)
+            if not lo > 0:
+                tiny = tiny - self._count(torch.le, xf, 0.0)
         self._expensive[1, i] = tiny / n
         step = max(1, xf.numel() // _CREST_SAMPLE)
         median = xf[::step].median()
         self._expensive[2, i] = torch.log2(xmax / median.clamp_min(torch.finfo(torch.float32).tiny))
+
+    def _count(self, compare: Callable[..., torch.Tensor], xf: torch.Tensor, threshold: Any) -> torch.Tensor:
+        """#{compare(xf, threshold)}, exactly. On CPU the comparison writes 1.0 / 0.0 into a reused
+        float32 buffer that a float sum counts: ~3x faster there than a bool tensor and
+        count_nonzero (neither is vectorised well on CPU), and exact: every partial sum is an integer
+        <= n, representable in float32 up to 2**24 (float64 accumulation above that)."""
+        if xf.device.type != "cpu":
+            return torch.count_nonzero(compare(xf, threshold))
+        n = xf.numel()
+        if self._flags.numel() < n:
+            self._flags = torch.empty(n, dtype=torch.float32)
+        flags = compare(xf, threshold, out=self._flags[:n])
+        return flags.sum(dtype=torch.float64 if n > 1 << 24 else torch.float32)
 
     def _abs_f32(self, x: torch.Tensor) -> torch.Tensor:
         """|x| as a flat float32 tensor. On CPU into a reused scratch buffer: a fresh multi-MB
@@ -315,8 +340,12 @@ class Fp8Monitor:
         if self._scratch.numel() < n:
             self._scratch = torch.empty(n, dtype=torch.float32)
         out = self._scratch[:n]
-        out.copy_(x.reshape(-1))
-        return out.abs_()
+        if x.dtype == torch.float32:
+            torch.abs(x, out=out.view(x.shape))  # one pass; abs cannot write another dtype's out
+        else:
+            out.view(x.shape).copy_(x)
+            out.abs_()
+        return out
 
     # ------------------------------------------------------------------ step end
 
