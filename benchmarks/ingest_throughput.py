@@ -1,10 +1,12 @@
 """Sustained ingest throughput of a real collector, driven by load-generator processes on loopback.
 
     python benchmarks/ingest_throughput.py [--backends sqlite,postgresql] [--seconds 40] [--warmup 10]
-        [--clients 6] [--steps-per-batch 4] [--layers-per-rank 4]
+        [--clients 6] [--steps-per-batch 4] [--layers-per-rank 4] [--workers 1]
+        [--no-analysis | --analysis-thread]
 
 For each backend: start `trainvitals serve --db URL --port P` as a subprocess (analysis worker on,
-as in production), register a run of world_size 16,384 (tp 8 x pp 8 x dp 256), then let
+in its own child process as `serve` does by default; `--analysis-thread` runs it as a thread of the
+collector, `--no-analysis` not at all), register a run of world_size 16,384 (tp 8 x pp 8 x dp 256), then let
 `--clients` load-generator processes POST wire-format batches over keep-alive HTTP/1.1 connections
 (http.client), one request in flight per process. A batch is what one rank's agent sends per
 interval: `--steps-per-batch` steps of 1 step record + one grad record per layer it holds plus
@@ -113,11 +115,16 @@ class CollectorProcess:
 
 @contextmanager
 def collector(
-    url: str, *, env: dict[str, str] | None = None, timeout: float = 60.0, workers: int = 1
+    url: str,
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 60.0,
+    workers: int = 1,
+    extra_args: tuple[str, ...] = (),
 ) -> Iterator[CollectorProcess]:
     """`trainvitals serve` as a subprocess; waits for /healthz; terminated (then killed) on exit."""
     port = free_port()
-    argv = [trainvitals_bin(), "serve", "--db", url, "--port", str(port), "--workers", str(workers)]
+    argv = [trainvitals_bin(), "serve", "--db", url, "--port", str(port), "--workers", str(workers), *extra_args]
     proc = subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + timeout
@@ -358,6 +365,8 @@ class IngestResult:
     rss_mb: float
     hwm_mb: float
     stored_rows: int
+    reduced: str
+    """'reduced step / newest delivered step' when the load stopped ('-': analysis off)."""
     command: str
 
 
@@ -368,6 +377,21 @@ def _postgres_pids(url: str) -> list[int]:
     with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
         rows = conn.execute("SELECT pid FROM pg_stat_activity WHERE datname = %s", (dbname,)).fetchall()
     return [int(r[0]) for r in rows]
+
+
+def _analysis_progress(url: str) -> str:
+    from sqlalchemy import text
+
+    from trainvitals.service.store.db import make_engine
+
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            reduced = conn.execute(text("SELECT max(reduced_upto) FROM reduction_state")).scalar()
+            newest = conn.execute(text("SELECT max(step) FROM steps")).scalar()
+        return f"{-1 if reduced is None else reduced}/{newest}"
+    finally:
+        engine.dispose()
 
 
 def _stored_rows(url: str) -> int:
@@ -395,6 +419,7 @@ def measure(
     steps_per_batch: int,
     layers_per_rank: int,
     analysis: bool = True,
+    analysis_thread: bool = False,
     workers: int = 1,
 ) -> IngestResult:
     run = "bench-16k"
@@ -402,8 +427,10 @@ def measure(
         # Auth stays on, as in production: the token lookup is cached, so it costs ingest little.
         token = create_token(url, project="bench", scope="ingest")
         env = {} if analysis else {"TRAINVITALS_RUN_ANALYSIS": "false"}
-        with collector(url, env=env, workers=workers) as col:
+        extra = ("--analysis-thread",) if analysis_thread else ()
+        with collector(url, env=env, workers=workers, extra_args=extra) as col:
             return _drive(
+                analysis,
                 backend,
                 url,
                 col,
@@ -418,6 +445,7 @@ def measure(
 
 
 def _drive(
+    analysis: bool,
     backend: str,
     url: str,
     col: CollectorProcess,
@@ -479,6 +507,7 @@ def _drive(
                 p.kill()
                 p.join()
     stored = _stored_rows(url)
+    reduced = _analysis_progress(url) if analysis else "-"
     window = [s for _, samples, _ in results for s in samples if t_start <= s[0] < t_end]
     span = t_end - t_start
     lat = [s[1] for s in window]
@@ -497,6 +526,7 @@ def _drive(
         rss_mb=rss_peak / 1024,
         hwm_mb=hwm / 1024,
         stored_rows=stored,
+        reduced=reduced,
         command=col.command,
     )
 
@@ -513,6 +543,9 @@ def main() -> None:
         "--no-analysis", action="store_true", help="TRAINVITALS_RUN_ANALYSIS=false: ingest alone"
     )
     parser.add_argument("--workers", type=int, default=1, help="collector processes (serve --workers N)")
+    parser.add_argument(
+        "--analysis-thread", action="store_true", help="serve --analysis-thread: analysis in the collector process"
+    )
     args = parser.parse_args()
     print(f"$ {' '.join([Path(sys.executable).name, *sys.argv])}")
     print(
@@ -529,6 +562,7 @@ def main() -> None:
             steps_per_batch=args.steps_per_batch,
             layers_per_rank=args.layers_per_rank,
             analysis=not args.no_analysis,
+            analysis_thread=args.analysis_thread,
             workers=args.workers,
         )
         print(f"[{backend}] collector: {res.command}", flush=True)
@@ -536,7 +570,7 @@ def main() -> None:
     header = (
         f"{'backend':<11}{'records/s':>11}{'batches/s':>10}{'rec/batch':>10}{'body KB':>8}"
         f"{'p50 ms':>8}{'p99 ms':>8}{'errors':>7}{'CPU coll':>9}{'CPU pg':>7}{'CPU gen':>8}"
-        f"{'RSS MB':>8}{'HWM MB':>8}{'rows stored':>13}"
+        f"{'RSS MB':>8}{'HWM MB':>8}{'rows stored':>13}{'reduced/newest':>16}"
     )
     print("\n" + header)
     print("-" * len(header))
@@ -545,11 +579,12 @@ def main() -> None:
             f"{r.backend:<11}{r.records_per_s:>11,.0f}{r.batches_per_s:>10.1f}{r.records_per_batch:>10}"
             f"{r.body_kb:>8.1f}{r.p50_ms:>8.1f}{r.p99_ms:>8.1f}{r.errors:>7}{r.collector_cpu:>9.2f}"
             f"{r.postgres_cpu:>7.2f}{r.clients_cpu:>8.2f}{r.rss_mb:>8.0f}{r.hwm_mb:>8.0f}"
-            f"{r.stored_rows:>13,}"
+            f"{r.stored_rows:>13,}{r.reduced:>16}"
         )
     print(
         "\nCPU columns: cores busy on average (collector process; PostgreSQL backends of the scratch "
-        "database; all load generators). records/s counts acknowledged records in the window."
+        "database; all load generators). records/s counts acknowledged records in the window. "
+        "reduced/newest: the analysis worker's reduced step and the newest delivered step when the load stopped."
     )
 
 

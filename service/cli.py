@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -31,9 +32,6 @@ def _session(url: str, *, migrate: bool = False) -> Iterator[Any]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from trainvitals.service.main import create_app
     from trainvitals.service.settings import Settings
 
     overrides = {
@@ -50,6 +48,56 @@ def _serve(args: argparse.Namespace) -> int:
         )
     if settings.host not in _LOOPBACK:
         print(f"trainvitals: listening on {settings.host}: reachable beyond this machine", file=sys.stderr)
+    if args.analysis_thread or not settings.run_analysis:
+        return _run_uvicorn(args, settings)
+    with _analysis_process(settings):
+        return _run_uvicorn(args, settings.model_copy(update={"run_analysis": False}))
+
+
+@contextmanager
+def _analysis_process(settings: Any) -> Iterator[None]:
+    """`trainvitals analyse` as a child process for the duration of `serve` (the default).
+
+    Analysis is Python and numpy work of its own (seconds per cycle at 16,384 ranks); in its own
+    process it does not take the ingest process's GIL, so batch latency and ingest throughput stay
+    near what they are without it (docs/performance.md), and ingest does not starve it. The child
+    gets SIGTERM if this process dies without cleaning up; the analysis lease keeps it the only
+    analyser, whatever else runs on the database.
+    """
+    import signal
+    import subprocess
+
+    from trainvitals.service.store import db
+
+    if settings.migrate_on_start:
+        db.upgrade(settings.db)  # before either process touches the schema
+
+    def die_with_parent() -> None:
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+    env = {**os.environ, **settings.model_copy(update={"migrate_on_start": False}).as_env()}
+    child = subprocess.Popen(
+        [sys.executable, "-m", "trainvitals.service.cli", "analyse"], env=env, preexec_fn=die_with_parent
+    )
+    try:
+        yield
+    finally:
+        child.terminate()
+        try:
+            child.wait(30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def _run_uvicorn(args: argparse.Namespace, settings: Any) -> int:
+    import uvicorn
+
+    from trainvitals.service.main import create_app
+
     if args.workers > 1:
         # Several processes accept on the one port, each with its own app built from the same
         # settings (handed over as TRAINVITALS_* variables): ingest scales with them, the counters
@@ -69,6 +117,31 @@ def _serve(args: argparse.Namespace) -> int:
         )
         return 0
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level)
+    return 0
+
+
+def _analyse(args: argparse.Namespace) -> int:
+    """The analysis worker alone, until SIGTERM or SIGINT (settings from TRAINVITALS_* / --db)."""
+    import signal
+    import threading
+
+    from trainvitals.service.leader import AnalysisLease
+    from trainvitals.service.settings import Settings
+    from trainvitals.service.store import db
+    from trainvitals.service.worker import AnalysisWorker
+
+    settings = Settings(**({"db": args.db} if args.db else {}))
+    if settings.migrate_on_start:
+        db.upgrade(settings.db)
+    engine = db.make_engine(settings.db)
+    worker = AnalysisWorker(db.make_sessionmaker(engine), settings, lease=AnalysisLease(engine))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    worker.start()
+    stop.wait()
+    worker.stop()
+    engine.dispose()
     return 0
 
 
@@ -205,7 +278,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="collector processes sharing the port (ingest throughput scales with them on PostgreSQL)",
     )
+    serve.add_argument(
+        "--analysis-thread",
+        action="store_true",
+        help="run the analysis worker as a thread of the collector process, not as its own child process "
+        "(`trainvitals analyse`, the default: analysis then does not take ingest's CPU and GIL)",
+    )
     serve.set_defaults(func=_serve)
+
+    analyse = sub.add_parser(
+        "analyse", help="the analysis worker alone (reduce + detect), for a collector started without it"
+    )
+    analyse.add_argument("--db", help=f"SQLAlchemy URL (default {DEFAULT_SQLITE_URL}; env TRAINVITALS_DB)")
+    analyse.set_defaults(func=_analyse)
 
     dbp = sub.add_parser("db", help="schema migrations")
     dbsub = dbp.add_subparsers(dest="db_command", required=True)
