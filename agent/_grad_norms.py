@@ -155,8 +155,8 @@ class GradNormTracker:
         # reduced into groups and totals by two index_add: each op costs a few microseconds of
         # dispatch, 10-30 us with the caches cold after backward, far more than its arithmetic on a
         # few hundred values, so the number of ops (and of distinct ops) is what matters here. Hence
-        # mul throughout (x * x is what square computes) and nonfinite as (sq * 0 != 0): NaN exactly
-        # for inf and NaN, in two ops where isfinite alone is four.
+        # mul throughout (x * x is what square computes) and nonfinite as "sq * 0 is NaN" (exactly
+        # for inf and NaN): two ops where isfinite alone is four.
         norms32 = stacked if stacked.dtype == torch.float32 else stacked.float()
         torch.mul(norms32, norms32, out=r.sq)
         torch.mul(r.sq, r.owned, out=r.owned_sq)
