@@ -56,7 +56,7 @@ class AgentConfig:
     Linear-like modules), 'recipe' (only real FP8 modules), 'shadow' (only hooks), 'off'."""
     fp8_every_steps: int = 20
     """Shadow mode (bf16/fp32 modules): the cheap tier (amax, headroom, lag, staleness) every N
-    steps; the hooks do nothing on the others. Modules that train through an FP8 recipe are read
+    steps; on the others the monitor's hooks are not even registered. Modules that train through an FP8 recipe are read
     from the recipe every step regardless (the recipe has computed the amax: reading it is two
     small copies per module). Not 1 by default for shadow modules: an exact amax is one extra read
     of every monitored input, weight and grad_output (fp8.md tier 1), ~2.6% of a step on the
@@ -65,9 +65,10 @@ class AgentConfig:
     shadow history then keeps L / N samples spanning the recipe's L steps. 1: every step."""
     fp8_expensive_every_steps: int = 200
     """Expensive tier (saturation, underflow, crest, non-finite) every N steps; 0 disables it.
-    Several more reads of every monitored tensor (47 ms on the example model on this CPU, where a
-    step is 160 ms): every 200th step is ~0.15% of the step time amortised. These are slow-moving
-    statistics; clipping itself is seen every step through headroom (docs/performance-agent.md)."""
+    Several more reads of every monitored tensor (such a step costs the example model 11 ms on this
+    CPU, cheap tier included, where a step is 130-160 ms): every 200th step is ~0.04% of the step
+    time amortised. These are slow-moving statistics; clipping itself is seen every step through
+    headroom (docs/performance-agent.md)."""
     fp8_ranks: str = "dp0"
     """'dp0': only data-parallel replica 0 monitors tensors (it covers every shard once); 'all'."""
     fp8_module_filter: Callable[[str, Any], bool] | None = None

@@ -11,13 +11,13 @@ modules. Two modes, chosen per module:
 
 Hot-path cost per hooked tensor on a sampled step: one `aminmax` pass (max |x| = max(max x,
 -min x) without materialising |x|; `vector_norm(ord=inf)` gives the same value but runs ~10x
-slower on CPU, see docs/performance-agent.md) and a `maximum` / `minimum` into preallocated
-slots. grad_output is taken by a tensor hook that the forward hook registers on the module's
-output only on sampled steps: a full backward hook would wrap every forward call in autograd
-machinery on every step, sampled or not. The forward hooks themselves are registered only for
-the steps they measure (shadow modules: sampled steps; recipe modules: expensive steps) and
-removed after them: a module with any hook takes the slow path of `nn.Module.__call__` on every
-call, even when the hook returns at once.
+slower on CPU, where `amax` and `amin` are faster still, see docs/performance-agent.md) and a
+`maximum` / `minimum` into preallocated slots. grad_output is taken by a tensor hook that the
+forward hook registers on the module's output only on sampled steps: a full backward hook would
+wrap every forward call in autograd machinery on every step, sampled or not. The forward hooks
+themselves are registered only for the steps they measure (shadow modules: sampled steps; recipe
+modules: expensive steps) and removed after them: a module with any hook takes the slow path of
+`nn.Module.__call__` on every call, even when the hook returns at once.
 At step end everything is vectorised over all tensors (a handful of kernels, whatever the
 tensor count) and appended to the step's single device-to-host copy. Expensive statistics
 (saturation, underflow, crest, non-finite) run only on a subset of the sampled steps.

@@ -40,6 +40,9 @@ every 10% of the run (growth must flatten: the queue, spool and histories are bo
 exporter thread's CPU seconds per step, the tracemalloc peak of Python allocations during
 measured steps with and without the agent, and the Python memory blocks one agent.step()
 leaves alive until the exporter ships them (independent of the number of monitored tensors).
+It also reports the direct cost amortised over the whole run against a baseline run of the same
+length (every periodic FP8 tier counted), and the entry points' cost per step by kind: ordinary,
+shadow-sampled (every fp8_every_steps) and expensive-tier steps.
 """
 
 from __future__ import annotations
@@ -455,6 +458,16 @@ def retained_blocks_per_step(job: Job, steps: int = 20) -> float:
     return sum(d.count_diff for d in diff) / steps
 
 
+def step_kind(agent: Any) -> str:
+    """What the coming step costs the agent: 'expensive' (an FP8 expensive-tier step), 'sampled'
+    (a shadow FP8 sample, every fp8_every_steps) or 'ordinary'. Decided, like the agent itself
+    decides it, at the end of the previous step."""
+    monitors = [m for m in agent._fp8 if m.observing]
+    if any(m.expensive_next for m in monitors):
+        return "expensive"
+    return "sampled" if any(m.every > 1 for m in monitors) else "ordinary"
+
+
 def memory_run(job: Job, args: argparse.Namespace, url: str, spill: str) -> list[str]:
     lines: list[str] = []
     peak_without = python_peak(job, 30)
@@ -463,12 +476,15 @@ def memory_run(job: Job, args: argparse.Namespace, url: str, spill: str) -> list
         train_step(job)
     peak_with = python_peak(job, 30)
     samples: list[tuple[int, int]] = []
+    by_kind: dict[str, list[float]] = {}
     exp0 = exporter_cpu_seconds(job.agent)
     direct0, clip0 = _AGENT_SECONDS[0], _CLIP_SECONDS[0]
     t0 = time.perf_counter()
     every = max(1, args.long_steps // 10)
     for i in range(args.long_steps):
+        kind, before = step_kind(job.agent), _AGENT_SECONDS[0]
         train_step(job)
+        by_kind.setdefault(kind, []).append(_AGENT_SECONDS[0] - before)
         if i % every == 0 or i == args.long_steps - 1:
             samples.append((i, rss_bytes()))
     elapsed = time.perf_counter() - t0
@@ -492,6 +508,13 @@ def memory_run(job: Job, args: argparse.Namespace, url: str, spill: str) -> list
         f"{amortised * 1e3:.3f} ms/step = {100 * amortised / base_step:+.2f}% of the {base_step * 1e3:.1f} ms "
         f"baseline step (agent entry points {agent_direct * 1e3:.3f} ms, clipping through the agent "
         f"{(agent_clip - base_clip) * 1e3:+.3f} ms beyond torch's)"
+    )
+    lines.append(
+        "  agent entry points per step, by kind: "
+        + ", ".join(
+            f"{kind} {statistics.fmean(v) * 1e3:.3f} ms (median {statistics.median(v) * 1e3:.3f}, n={len(v)})"
+            for kind, v in sorted(by_kind.items(), key=lambda kv: -len(kv[1]))
+        )
     )
     mib = 1024 * 1024
     lines.append(f"RSS over {args.long_steps} steps with the default agent (MiB, step: rss):")
