@@ -281,7 +281,14 @@ def store_batches(
         for key, i in candidates.items():
             new = key in new_keys
             outcomes[i] = BatchAck(accepted=len(items[i][0].records) if new else 0, duplicate=not new)
-        _count(session, writer, [(batch.run, batch.run in runs) for batch, _ in items], outcomes)
+        stored_set = set(stored)
+        _count(
+            session,
+            writer,
+            [(batch.run, batch.run in runs) for batch, _ in items],
+            outcomes,
+            [built[i] if i in stored_set else None for i in range(len(items))],
+        )
         session.commit()
     return [o for o in outcomes if o is not None]
 
@@ -293,21 +300,28 @@ def count_unstorable(session: Session, batch: AnyBatch, *, writer: str) -> None:
     session.commit()
 
 
+_COUNTED = ("batches", "records", *(f"{kind}_records" for kind in RECORD_TABLES))
 _COUNT_UPSERT = text(
-    f"INSERT INTO {IngestCount.__tablename__} (run_id, outcome, writer, batches, records) "
-    "VALUES (:run_id, :outcome, :writer, :batches, :records) "
+    f"INSERT INTO {IngestCount.__tablename__} (run_id, outcome, writer, {', '.join(_COUNTED)}) "
+    f"VALUES (:run_id, :outcome, :writer, {', '.join(':' + c for c in _COUNTED)}) "
     "ON CONFLICT (run_id, outcome, writer) DO UPDATE SET "
-    f"batches = {IngestCount.__tablename__}.batches + excluded.batches, "
-    f"records = {IngestCount.__tablename__}.records + excluded.records"
+    + ", ".join(f"{c} = {IngestCount.__tablename__}.{c} + excluded.{c}" for c in _COUNTED)
 )
+_KIND_INDEX = {kind: 2 + i for i, kind in enumerate(RECORD_TABLES)}  # position in a _COUNTED vector
 
 
 def _count(
-    session: Session, writer: str, runs: list[tuple[str, bool]], outcomes: Sequence[BatchOutcome | None]
+    session: Session,
+    writer: str,
+    runs: list[tuple[str, bool]],
+    outcomes: Sequence[BatchOutcome | None],
+    stored_rows: Sequence[tuple[RowsByKind, DictRowsByKind, int | None] | None] | None = None,
 ) -> None:
-    """Add this group's outcomes to the writer's counter rows (same transaction: exact)."""
+    """Add this group's outcomes to the writer's counter rows (same transaction: exact).
+
+    stored_rows: per item, the rows a stored batch wrote (None for the others): counted per kind."""
     totals: dict[tuple[str, str], list[int]] = {}
-    for (run_id, known), outcome in zip(runs, outcomes, strict=True):
+    for i, ((run_id, known), outcome) in enumerate(zip(runs, outcomes, strict=True)):
         if isinstance(outcome, BatchAck):
             key = (run_id, "duplicate" if outcome.duplicate else "stored")
             records = outcome.accepted
@@ -315,14 +329,19 @@ def _count(
             # An unknown run's id is whatever the sender typed: not a label worth a row each.
             key = (run_id if known else "", "rejected")
             records = 0
-        acc = totals.setdefault(key, [0, 0])
+        acc = totals.setdefault(key, [0] * len(_COUNTED))
         acc[0] += 1
         acc[1] += records
+        rows = stored_rows[i] if stored_rows is not None else None
+        if rows is not None:
+            for by_kind in rows[:2]:
+                for kind, kind_rows in by_kind.items():
+                    acc[_KIND_INDEX[kind]] += len(kind_rows)
     session.execute(
         _COUNT_UPSERT,
         [
-            {"run_id": run_id, "outcome": outcome, "writer": writer, "batches": b, "records": r}
-            for (run_id, outcome), (b, r) in sorted(totals.items())
+            {"run_id": run_id, "outcome": outcome, "writer": writer, **dict(zip(_COUNTED, acc, strict=True))}
+            for (run_id, outcome), acc in sorted(totals.items())
         ],
     )
 

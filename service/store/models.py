@@ -318,3 +318,9 @@ class IngestCount(Base):
     writer: Mapped[str] = mapped_column(String(128), primary_key=True)  # host:pid:thread
     batches: Mapped[int] = mapped_column(BigInteger, default=0)
     records: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Stored records per kind (revision 0006): the run overview's counts without scanning raw tables.
+    step_records: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    tensor_records: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    grad_records: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    checkpoint_records: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    event_records: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")

@@ -69,14 +69,17 @@ class RunOverview:
     status: str
     world_size: int
     ranks: int
+    """Most ranks that reported one step."""
     steps: int
     step_records: int
+    """Records stored, by kind (from the ingest counters, this and the other *_records/events)."""
     first_step: int | None
     last_step: int | None
     step_seconds_p50: float | None
     """Median over steps of the cross-rank median step time."""
     step_seconds_min_rank_mean: float | None
     step_seconds_max_rank_mean: float | None
+    """Per-rank means over the newest 20 rank windows (1,000 steps by default), as is slowest_rank."""
     slowest_rank: int | None
     tensor_records: int
     grad_records: int
@@ -85,53 +88,98 @@ class RunOverview:
 
 
 def run_overview(session: Session, *, run_id: str) -> RunOverview | None:
+    """Counts from the ingest counters, steps and ranks from the summaries plus the unreduced tail,
+    per-rank means from the newest rank windows: index probes and small reads, never a scan of the
+    raw tables (billions of rows at 16,384 ranks x 100k steps)."""
     run = session.get(Run, run_id)
     if run is None:
         return None
-    agg = session.execute(
-        select(
-            func.count(),
-            func.count(func.distinct(StepRow.rank)),
-            func.count(func.distinct(StepRow.step)),
-            func.min(StepRow.step),
-            func.max(StepRow.step),
-        ).where(StepRow.run_id == run_id)
+    kinds = [IngestCount.step_records, IngestCount.tensor_records, IngestCount.grad_records,
+             IngestCount.checkpoint_records, IngestCount.event_records]  # fmt: skip
+    counts = session.execute(
+        select(*(func.coalesce(func.sum(k), 0) for k in kinds)).where(
+            IngestCount.run_id == run_id, IngestCount.outcome == "stored"
+        )
     ).one()
-    per_rank = session.execute(
-        select(StepRow.rank, func.avg(StepRow.step_seconds))
-        .where(StepRow.run_id == run_id)
-        .group_by(StepRow.rank)
-        .order_by(StepRow.rank)
-    ).all()
+    first_step = session.scalar(select(func.min(StepRow.step)).where(StepRow.run_id == run_id))
+    last_step = session.scalar(select(func.max(StepRow.step)).where(StepRow.run_id == run_id))
+    state = session.get(ReductionState, run_id)
+    reduced_upto = state.reduced_upto if state is not None else -1
+    reduced = session.execute(
+        select(func.count(), func.max(StepSummary.ranks)).where(
+            StepSummary.run_id == run_id, StepSummary.step <= reduced_upto
+        )
+    ).one()
+    tail = session.execute(
+        select(func.count(func.distinct(StepRow.step)), func.count(func.distinct(StepRow.rank))).where(
+            StepRow.run_id == run_id, StepRow.step > reduced_upto
+        )
+    ).one()
     # Median step time from the per-step summaries (one value per step, not one per rank and step);
-    # only a run nobody has reduced yet falls back to the raw rows.
+    # only a run nobody has reduced yet falls back to the raw rows of its unreduced tail.
     times = sorted(session.scalars(select(StepSummary.step_seconds_p50).where(StepSummary.run_id == run_id)).all())
     if not times:
-        times = sorted(session.scalars(select(StepRow.step_seconds).where(StepRow.run_id == run_id)).all())
+        times = sorted(
+            session.scalars(select(StepRow.step_seconds).where(StepRow.run_id == run_id, StepRow.step > reduced_upto))
+        )
+    per_rank = _recent_rank_means(session, run_id, reduced_upto)
     slowest = max(per_rank, key=lambda r: r[1]) if per_rank else None
-
-    def _count(model: type) -> int:
-        return int(session.scalar(select(func.count()).select_from(model).where(model.run_id == run_id)) or 0)
-
     return RunOverview(
         run_id=run.run_id,
         project=run.project,
         status=run.status,
         world_size=run.world_size,
-        ranks=agg[1],
-        steps=agg[2],
-        step_records=agg[0],
-        first_step=agg[3],
-        last_step=agg[4],
+        ranks=max(reduced[1] or 0, tail[1]),
+        steps=reduced[0] + tail[0],
+        step_records=int(counts[0]),
+        first_step=first_step,
+        last_step=last_step,
         step_seconds_p50=times[len(times) // 2] if times else None,
         step_seconds_min_rank_mean=min(r[1] for r in per_rank) if per_rank else None,
         step_seconds_max_rank_mean=max(r[1] for r in per_rank) if per_rank else None,
         slowest_rank=slowest[0] if slowest else None,
-        tensor_records=_count(TensorStatRow),
-        grad_records=_count(GradStatRow),
-        checkpoint_records=_count(CheckpointRow),
-        events=_count(EventRow),
+        tensor_records=int(counts[1]),
+        grad_records=int(counts[2]),
+        checkpoint_records=int(counts[3]),
+        events=int(counts[4]),
     )
+
+
+_OVERVIEW_WINDOWS = 20
+
+
+def _recent_rank_means(session: Session, run_id: str, reduced_upto: int) -> list[tuple[int, float]]:
+    """(rank, mean step seconds) over the newest rank windows (1,000 steps at the default window),
+    or over the raw unreduced tail when nothing is reduced yet."""
+    newest = session.scalar(select(func.max(RankWindow.window_start)).where(RankWindow.run_id == run_id))
+    if newest is None:
+        return [
+            (int(r), float(m))
+            for r, m in session.execute(
+                select(StepRow.rank, func.avg(StepRow.step_seconds))
+                .where(StepRow.run_id == run_id, StepRow.step > reduced_upto)
+                .group_by(StepRow.rank)
+            )
+        ]
+    # The newest windows' starts, read along one rank's windows (index run_id, rank, window_start):
+    # a DISTINCT over all ranks' windows would read every window row of the run.
+    w = RankWindow
+    a_rank = session.scalar(select(w.rank).where(w.run_id == run_id, w.window_start == newest).limit(1))
+    starts = session.scalars(
+        select(w.window_start)
+        .where(w.run_id == run_id, w.rank == a_rank)
+        .order_by(w.window_start.desc())
+        .limit(_OVERVIEW_WINDOWS)
+    ).all()
+    return [
+        (int(r), float(total / n))
+        for r, total, n in session.execute(
+            select(w.rank, func.sum(w.step_seconds_mean * w.steps), func.sum(w.steps))
+            .where(w.run_id == run_id, w.window_start >= min(starts))
+            .group_by(w.rank)
+        )
+        if n
+    ]
 
 
 def step_keys(session: Session, *, run_id: str) -> set[tuple[int, int, int]]:

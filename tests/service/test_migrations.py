@@ -47,3 +47,43 @@ def test_models_and_migrations_agree(tmp_path: Path) -> None:
     with engine.connect() as conn:
         assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
     engine.dispose()
+
+
+def _backfill_case(url: str) -> None:
+    from sqlalchemy import text
+
+    from trainvitals.service.store import queries
+
+    db.upgrade(url, "0005")
+    engine = db.make_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO runs (run_id, project, registration, world_size, status, created_at, "
+                          "last_seen_at) VALUES ('old', 'p', '{}', 2, 'running', 1.0, 1.0)"))  # fmt: skip
+        for rank in range(2):
+            for step in range(3):
+                conn.execute(text("INSERT INTO steps (run_id, rank, incarnation, step, ts, step_seconds) "
+                                  f"VALUES ('old', {rank}, 1, {step}, 1.0, 1.0)"))  # fmt: skip
+            conn.execute(text("INSERT INTO tensor_stats (run_id, rank, incarnation, step, tensor, role, "
+                              f"format, amax, shadow) VALUES ('old', {rank}, 1, 0, 'fc', 'input', 'e4m3', 1.0, "
+                              "false)"))  # fmt: skip
+    engine.dispose()
+    db.upgrade(url)  # 0006 counts what is already stored
+    engine = db.make_engine(url)
+    with db.make_sessionmaker(engine)() as session:
+        ov = queries.run_overview(session, run_id="old")
+        assert ov is not None
+        assert (ov.step_records, ov.tensor_records, ov.grad_records, ov.events) == (6, 2, 0, 0)
+        assert (ov.steps, ov.ranks, ov.first_step, ov.last_step) == (3, 2, 0, 2)
+    engine.dispose()
+    db.downgrade(url, "0005")  # and the backfilled row goes with the columns
+    engine = db.make_engine(url)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM ingest_counts")).scalar() == 0
+    engine.dispose()
+
+
+def test_0006_counts_records_stored_before_it(tmp_path: Path, empty_pg_url: str) -> None:
+    """The run overview reads stored-record counts from ingest_counts since 0006; the revision
+    backfills them from the raw tables, on both backends."""
+    _backfill_case(f"sqlite:///{tmp_path / 'b.db'}")
+    _backfill_case(empty_pg_url)
