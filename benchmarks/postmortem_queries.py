@@ -96,6 +96,12 @@ def _tables_sql(*, tensor_steps: int, window_count: int, raw_steps: int, now: fl
             f"FROM generate_series(0, {GENERATIONS - 1}) g, generate_series(0, {WORLD_SIZE - 1}) r, "
             "generate_series(0, 1) k"
         ),
+        "reduction_state": f"INSERT INTO reduction_state (run_id, reduced_upto) VALUES ('{RUN}', {last})",
+        "ingest_counts": (
+            "INSERT INTO ingest_counts (run_id, outcome, writer, batches, records, step_records, tensor_records, "
+            "grad_records, checkpoint_records, event_records) "
+            f"VALUES ('{RUN}', 'stored', 'bench:1:0', 0, 0, {STEPS * WORLD_SIZE}, 0, 0, 0, 0)"
+        ),
         "findings": (
             "INSERT INTO findings (run_id, kind, severity, subject_kind, subject, onset_step, last_step, "
             "magnitude, summary, active, first_seen_at, updated_at) "
@@ -184,7 +190,10 @@ def _time(fn: Callable[[], Any], repeats: int) -> tuple[float, int]:
         t0 = time.perf_counter()
         out = fn()
         times.append(time.perf_counter() - t0)
-        n = len(out["steps"]) * len(out["ranks"]) if isinstance(out, dict) else len(out)
+        if isinstance(out, dict):
+            n = len(out["steps"]) * len(out["ranks"])
+        else:
+            n = len(out) if hasattr(out, "__len__") else 1  # the run overview is one object
     return statistics.median(times) * 1e3, n
 
 
@@ -257,6 +266,14 @@ def run_queries(engine: Engine, *, repeats: int, tensor_steps: int, window_count
             lambda s: queries.checkpoint_generations(s, run_id=RUN),
             "SELECT * FROM checkpoints WHERE run_id = :run ORDER BY ts",
             p,
+        ),
+        (
+            "run overview (GET /v1/runs/{run}, query runs)",
+            lambda s: queries.run_overview(s, run_id=RUN),
+            # Its largest statement: per-rank means over the newest 20 rank windows.
+            "SELECT rank, sum(step_seconds_mean * steps), sum(steps) FROM rank_windows WHERE run_id = :run "
+            "AND window_start >= :lo GROUP BY rank",
+            {**p, "lo": (STEPS // WINDOW - 20) * WINDOW},
         ),
         (
             "findings",
