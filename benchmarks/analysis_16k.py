@@ -168,6 +168,12 @@ def old_watermark_seconds(engine: Engine) -> float:
     return time.perf_counter() - t0
 
 
+def rss_mb() -> tuple[float, float]:
+    """(VmRSS, VmHWM) of this process in MB: the analysis process's memory."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="postgresql", choices=("postgresql", "sqlite"))
@@ -189,7 +195,8 @@ def main() -> None:
         factory = db.make_sessionmaker(engine)
         step = last
         results: dict[str, list[dict]] = {}
-        for mode in ("fresh", "kept"):
+        memory = {}
+        for mode in ("kept", "fresh"):  # kept first: its peak memory is not the fresh reads
             inputs = DetectorInputs() if mode == "kept" else None
             rows = []
             for _ in range(args.cycles + (mode == "kept")):
@@ -199,6 +206,8 @@ def main() -> None:
                 rows.append(cycle(factory, now=now, config=config, inputs=inputs))
                 assert rows[-1]["reduced"] == 1, rows[-1]
             results[mode] = rows
+            memory[mode] = rss_mb()
+            inputs = None
         engine.dispose()
 
     print(f"\nbackend {args.backend}; seconds per analysis cycle (one new step of {WORLD_SIZE:,} ranks), median "
@@ -214,6 +223,9 @@ def main() -> None:
             v = [r[key] for r in rows]
             cells.append(f"{statistics.median(v):.2f} [{min(v):.2f}, {max(v):.2f}]")
         print(f"{label:<22}" + "".join(f"{c:>22}" for c in cells))
+    (rss, hwm), (_, hwm_all) = memory["kept"], memory["fresh"]
+    print(f"\nmemory of this process (the analysis process): after the kept cycles RSS {rss:.0f} MB, "
+          f"peak {hwm:.0f} MB; peak including the fresh reads {hwm_all:.0f} MB")  # fmt: skip
 
 
 if __name__ == "__main__":
