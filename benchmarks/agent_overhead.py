@@ -41,8 +41,10 @@ exporter thread's CPU seconds per step, the tracemalloc peak of Python allocatio
 measured steps with and without the agent, and the Python memory blocks one agent.step()
 leaves alive until the exporter ships them (independent of the number of monitored tensors).
 It also reports the direct cost amortised over the whole run against a baseline run of the same
-length (every periodic FP8 tier counted), and the entry points' cost per step by kind: ordinary,
-shadow-sampled (every fp8_every_steps) and expensive-tier steps.
+length (every periodic FP8 tier counted), in wall time and in the training thread's CPU time
+(which leaves out preemption by other processes: on a shared machine the wall figure can double),
+and the entry points' cost per step by kind: ordinary, shadow-sampled (every fp8_every_steps)
+and expensive-tier steps.
 """
 
 from __future__ import annotations
@@ -204,22 +206,24 @@ def train_step(job: Job) -> None:
     # As the example: clipping through the agent when there is one (torch's clip_grad_norm_ whose
     # per-parameter norms also give the agent its group norms). Timed in both conditions: the
     # agent's part of it is the difference (clip_seconds, used by the direct accounting).
-    t0 = time.perf_counter()
+    c0, t0 = time.thread_time(), time.perf_counter()
     if job.agent is not None:
         total_norm = job.agent.clip_grad_norm_(job.model.parameters(), 1.0)
     else:
         total_norm = torch.nn.utils.clip_grad_norm_(job.model.parameters(), 1.0)
     _CLIP_SECONDS[0] += time.perf_counter() - t0
+    _CLIP_CPU[0] += time.thread_time() - c0
     job.optimizer.step()
     job.optimizer.zero_grad(set_to_none=True)
     if job.agent is not None:
         # step= as the example passes it: sampled steps (every fp8_every_steps-th) follow the job's
         # step counter across blocks, so a block samples its fair share however it is aligned.
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         job.agent.step(
             loss=loss, grad_norm=total_norm, tokens=args.batch * args.seq, flops=job.flops, step=job.step
         )
         _AGENT_SECONDS[0] += time.perf_counter() - t0
+        _AGENT_CPU[0] += time.thread_time() - c0
     job.step += 1
 
 
@@ -244,6 +248,10 @@ def attach(job: Job, overrides: dict[str, Any], collector: str, spill_dir: str, 
 
 _AGENT_SECONDS = [0.0]  # time spent inside agent entry points on the training thread
 _CLIP_SECONDS = [0.0]  # time spent clipping (torch's, or the agent's which includes torch's work)
+# The same in the training thread's CPU time: wall time counts the thread's preemption by other
+# processes as agent time, CPU time does not (on a shared machine the two part).
+_AGENT_CPU = [0.0]
+_CLIP_CPU = [0.0]
 
 
 def instrument_agent() -> None:
@@ -251,7 +259,8 @@ def instrument_agent() -> None:
 
     Wraps, before any agent is built, the FP8 monitor's hook guard (every module and tensor hook
     goes through it) and the optimizer pre-step hook; agent.step() is timed in train_step().
-    Costs two perf_counter() calls per hook call, a few microseconds per step.
+    Costs two perf_counter() and two thread_time() calls per hook call, a few microseconds per
+    sampled step (the hooks exist only on those).
     """
     from trainvitals.agent import _agent, _fp8_monitor
 
@@ -261,22 +270,24 @@ def instrument_agent() -> None:
         inner = guard(self, fn)
 
         def timed(*args: Any) -> None:
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             try:
                 inner(*args)
             finally:
                 _AGENT_SECONDS[0] += time.perf_counter() - t0
+                _AGENT_CPU[0] += time.thread_time() - c0
 
         return timed
 
     before = _agent.Agent._before_optimizer_step
 
     def timed_before(self: Any, *args: Any) -> None:
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         try:
             before(self, *args)
         finally:
             _AGENT_SECONDS[0] += time.perf_counter() - t0
+            _AGENT_CPU[0] += time.thread_time() - c0
 
     _fp8_monitor.Fp8Monitor._guard = timed_guard  # type: ignore[method-assign]
     _agent.Agent._before_optimizer_step = timed_before  # type: ignore[method-assign]
@@ -479,6 +490,7 @@ def memory_run(job: Job, args: argparse.Namespace, url: str, spill: str) -> list
     by_kind: dict[str, list[float]] = {}
     exp0 = exporter_cpu_seconds(job.agent)
     direct0, clip0 = _AGENT_SECONDS[0], _CLIP_SECONDS[0]
+    direct0_cpu, clip0_cpu = _AGENT_CPU[0], _CLIP_CPU[0]
     t0 = time.perf_counter()
     every = max(1, args.long_steps // 10)
     for i in range(args.long_steps):
@@ -490,24 +502,37 @@ def memory_run(job: Job, args: argparse.Namespace, url: str, spill: str) -> list
     elapsed = time.perf_counter() - t0
     agent_direct = (_AGENT_SECONDS[0] - direct0) / args.long_steps
     agent_clip = (_CLIP_SECONDS[0] - clip0) / args.long_steps
+    agent_direct_cpu = (_AGENT_CPU[0] - direct0_cpu) / args.long_steps
+    agent_clip_cpu = (_CLIP_CPU[0] - clip0_cpu) / args.long_steps
     exp1 = exporter_cpu_seconds(job.agent)
     stats = job.agent.stats()
     retained = retained_blocks_per_step(job)
     detach(job)
     # Amortised direct cost: the periodic tiers (shadow FP8 every fp8_every_steps, expensive every
-    # 50) land in some timed blocks and not others, which the per-round median understates; over
-    # the long run every one of them is counted. Baseline: the same number of steps without agent.
-    clip0, t0 = _CLIP_SECONDS[0], time.perf_counter()
+    # fp8_expensive_every_steps) land in some timed blocks and not others, which the per-round
+    # median understates; over the long run every one of them is counted. Baseline: the same number
+    # of steps without agent.
+    clip0, clip0_cpu = _CLIP_SECONDS[0], _CLIP_CPU[0]
+    c0, t0 = time.thread_time(), time.perf_counter()
     for _ in range(args.long_steps):
         train_step(job)
     base_step = (time.perf_counter() - t0) / args.long_steps
+    base_step_cpu = (time.thread_time() - c0) / args.long_steps
     base_clip = (_CLIP_SECONDS[0] - clip0) / args.long_steps
+    base_clip_cpu = (_CLIP_CPU[0] - clip0_cpu) / args.long_steps
     amortised = agent_direct + agent_clip - base_clip
+    amortised_cpu = agent_direct_cpu + agent_clip_cpu - base_clip_cpu
     lines.append(
         f"direct cost amortised over {args.long_steps} steps (every periodic tier included): "
         f"{amortised * 1e3:.3f} ms/step = {100 * amortised / base_step:+.2f}% of the {base_step * 1e3:.1f} ms "
         f"baseline step (agent entry points {agent_direct * 1e3:.3f} ms, clipping through the agent "
         f"{(agent_clip - base_clip) * 1e3:+.3f} ms beyond torch's)"
+    )
+    lines.append(
+        f"  the same in training-thread CPU time (preemption by other processes excluded): "
+        f"{amortised_cpu * 1e3:.3f} ms/step = {100 * amortised_cpu / base_step_cpu:+.2f}% of the "
+        f"{base_step_cpu * 1e3:.1f} ms baseline step (entry points {agent_direct_cpu * 1e3:.3f} ms, clipping "
+        f"{(agent_clip_cpu - base_clip_cpu) * 1e3:+.3f} ms)"
     )
     lines.append(
         "  agent entry points per step, by kind: "
