@@ -273,8 +273,9 @@ class Fp8Monitor:
                 x = x.float()  # float8 has no min/max kernels on CPU (fp8.md); such inputs are rare
             # One read of x (fp8.md tier 1); max over calls within a step (micro-batches, shared
             # modules) by maximum/minimum into 0-dim slots, in place: exact, on device, no sync.
-            # On CPU amax and amin, two vectorised passes, take 2/3 of aminmax's one (1/6 on a
-            # non-contiguous x); on memory-bound accelerators the single read wins.
+            # On CPU amax and amin, two vectorised passes, beat aminmax's one (100 vs 168 us on 1M
+            # elements, 26 vs 154 us non-contiguous; 1.83 vs 2.06 ms per sampled step of the
+            # example); on memory-bound accelerators the single read wins.
             if x.device.type == "cpu":
                 hi, lo = x.amax(), x.amin()
             else:
