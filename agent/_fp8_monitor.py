@@ -265,7 +265,10 @@ class Fp8Monitor:
                 self._errors.record("fp8 hook", exc)
             return None
 
-        return inner
+        # torch.compile traces module hooks into the job's graph, and inductor cannot compile these
+        # (in-place writes into the monitor's slots: BackendCompilerFailed, raised into the job).
+        # Excluded from compilation they run eagerly at a graph break, on measured steps only.
+        return torch.compiler.disable(inner)
 
     def _observe(self, i: int, x: torch.Tensor, cheap: bool) -> None:
         if cheap:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -38,7 +39,8 @@ class StepTimer:
         self.measures_wait = False
         if model is None:
             return
-        self._hooks.append(model.register_forward_pre_hook(self._on_forward))
+        # Not traced by torch.compile: a clock read belongs to the eager step, not to a graph.
+        self._hooks.append(model.register_forward_pre_hook(torch.compiler.disable(self._on_forward)))
         if time_collectives:
             try:
                 self.measures_wait = self._install_comm_hook(model)
