@@ -162,8 +162,9 @@ def _write_fast(session: Session, kind: str, rows: list[tuple[Any, ...]]) -> Non
             for row in rows:
                 copy.write_row(row)
     else:
-        # Plain DBAPI executemany: SQLAlchemy's per-row bind processing is not needed for these
-        # column types (float, int, str, bool), and skipping it is most of the SQLite insert cost.
+        # Plain DBAPI statements: SQLAlchemy's per-row bind processing is not needed for these
+        # column types (float, int, str, bool; NaN handled here), and skipping it is most of the
+        # SQLite insert cost.
         _sqlite_insert(conn.connection.driver_connection, kind, nan_as_text(rows, _SQLITE_REAL_POSITIONS[kind]))
 
 
