@@ -45,7 +45,23 @@ _I64, _F64 = np.int64, np.float64
 def _column(values: Sequence[Any], dtype: Any) -> np.ndarray:
     if dtype is _F64:
         return np.array([np.nan if v is None else v for v in values], dtype=_F64)
+    if dtype is object:
+        return np.array(values, dtype=object)
     return np.array([0 if v is None else v for v in values], dtype=dtype)
+
+
+_CHUNK_ROWS = 50_000
+
+
+def _read_columns(session: Session, stmt: Any, dtypes: Sequence[Any]) -> list[np.ndarray]:
+    """A query's rows as numpy columns, fetched and converted 50,000 rows at a time (a server-side
+    cursor on PostgreSQL). The first read of a 16,384-rank run is tens of millions of rows: held
+    as Python rows all at once they took ~8 GB."""
+    parts: list[list[np.ndarray]] = [[] for _ in dtypes]
+    for rows in session.execute(stmt.execution_options(yield_per=_CHUNK_ROWS)).partitions():
+        for part, values, dtype in zip(parts, zip(*rows, strict=True), dtypes, strict=True):
+            part.append(_column(values, dtype))
+    return [np.concatenate(p) if p else np.empty(0, dtype=d) for p, d in zip(parts, dtypes, strict=True)]
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -72,12 +88,9 @@ class _Columns:
         hi = int(np.searchsorted(self.steps, upto, side="right"))
         self.cols = [c[lo:hi] for c in self.cols]
 
-    def append(self, rows: Sequence[Sequence[Any]]) -> None:
-        if rows:
-            new = list(zip(*rows, strict=True))
-            self.cols = [
-                _frozen(np.concatenate([c, _column(v, d)])) for c, v, d in zip(self.cols, new, self.dtypes, strict=True)
-            ]
+    def append(self, columns: Sequence[np.ndarray]) -> None:
+        if len(columns[0]):
+            self.cols = [_frozen(np.concatenate([c, new])) for c, new in zip(self.cols, columns, strict=True)]
 
 
 class _RankMatrix:
@@ -115,13 +128,12 @@ class _RankMatrix:
         stage[at] = self.stage
         self.ranks, self.mats, self.stage = union, mats, stage
 
-    def append(self, rows: Sequence[Sequence[Any]]) -> None:
-        """rows: (step, rank, incarnation, step_s, compute_s, wait_s, pp_stage) of steps newer than
-        every held step, ordered by incarnation (the newest is written last and wins)."""
-        if not rows:
+    def append(self, columns: Sequence[np.ndarray]) -> None:
+        """columns: step, rank, step_s, compute_s, wait_s, pp_stage (NaN: unknown) of steps newer
+        than every held step, rows ordered by incarnation (the newest is written last and wins)."""
+        step_a, rank_a, total, comp, wait, pp = columns
+        if not len(step_a):
             return
-        step, rank, _inc, total, comp, wait, pp = (list(c) for c in zip(*rows, strict=True))
-        step_a, rank_a = np.array(step, dtype=_I64), np.array(rank, dtype=_I64)
         self._widen(np.unique(rank_a))
         new_steps = np.unique(step_a)
         si = np.searchsorted(new_steps, step_a)
@@ -133,13 +145,12 @@ class _RankMatrix:
         block = []
         for values in (total, comp, wait):
             m = np.full((len(new_steps), len(self.ranks)), np.nan)
-            m[si[last], ri[last]] = _column(values, _F64)[last]
+            m[si[last], ri[last]] = values[last]
             block.append(m)
         self.steps = np.concatenate([self.steps, new_steps])
         self.mats = [_frozen(np.concatenate([old, new])) for old, new in zip(self.mats, block, strict=True)]
-        pp_a = np.array([-1 if p is None else p for p in pp], dtype=_I64)
-        known = pp_a >= 0
-        self.stage[ri[known]] = pp_a[known]
+        known = ~np.isnan(pp)
+        self.stage[ri[known]] = pp[known].astype(_I64)
 
     def series(self) -> RankSteps | None:
         if not len(self.steps):
@@ -216,77 +227,59 @@ class DetectorInputs:
         if upto <= after and upto <= rank_after:
             return
         s = StepSummary
-        self._steps.append(
-            session.execute(
-                select(
-                    s.step,
-                    s.loss,
-                    s.grad_norm,
-                    s.grad_nonfinite,
-                    s.step_seconds_max,
-                    s.ts,
-                    s.tokens,
-                    s.flops,
-                    s.loss_nonfinite,
-                )  # fmt: skip
-                .where(s.run_id == rid, s.step > after, s.step <= upto)
-                .order_by(s.step)
-            ).all()
-        )
+        step_cols = (s.step, s.loss, s.grad_norm, s.grad_nonfinite, s.step_seconds_max, s.ts, s.tokens, s.flops,
+                     s.loss_nonfinite)  # fmt: skip
+        where = (s.run_id == rid, s.step > after, s.step <= upto)
+        self._steps.append(_read_columns(session, select(*step_cols).where(*where).order_by(s.step), _STEP_DTYPES))
+
         g = GradSummary
-        grad_rows = session.execute(
+        gsteps, names, norms = _read_columns(
+            session,
             select(g.step, g.group_name, g.norm)
             .where(g.run_id == rid, g.step > after, g.step <= upto, g.group_name != GLOBAL_GROUP)
-            .order_by(g.step)
-        ).all()
-        for name in sorted({r[1] for r in grad_rows} - self._group_code.keys()):
-            self._group_code[name] = len(self._group_names)
+            .order_by(g.step),
+            (_I64, object, _F64),
+        )
+        code = self._group_code
+        for name in sorted(set(names) - code.keys()):
+            code[name] = len(self._group_names)
             self._group_names.append(name)
-        self._groups.append([(st, self._group_code[name], norm) for st, name, norm in grad_rows])
+        self._groups.append([gsteps, np.array([code[n] for n in names], dtype=np.int32), norms])
 
-        t = TensorSummary
-        by_tensor: dict[tuple[str, str], list[Any]] = {}
-        first: dict[tuple[str, str], tuple[str, bool]] = {}
-        for r in session.execute(
-            select(
-                t.tensor,
-                t.role,
-                t.format,
-                t.shadow,
-                t.step,
-                t.amax,
-                t.headroom_bits,
-                t.lag_bits,
-                t.sat_frac,
-                t.underflow_frac,
-                t.nonfinite,
-            )  # fmt: skip
-            .where(t.run_id == rid, t.step > after, t.step <= upto)
-            .order_by(t.tensor, t.role, t.step)
-        ):
-            key = (r[0], r[1])
-            by_tensor.setdefault(key, []).append(r[4:])
-            first.setdefault(key, (r[2], bool(r[3])))
-        for key, rows in by_tensor.items():
-            if key not in self._tensors:
-                self._tensors[key] = (*first[key], _Columns(_TENSOR_DTYPES))
-            self._tensors[key][2].append(rows)
+        self._read_tensors(session, rid, after=after, upto=upto)
 
         self._ranks.append(
-            session.execute(
-                select(
-                    StepRow.step,
-                    StepRow.rank,
-                    StepRow.incarnation,
-                    StepRow.step_seconds,
-                    StepRow.compute_seconds,
-                    StepRow.wait_seconds,
-                    StepRow.pp_stage,
-                )  # fmt: skip
+            _read_columns(
+                session,
+                select(StepRow.step, StepRow.rank, StepRow.step_seconds, StepRow.compute_seconds,
+                       StepRow.wait_seconds, StepRow.pp_stage)  # fmt: skip
                 .where(StepRow.run_id == rid, StepRow.step > rank_after, StepRow.step <= upto)
-                .order_by(StepRow.incarnation)  # the newest incarnation is written last and wins
-            ).all()
+                .order_by(StepRow.incarnation),  # the newest incarnation is written last and wins
+                (_I64, _I64, _F64, _F64, _F64, _F64),
+            )
         )
+
+    def _read_tensors(self, session: Session, rid: str, *, after: int, upto: int) -> None:
+        """Tensor summaries, ordered by (tensor, role, step): each chunk is split where the key
+        changes and its columns appended to that tensor's."""
+        t = TensorSummary
+        stmt = (
+            select(t.tensor, t.role, t.format, t.shadow, t.step, t.amax, t.headroom_bits, t.lag_bits, t.sat_frac,
+                   t.underflow_frac, t.nonfinite)  # fmt: skip
+            .where(t.run_id == rid, t.step > after, t.step <= upto)
+            .order_by(t.tensor, t.role, t.step)
+            .execution_options(yield_per=_CHUNK_ROWS)
+        )
+        for rows in session.execute(stmt).partitions():
+            cols = list(zip(*rows, strict=True))
+            values = [_column(v, d) for v, d in zip(cols[4:], _TENSOR_DTYPES, strict=True)]
+            keys = list(zip(cols[0], cols[1], strict=True))
+            starts = [0] + [i for i in range(1, len(keys)) if keys[i] != keys[i - 1]]
+            for lo, hi in zip(starts, [*starts[1:], len(keys)], strict=True):
+                key = keys[lo]
+                if key not in self._tensors:
+                    self._tensors[key] = (cols[2][lo], bool(cols[3][lo]), _Columns(_TENSOR_DTYPES))
+                self._tensors[key][2].append([v[lo:hi] for v in values])
 
     def _series(self, session: Session, run: Run, *, now: float, peak_flops_total: float | None) -> RunSeries:
         c = self._steps.cols
