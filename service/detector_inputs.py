@@ -53,12 +53,25 @@ def _column(values: Sequence[Any], dtype: Any) -> np.ndarray:
 _CHUNK_ROWS = 50_000
 
 
-def _read_columns(session: Session, stmt: Any, dtypes: Sequence[Any]) -> list[np.ndarray]:
+_STREAM_STEPS = 64  # reads of more steps than this stream; a cycle's few new steps do not
+
+
+def _partitions(session: Session, stmt: Any, steps: int) -> Any:
+    """The rows in lists of at most _CHUNK_ROWS. Core execution on the session's connection: the
+    ORM's row loading cost more than the fetch. Only long step ranges stream: PostgreSQL plans a
+    cursor for its first rows, which for a cycle's few new steps meant walking a whole primary key."""
+    conn = session.connection()
+    if steps <= _STREAM_STEPS:
+        return [conn.execute(stmt).all()]
+    return conn.execute(stmt.execution_options(yield_per=_CHUNK_ROWS)).partitions()
+
+
+def _read_columns(session: Session, stmt: Any, dtypes: Sequence[Any], steps: int) -> list[np.ndarray]:
     """A query's rows as numpy columns, fetched and converted 50,000 rows at a time (a server-side
     cursor on PostgreSQL). The first read of a 16,384-rank run is tens of millions of rows: held
     as Python rows all at once they took ~8 GB."""
     parts: list[list[np.ndarray]] = [[] for _ in dtypes]
-    for rows in session.execute(stmt.execution_options(yield_per=_CHUNK_ROWS)).partitions():
+    for rows in _partitions(session, stmt, steps):
         for part, values, dtype in zip(parts, zip(*rows, strict=True), dtypes, strict=True):
             part.append(_column(values, dtype))
     return [np.concatenate(p) if p else np.empty(0, dtype=d) for p, d in zip(parts, dtypes, strict=True)]
@@ -230,7 +243,10 @@ class DetectorInputs:
         step_cols = (s.step, s.loss, s.grad_norm, s.grad_nonfinite, s.step_seconds_max, s.ts, s.tokens, s.flops,
                      s.loss_nonfinite)  # fmt: skip
         where = (s.run_id == rid, s.step > after, s.step <= upto)
-        self._steps.append(_read_columns(session, select(*step_cols).where(*where).order_by(s.step), _STEP_DTYPES))
+        steps = upto - after
+        self._steps.append(
+            _read_columns(session, select(*step_cols).where(*where).order_by(s.step), _STEP_DTYPES, steps)
+        )
 
         g = GradSummary
         gsteps, names, norms = _read_columns(
@@ -239,6 +255,7 @@ class DetectorInputs:
             .where(g.run_id == rid, g.step > after, g.step <= upto, g.group_name != GLOBAL_GROUP)
             .order_by(g.step),
             (_I64, object, _F64),
+            steps,
         )
         code = self._group_code
         for name in sorted(set(names) - code.keys()):
@@ -256,6 +273,7 @@ class DetectorInputs:
                 .where(StepRow.run_id == rid, StepRow.step > rank_after, StepRow.step <= upto)
                 .order_by(StepRow.incarnation),  # the newest incarnation is written last and wins
                 (_I64, _I64, _F64, _F64, _F64, _F64),
+                upto - rank_after,
             )
         )
 
@@ -268,9 +286,8 @@ class DetectorInputs:
                    t.underflow_frac, t.nonfinite)  # fmt: skip
             .where(t.run_id == rid, t.step > after, t.step <= upto)
             .order_by(t.tensor, t.role, t.step)
-            .execution_options(yield_per=_CHUNK_ROWS)
         )
-        for rows in session.execute(stmt).partitions():
+        for rows in _partitions(session, stmt, upto - after):
             cols = list(zip(*rows, strict=True))
             values = [_column(v, d) for v, d in zip(cols[4:], _TENSOR_DTYPES, strict=True)]
             keys = list(zip(cols[0], cols[1], strict=True))

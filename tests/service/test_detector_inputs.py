@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from trainvitals.service import ingest, pipeline
+from trainvitals.service import detector_inputs, ingest, pipeline
 from trainvitals.service.detector_inputs import DetectorInputs
 from trainvitals.service.store import queries
 from trainvitals.wire import Batch, RunRegistration
@@ -52,8 +52,11 @@ def _assert_same(cached: object, fresh: object, path: str = "series") -> None:
         assert cached == fresh, path
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_kept_inputs_equal_a_fresh_read_every_cycle(session, seed: int) -> None:
+@pytest.mark.parametrize(("seed", "streamed"), [(1, False), (2, True)])
+def test_kept_inputs_equal_a_fresh_read_every_cycle(session, seed: int, streamed: bool, monkeypatch) -> None:
+    if streamed:  # every read streams, in chunks small enough that tensors and steps span several
+        monkeypatch.setattr(detector_inputs, "_STREAM_STEPS", 0)
+        monkeypatch.setattr(detector_inputs, "_CHUNK_ROWS", 7)
     rng = random.Random(seed)
     ingest.register_run(session, RunRegistration(run="r", parallelism={"world_size": WORLD},
                                                  hardware={"gpu_count": WORLD, "peak_flops": 1e10}))  # fmt: skip
@@ -91,6 +94,9 @@ def test_kept_inputs_equal_a_fresh_read_every_cycle(session, seed: int) -> None:
         cached = pipeline.build_series(session, run, now=now, config=CONFIG, inputs=inputs, rewritten_from=first)
         fresh = pipeline.build_series(session, run, now=now, config=CONFIG)
         _assert_same(cached, fresh)
+    if streamed:  # and chunked reads equal whole ones
+        monkeypatch.setattr(detector_inputs, "_STREAM_STEPS", 10**9)
+        _assert_same(fresh, pipeline.build_series(session, run, now=now, config=CONFIG))
     # The scenario reached what it is about: trimmed windows, a full timing matrix, both tensors.
     assert fresh.ranks is not None and list(fresh.ranks.ranks) == [0, 1, 2, 3]
     assert len(fresh.ranks.steps) == CONFIG.straggler_lookback_steps
