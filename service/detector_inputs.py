@@ -62,7 +62,8 @@ def _partitions(session: Session, stmt: Any, steps: int) -> Any:
     cursor for its first rows, which for a cycle's few new steps meant walking a whole primary key."""
     conn = session.connection()
     if steps <= _STREAM_STEPS:
-        return [conn.execute(stmt).all()]
+        rows = conn.execute(stmt).all()
+        return [rows] if rows else []
     return conn.execute(stmt.execution_options(yield_per=_CHUNK_ROWS)).partitions()
 
 
