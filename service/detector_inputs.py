@@ -50,9 +50,7 @@ def _column(values: Sequence[Any], dtype: Any) -> np.ndarray:
     return np.array([0 if v is None else v for v in values], dtype=dtype)
 
 
-_CHUNK_ROWS = 50_000
-
-
+_CHUNK_ROWS = 50_000  # rows fetched and converted at a time by a streamed read
 _STREAM_STEPS = 64  # reads of more steps than this stream; a cycle's few new steps do not
 
 
