@@ -5,9 +5,7 @@ no orphan keeps the analysis lease from the next collector on the same database.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 import time
 import urllib.request
@@ -50,23 +48,6 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _start(db_url: str, port: int, log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "TRAINVITALS_ANALYSIS_INTERVAL_SECONDS": "0.3", "TRAINVITALS_SETTLE_SECONDS": "0"}
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            [str(BIN / "trainvitals"), "serve", "--db", db_url, "--port", str(port), "--insecure-no-auth"],
-            stdout=out, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            _get(f"http://127.0.0.1:{port}/healthz")
-            return proc
-        except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-
-
 def _complete_step(port: int, run: str) -> float | None:
     for line in _get(f"http://127.0.0.1:{port}/metrics").splitlines():
         if line.startswith(f'trainvitals_run_complete_step{{run="{run}"}}'):
@@ -74,11 +55,12 @@ def _complete_step(port: int, run: str) -> float | None:
     return None
 
 
-def test_child_analyses_and_dies_with_the_collector(tmp_path: Path, unused_port: int) -> None:
+def test_child_analyses_and_dies_with_the_collector(tmp_path: Path, unused_port: int, serve) -> None:
     db_url = f"sqlite:///{tmp_path / 'tv.db'}"
     log = tmp_path / "serve.log"
     base = f"http://127.0.0.1:{unused_port}"
-    proc = _start(db_url, unused_port, log)
+    env = {"TRAINVITALS_ANALYSIS_INTERVAL_SECONDS": "0.3", "TRAINVITALS_SETTLE_SECONDS": "0"}
+    proc = serve.start(db_url, unused_port, log, env=env)
     try:
         children = [c for c in _children(proc.pid) if b"analyse" in Path(f"/proc/{c}/cmdline").read_bytes()]
         assert len(children) == 1, (children, log.read_text())
@@ -98,7 +80,7 @@ def test_child_analyses_and_dies_with_the_collector(tmp_path: Path, unused_port:
             time.sleep(0.1)
 
         # The next collector on the same database gets the lease and analyses again.
-        proc = _start(db_url, unused_port, log)
+        proc = serve.start(db_url, unused_port, log, env=env)
         step_10 = [{"kind": "step", "step": 10, "ts": 11.0, "step_seconds": 0.5}]
         _post(base + "/v1/batches", {"run": "a", "rank": 0, "incarnation": 1, "seq": 1, "records": step_10})
         deadline = time.monotonic() + 30
@@ -107,9 +89,4 @@ def test_child_analyses_and_dies_with_the_collector(tmp_path: Path, unused_port:
             time.sleep(0.2)
     finally:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            serve.stop(proc)

@@ -25,25 +25,6 @@ def _get(url: str) -> str:
         return resp.read().decode()
 
 
-def start_collector(db_url: str, port: int, log: Path, *, auth: bool = False) -> subprocess.Popen[bytes]:
-    extra = [] if auth else ["--insecure-no-auth"]
-    proc = subprocess.Popen(
-        [str(BIN / "trainvitals"), "serve", "--db", db_url, "--port", str(port), *extra],
-        stdout=open(log, "ab"),
-        stderr=subprocess.STDOUT,
-    )  # noqa: SIM115
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            _get(f"http://127.0.0.1:{port}/healthz")
-            return proc
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(log.read_text()) from None
-            time.sleep(0.2)
-
-
 def wait_for_metric(port: int, line: str, timeout: float = 30.0) -> str:
     """Poll /metrics until `line` appears (the collector reduces every couple of seconds)."""
     deadline = time.monotonic() + timeout
@@ -52,15 +33,6 @@ def wait_for_metric(port: int, line: str, timeout: float = 30.0) -> str:
         if line in text or time.monotonic() > deadline:
             return text
         time.sleep(0.5)
-
-
-def stop_collector(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def torchrun(
@@ -83,9 +55,9 @@ def torchrun(
 
 @pytest.mark.slow
 def test_every_step_of_every_rank_is_stored_and_exposed(
-    db_url: str, tmp_path: Path, unused_port: int, promtool_check
+    db_url: str, tmp_path: Path, unused_port: int, promtool_check, serve
 ) -> None:
-    proc = start_collector(db_url, unused_port, tmp_path / "collector.log")
+    proc = serve.start(db_url, unused_port, tmp_path / "collector.log")
     try:
         torchrun(
             [
@@ -104,7 +76,7 @@ def test_every_step_of_every_rank_is_stored_and_exposed(
         )
         metrics = wait_for_metric(unused_port, f'trainvitals_run_complete_step{{run="e2e"}} {STEPS - 1}.0')
     finally:
-        stop_collector(proc)
+        serve.stop(proc)
 
     engine = db.make_engine(db_url)
     with db.make_sessionmaker(engine)() as session:
