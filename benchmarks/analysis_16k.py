@@ -31,8 +31,8 @@ from ingest_throughput import LAYERS, LINEARS, PP, ROLES, TP, WORLD_SIZE, regist
 from scrape_16k import _series
 from sqlalchemy import Engine, text
 
-from trainvitals.service import pipeline
-from trainvitals.service.detector_inputs import DetectorInputs
+from trainvitals.service.analysis import pipeline
+from trainvitals.service.analysis.detector_inputs import DetectorInputs
 from trainvitals.service.detectors.run_all import DetectorConfig, detect
 from trainvitals.service.detectors.suppression import SuppressionConfig
 from trainvitals.service.store import db, queries

@@ -3,7 +3,7 @@ before the loss moves, pages raised) and healthy runs (false pages and tickets o
 
     python benchmarks/detector_eval.py [--fault-seeds 10] [--healthy-seeds 30] [--first-seed 0]
 
-Scenarios come from trainvitals.service.detectors.scenarios (seeded, deterministic); detection uses
+Scenarios come from trainvitals.testing.scenarios (seeded, deterministic); detection uses
 the default DetectorConfig. 'detect' is the step at which a live collector would have raised the
 finding (Finding.detected_step); 'lead' = step the loss starts to move - detect.
 """
@@ -16,7 +16,7 @@ import time
 from collections import Counter
 
 from trainvitals.service.detectors import DetectorConfig, detect
-from trainvitals.service.detectors.scenarios import (
+from trainvitals.testing.scenarios import (
     FAULT_FAMILIES,
     HEALTHY_FAMILIES,
     Outcome,

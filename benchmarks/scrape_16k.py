@@ -178,7 +178,7 @@ def in_process_ms(engine: Engine, repeats: int = 3) -> tuple[float, float]:
             snapshot.run_snapshot(session, run=run, now=time.time(), top_k=10, max_groups=256)
             snap_t.append(time.perf_counter() - t0)
             try:
-                from trainvitals.service.advice import checkpoint_advice
+                from trainvitals.service.analysis.expectations import checkpoint_advice
             except ImportError:  # a collector without cadence advice in /metrics
                 continue
             t0 = time.perf_counter()

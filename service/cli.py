@@ -125,10 +125,10 @@ def _analyse(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from trainvitals.service.leader import AnalysisLease
+    from trainvitals.service.analysis.worker import AnalysisWorker
     from trainvitals.service.settings import Settings
     from trainvitals.service.store import db
-    from trainvitals.service.worker import AnalysisWorker
+    from trainvitals.service.store.lease import AnalysisLease
 
     settings = Settings(**({"db": args.db} if args.db else {}))
     if settings.migrate_on_start:
@@ -176,7 +176,7 @@ def _token(args: argparse.Namespace) -> int:
 
 
 def _emit(data: Any, fmt: str) -> None:
-    from trainvitals.service.tables import to_csv
+    from trainvitals.service.csv_output import to_csv
 
     if fmt == "csv":
         sys.stdout.write(to_csv(data))
@@ -216,7 +216,7 @@ def _query(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from trainvitals.service.replay import replay_files
+    from trainvitals.service.ingest.replay import replay_files
 
     with _session(args.db, migrate=True) as session:
         report = replay_files(session, args.files, analyse=not args.no_analysis)
@@ -225,7 +225,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from trainvitals.service.demo import run_demo
+    from trainvitals.examples.demo import run_demo
 
     return run_demo(
         ranks=args.ranks,

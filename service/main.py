@@ -10,15 +10,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from trainvitals.service import advice
+from trainvitals.service.analysis import expectations
+from trainvitals.service.analysis.worker import AnalysisWorker
 from trainvitals.service.api.routes import advisors, health, ingest, runs
 from trainvitals.service.auth import TokenVerifier
-from trainvitals.service.batch_writer import BatchWriter
 from trainvitals.service.exposition import TrainvitalsCollector, make_registry
-from trainvitals.service.leader import AnalysisLease
+from trainvitals.service.ingest.batch_writer import BatchWriter
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import db
-from trainvitals.service.worker import AnalysisWorker
+from trainvitals.service.store.lease import AnalysisLease
 from trainvitals.wire import WIRE_VERSION
 
 
@@ -58,8 +58,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.collector = TrainvitalsCollector(
         sessions,
         settings,
-        expected_mfu=advice.expected_mfu,
-        checkpoint_advice=advice.checkpoint_advice,
+        expected_mfu=expectations.expected_mfu,
+        checkpoint_advice=expectations.checkpoint_advice,
     )
     app.state.registry = make_registry(app.state.collector)
     app.include_router(ingest.router)

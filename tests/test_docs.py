@@ -2,14 +2,14 @@
 
 from pathlib import Path
 
-from trainvitals.service.wire_docs import render
+from trainvitals.wire.docs import render
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_wire_format_doc_is_generated_from_the_models() -> None:
     assert (ROOT / "docs" / "wire-format.md").read_text() == render(), (
-        "regenerate: python -m trainvitals.service.wire_docs > docs/wire-format.md"
+        "regenerate: python -m trainvitals.wire.docs > docs/wire-format.md"
     )
 
 

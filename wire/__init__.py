@@ -1,8 +1,17 @@
 """Wire format shared by the agent and the collector (see docs/wire-format.md)."""
 
+from trainvitals.wire.conventions import (
+    DEFAULT_FORMATS,
+    FP8_FORMATS,
+    FP8_MAX,
+    GLOBAL_GROUP,
+    ROLES,
+    WIRE_VERSION,
+    clean_name,
+    layer_of,
+)
 from trainvitals.wire.v1 import (
     MAX_RECORDS_PER_BATCH,
-    WIRE_VERSION,
     Batch,
     BatchAck,
     CheckpointRecord,
@@ -20,8 +29,15 @@ from trainvitals.wire.v1 import (
 )
 
 __all__ = [
+    "DEFAULT_FORMATS",
+    "FP8_FORMATS",
+    "FP8_MAX",
+    "GLOBAL_GROUP",
     "MAX_RECORDS_PER_BATCH",
+    "ROLES",
     "WIRE_VERSION",
+    "clean_name",
+    "layer_of",
     "Batch",
     "BatchAck",
     "CheckpointRecord",

@@ -18,7 +18,15 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-WIRE_VERSION = 1
+from trainvitals.wire.conventions import (
+    GLOBAL_GROUP,
+    AmaxAlgo,
+    CheckpointStatus,
+    EventKind,
+    Fp8Format,
+    Recompute,
+    Role,
+)
 
 _Name = Annotated[str, Field(min_length=1, max_length=256)]
 _RunId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")]
@@ -58,7 +66,7 @@ class Parallelism(_Strict):
     zero_stage: int = Field(0, ge=0, le=3, description="ZeRO stage; 3 = FSDP full shard")
     micro_batch: int | None = Field(None, ge=1, description="sequences per micro-batch per rank")
     global_batch: int | None = Field(None, ge=1, description="sequences per optimizer step")
-    recompute: Literal["none", "selective", "full"] = "none"
+    recompute: Recompute = "none"
 
 
 class Hardware(_Strict):
@@ -70,12 +78,12 @@ class Hardware(_Strict):
 
 class Fp8Recipe(_Strict):
     enabled: bool = False
-    input_format: Literal["e4m3", "e5m2"] = "e4m3"
-    weight_format: Literal["e4m3", "e5m2"] = "e4m3"
-    grad_format: Literal["e4m3", "e5m2"] = "e5m2"
+    input_format: Fp8Format = "e4m3"
+    weight_format: Fp8Format = "e4m3"
+    grad_format: Fp8Format = "e5m2"
     history_len: int = Field(1024, ge=1, description="amax history length L")
     margin: int = Field(0, ge=0, description="margin in bits")
-    amax_algo: Literal["max", "most_recent"] = "max"
+    amax_algo: AmaxAlgo = "max"
 
 
 class CheckpointSettings(_Strict):
@@ -134,8 +142,8 @@ class TensorRecord(_Strict):
     kind: Literal["tensor"] = "tensor"
     step: _Step
     tensor: _Name = Field(description="module fully-qualified name")
-    role: Literal["input", "weight", "grad_output"]
-    format: Literal["e4m3", "e5m2"]
+    role: Role
+    format: Fp8Format
     amax: float = Field(description="max |x| of the high-precision tensor")
     scale: float | None = Field(None, description="multiplier s applied before the cast")
     headroom_bits: float | None = Field(None, description="log2(fp8_max / (amax * s))")
@@ -158,7 +166,7 @@ class GradRecord(_Strict):
 
     kind: Literal["grad"] = "grad"
     step: _Step
-    group: _Name = Field(description="parameter group, e.g. 'layers.3' or '__global__'")
+    group: _Name = Field(description=f"parameter group, e.g. 'layers.3' or '{GLOBAL_GROUP}'")
     # Plain floats: a NaN/inf sum of squares is exactly what the collector must see, not a 422.
     owned_sq: float = Field(description="sum of squares of the gradient elements this rank owns")
     local_sq: float = Field(description="sum of squares of every gradient element this rank holds")
@@ -169,7 +177,7 @@ class CheckpointRecord(_Strict):
     kind: Literal["checkpoint"] = "checkpoint"
     step: _Step
     generation: _Count
-    status: Literal["started", "persisted", "failed", "verified"]
+    status: CheckpointStatus
     ts: float
     path: str | None = Field(None, max_length=4096)
     bytes: _Count | None = None
@@ -183,9 +191,7 @@ class EventRecord(_Strict):
     kind: Literal["event"] = "event"
     ts: float
     step: _Step | None = None
-    event: Literal[
-        "start", "restart", "resume", "failure", "node_replaced", "phase_change", "rollback", "stop", "note"
-    ]
+    event: EventKind
     detail: str | None = Field(None, max_length=4096)
     domains: dict[str, str] = Field(default_factory=dict, max_length=16, description="failure-domain tags")
 

@@ -3,10 +3,10 @@
 import pytest
 from prometheus_client import generate_latest
 
-from trainvitals.service import ingest, pipeline
+from trainvitals.service.analysis import pipeline
 from trainvitals.service.exposition import TrainvitalsCollector, make_registry
 from trainvitals.service.settings import Settings
-from trainvitals.service.store import db, queries
+from trainvitals.service.store import batches, db, queries
 from trainvitals.wire import Batch, RunRegistration
 
 
@@ -31,7 +31,7 @@ def setup(db_url: str):
 
 def _store(maker, run: str, ranks: int, steps: int, *, stop: bool = False, now: float = 1000.0) -> None:
     with maker() as session:
-        ingest.register_run(session, RunRegistration(run=run, parallelism={"world_size": ranks}), now=now)
+        batches.register_run(session, RunRegistration(run=run, parallelism={"world_size": ranks}), now=now)
         for rank in range(ranks):
             records = [
                 {
@@ -46,7 +46,7 @@ def _store(maker, run: str, ranks: int, steps: int, *, stop: bool = False, now: 
             ]
             if stop:
                 records.append({"kind": "event", "event": "stop", "ts": 2.0})
-            ingest.store_batch(
+            batches.store_batch(
                 session,
                 Batch.model_validate(
                     {"run": run, "rank": rank, "incarnation": 1, "seq": 0, "records": records}

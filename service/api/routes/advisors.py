@@ -7,8 +7,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, HTTPException
 
-from trainvitals.service import advice, advisors
+from trainvitals.service import advisors
 from trainvitals.service.advisors.recommend import recommend_from_config
+from trainvitals.service.analysis import expectations
 from trainvitals.service.api.deps import PrincipalDep, SessionDep, readable_run
 from trainvitals.service.store import queries
 
@@ -52,7 +53,7 @@ def advise_run(run_id: str, session: SessionDep, principal: PrincipalDep, mtbf_s
     run = queries.get_run(session, run_id=run_id)
     assert run is not None
     try:
-        result, saves, failures = advice.run_checkpoint_advice(
+        result, saves, failures = expectations.run_checkpoint_advice(
             session, run_id=run_id, registration=run.registration, mtbf_s=mtbf_s, restart_s=restart_s,
             detect_s=detect_s, sdc_latency_s=sdc_latency_s)
     except ValueError as exc:

@@ -11,11 +11,11 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from trainvitals.service import ingest
 from trainvitals.service.api.deps import PrincipalDep, SessionDep, authenticate, require
-from trainvitals.service.batch_writer import WriterBusyError
-from trainvitals.service.ingest import AnyBatch
-from trainvitals.service.wire_decode import decode_batch
+from trainvitals.service.ingest.batch_writer import WriterBusyError
+from trainvitals.service.ingest.decode import decode_batch
+from trainvitals.service.store import batches
+from trainvitals.service.store.batches import AnyBatch
 from trainvitals.wire import Batch, BatchAck, RunRegistration
 
 router = APIRouter(prefix="/v1", tags=["ingest"])
@@ -94,7 +94,7 @@ def register_run(
 ) -> dict[str, object]:
     require(principal, "ingest", registration.project)
     try:
-        created = ingest.register_run(session, registration)
+        created = batches.register_run(session, registration)
     except ValueError as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
     if not created:
@@ -132,10 +132,10 @@ async def post_batch(request: Request) -> Response:
             status.HTTP_503_SERVICE_UNAVAILABLE, f"storage failed, nothing stored, retry: {exc}"[:500]
         ) from exc
     # Counted in the database by the transaction that decided the outcome (ingest_counts).
-    if isinstance(outcome, ingest.UnknownRunError):
+    if isinstance(outcome, batches.UnknownRunError):
         raise HTTPException(status.HTTP_409_CONFLICT, str(outcome))
-    if isinstance(outcome, ingest.WrongProjectError):
+    if isinstance(outcome, batches.WrongProjectError):
         raise HTTPException(status.HTTP_403_FORBIDDEN, str(outcome))
-    if isinstance(outcome, ingest.UnstorableBatchError):
+    if isinstance(outcome, batches.UnstorableBatchError):
         raise HTTPException(422, f"nothing stored: {outcome}")
     return Response(outcome.model_dump_json(), media_type="application/json")

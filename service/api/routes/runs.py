@@ -9,8 +9,8 @@ from typing import Any, Literal
 from fastapi import APIRouter, HTTPException, Query, Response, status
 
 from trainvitals.service.api.deps import PrincipalDep, SessionDep, readable_run, require
+from trainvitals.service.csv_output import to_csv
 from trainvitals.service.store import queries
-from trainvitals.service.tables import to_csv
 
 router = APIRouter(prefix="/v1/runs", tags=["post-mortem"])
 

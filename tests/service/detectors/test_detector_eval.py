@@ -12,7 +12,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 from trainvitals.service.detectors import detect
-from trainvitals.service.detectors.scenarios import (
+from trainvitals.testing.scenarios import (
     FAULT_FAMILIES,
     HEALTHY_FAMILIES,
     Outcome,

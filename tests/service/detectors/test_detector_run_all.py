@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from trainvitals.service.detectors import DetectorConfig, detect
-from trainvitals.service.detectors.scenarios import make_scenario, prefix
 from trainvitals.service.detectors.suppression import SuppressionConfig
+from trainvitals.testing.scenarios import make_scenario, prefix
 
 
 def test_deterministic_and_ordered() -> None:

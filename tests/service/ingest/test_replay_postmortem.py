@@ -10,11 +10,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from trainvitals.service.detectors.run_all import detect
-from trainvitals.service.detectors.scenarios import Layout, make_scenario, to_wire_lines
+from trainvitals.service.ingest.replay import replay_files
 from trainvitals.service.main import create_app
-from trainvitals.service.replay import replay_files
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import db, queries
+from trainvitals.testing.scenarios import Layout, make_scenario, to_wire_lines
 
 CLI = [sys.executable, "-m", "trainvitals.service.cli"]
 

@@ -25,7 +25,7 @@ _MODELS: list[type[BaseModel]] = [
 
 _HEADER = """# Wire format v1
 
-Generated from `wire/v1.py` by `python -m trainvitals.service.wire_docs > docs/wire-format.md`.
+Generated from `wire/v1.py` by `python -m trainvitals.wire.docs > docs/wire-format.md`.
 
 The agent POSTs a `RunRegistration` to `/v1/runs` (once per rank; idempotent), then `Batch`es to
 `/v1/batches`. A batch is identified by (run, rank, incarnation, seq): the collector stores it in

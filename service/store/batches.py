@@ -1,7 +1,7 @@
 """Turn validated wire messages into rows, atomically and idempotently.
 
 `store_batches` is the one write path: the HTTP route reaches it through the group-commit writer
-(service/batch_writer.py, many batches per transaction), `trainvitals replay` and tests through
+(service/ingest/batch_writer.py, many batches per transaction), `trainvitals replay` and tests through
 `store_batch` (one). A transaction inserts its batches' idempotency rows and all their records,
 so a batch is stored whole or not at all, and a retried batch (same run, rank, incarnation, seq)
 is acknowledged without storing anything.
@@ -16,19 +16,22 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from itertools import chain
 from operator import attrgetter, itemgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from sqlalchemy import BigInteger, Boolean, Integer, String, insert, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from trainvitals.service import wire_decode
 from trainvitals.service.store.models import RECORD_TABLES, DeliveredBatch, IngestCount, ReductionState, Run
 from trainvitals.service.store.types import Real, nan_as_text
 from trainvitals.wire import Batch, BatchAck, RunRegistration
 
-# What ingest stores: a pydantic batch (replay, tests) or the route's msgspec decoding of one.
-AnyBatch = Batch | wire_decode.Batch
+if TYPE_CHECKING:
+    from trainvitals.service.ingest.decode import Batch as FastBatch
+
+# What ingest stores: a pydantic batch (replay, tests) or the route's msgspec decoding of one
+# (the two read alike). A string: the store does not import the ingest half it serves.
+AnyBatch: TypeAlias = "Batch | FastBatch"
 
 
 class UnknownRunError(LookupError):

@@ -33,8 +33,8 @@ import psycopg
 import sqlalchemy.exc
 from sqlalchemy.orm import Session
 
-from trainvitals.service import ingest
-from trainvitals.service.ingest import AnyBatch
+from trainvitals.service.store import batches
+from trainvitals.service.store.batches import AnyBatch
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class WriterBusyError(RuntimeError):
 class _Pending:
     batch: AnyBatch
     project: str | None
-    future: Future[ingest.BatchOutcome] = field(default_factory=Future)
+    future: Future[batches.BatchOutcome] = field(default_factory=Future)
 
 
 class BatchWriter:
@@ -100,7 +100,7 @@ class BatchWriter:
         for thread in workers:
             thread.join(timeout)
 
-    def submit(self, batch: AnyBatch, *, project: str | None) -> Future[ingest.BatchOutcome]:
+    def submit(self, batch: AnyBatch, *, project: str | None) -> Future[batches.BatchOutcome]:
         """Queue a validated batch; the future resolves after the commit that stores it."""
         if not self._workers:
             self.start()  # lazily too: an app used without its lifespan (plain TestClient) still writes
@@ -137,7 +137,7 @@ class BatchWriter:
     def _write(self, group: list[_Pending], name: str) -> None:
         try:
             with self._sessions() as session:
-                outcomes = ingest.store_batches(session, [(p.batch, p.project) for p in group], writer=name)
+                outcomes = batches.store_batches(session, [(p.batch, p.project) for p in group], writer=name)
             self.groups += 1
         except Exception as exc:  # noqa: BLE001 - the database refused the group: isolate the cause
             if len(group) > 1:
@@ -147,9 +147,9 @@ class BatchWriter:
                     self._write([item], name)
                 return
             if isinstance(exc, _DATA_ERRORS):  # this batch's values, not the database's state
-                group[0].future.set_result(ingest.UnstorableBatchError(f"{type(exc).__name__}: {exc}"[:500]))
+                group[0].future.set_result(batches.UnstorableBatchError(f"{type(exc).__name__}: {exc}"[:500]))
                 with contextlib.suppress(Exception), self._sessions() as session:
-                    ingest.count_unstorable(session, group[0].batch, writer=name)
+                    batches.count_unstorable(session, group[0].batch, writer=name)
                 return
             log.exception("storing batch %s failed", _describe(group[0].batch))
             group[0].future.set_exception(exc)

@@ -9,14 +9,14 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from trainvitals.service.detectors.scenarios import (
+from trainvitals.service.detectors.series import CheckpointEvent
+from trainvitals.testing.scenarios import (
     FAULT_FAMILIES,
     HEALTHY_FAMILIES,
     make_scenario,
     prefix,
     to_wire_lines,
 )
-from trainvitals.service.detectors.series import CheckpointEvent
 from trainvitals.wire.v1 import Batch, RunRegistration
 
 

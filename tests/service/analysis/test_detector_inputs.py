@@ -8,9 +8,9 @@ import random
 import numpy as np
 import pytest
 
-from trainvitals.service import detector_inputs, ingest, pipeline
-from trainvitals.service.detector_inputs import DetectorInputs
-from trainvitals.service.store import queries
+from trainvitals.service.analysis import detector_inputs, pipeline
+from trainvitals.service.analysis.detector_inputs import DetectorInputs
+from trainvitals.service.store import batches, queries
 from trainvitals.wire import Batch, RunRegistration
 
 WORLD = 4
@@ -58,7 +58,7 @@ def test_kept_inputs_equal_a_fresh_read_every_cycle(session, seed: int, streamed
         monkeypatch.setattr(detector_inputs, "_STREAM_STEPS", 0)
         monkeypatch.setattr(detector_inputs, "_CHUNK_ROWS", 7)
     rng = random.Random(seed)
-    ingest.register_run(session, RunRegistration(run="r", parallelism={"world_size": WORLD},
+    batches.register_run(session, RunRegistration(run="r", parallelism={"world_size": WORLD},
                                                  hardware={"gpu_count": WORLD, "peak_flops": 1e10}))  # fmt: skip
     incarnation = dict.fromkeys(range(WORLD), 1)
     sent = dict.fromkeys(range(WORLD), 0)  # next step each rank sends
@@ -85,7 +85,7 @@ def test_kept_inputs_equal_a_fresh_read_every_cycle(session, seed: int, streamed
             batch = Batch.model_validate(
                 {"run": "r", "rank": rank, "incarnation": incarnation[rank], "seq": seq[rank], "records": recs}
             )
-            ingest.store_batch(session, batch)
+            batches.store_batch(session, batch)
             sent[rank] += k
             seq[rank] += 1
         now = 100.0 + max(sent.values()) + rng.choice([0.0, 10.0])  # sometimes the laggards settle
@@ -108,10 +108,10 @@ def test_kept_inputs_equal_a_fresh_read_every_cycle(session, seed: int, streamed
 def test_kept_arrays_are_read_only(session) -> None:
     """Detectors get the kept arrays themselves: one writing into them must fail, not corrupt the
     next cycle."""
-    ingest.register_run(session, RunRegistration(run="r", parallelism={"world_size": 1}))
+    batches.register_run(session, RunRegistration(run="r", parallelism={"world_size": 1}))
     rng = random.Random(0)
     recs = [r for s in range(5) for r in _records(0, s, 1, rng)]
-    ingest.store_batch(session, Batch.model_validate({"run": "r", "rank": 0, "incarnation": 1, "seq": 0,
+    batches.store_batch(session, Batch.model_validate({"run": "r", "rank": 0, "incarnation": 1, "seq": 0,
                                                       "records": recs}))  # fmt: skip
     run = queries.get_run(session, run_id="r")
     pipeline.reduce_steps(session, run, now=1e9, config=CONFIG)

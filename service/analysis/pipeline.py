@@ -14,8 +14,8 @@ from typing import Any
 from sqlalchemy import Integer, delete, func, insert, select
 from sqlalchemy.orm import Session
 
-from trainvitals.service import reduce
-from trainvitals.service.detector_inputs import DetectorInputs
+from trainvitals.service.analysis import reduction
+from trainvitals.service.analysis.detector_inputs import DetectorInputs
 from trainvitals.service.store.models import (
     FindingRow,
     GradStatRow,
@@ -113,7 +113,7 @@ def reduce_steps(session: Session, run: Run, *, now: float, config: PipelineConf
     w = config.rank_window_steps
     read_from = min(start, start // w * w)
     rows = [
-        reduce.StepIn(*r)
+        reduction.StepIn(*r)
         for r in session.execute(
             select(
                 StepRow.step,
@@ -134,7 +134,7 @@ def reduce_steps(session: Session, run: Run, *, now: float, config: PipelineConf
     ]
     in_range = [r for r in rows if r.step >= start]
     keep = _keep_set(in_range)
-    grads = reduce.summarize_grads(
+    grads = reduction.summarize_grads(
         session.execute(
             select(
                 GradStatRow.step,
@@ -149,10 +149,10 @@ def reduce_steps(session: Session, run: Run, *, now: float, config: PipelineConf
         keep,
     )
     global_norms = {g["step"]: (g["norm"], g["nonfinite"]) for g in grads if g["group_name"] == GLOBAL_GROUP}
-    steps = reduce.summarize_steps(
+    steps = reduction.summarize_steps(
         in_range, peak_flops_total=peak_flops_total(run.registration), agent_grad_norms=global_norms
     )
-    windows = reduce.summarize_rank_windows(rows, window=w)
+    windows = reduction.summarize_rank_windows(rows, window=w)
     tensors = _tensor_summaries(session, run.run_id, start, upto)
 
     rid = run.run_id
@@ -170,7 +170,7 @@ def reduce_steps(session: Session, run: Run, *, now: float, config: PipelineConf
     return len(steps), start
 
 
-def _keep_set(rows: list[reduce.StepIn]) -> set[tuple[int, int, int]] | None:
+def _keep_set(rows: list[reduction.StepIn]) -> set[tuple[int, int, int]] | None:
     """None when no (rank, step) has two incarnations (the common case: no filtering needed)."""
     seen: dict[tuple[int, int], int] = {}
     dup = False

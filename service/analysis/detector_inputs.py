@@ -18,7 +18,7 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from trainvitals.service import advice
+from trainvitals.service.analysis import expectations
 from trainvitals.service.detectors.series import (
     CheckpointEvent,
     GroupGradNorms,
@@ -369,7 +369,7 @@ class DetectorInputs:
             ranks=self._ranks.series(),
             checkpoints=checkpoints,
             events=events,
-            expected_mfu=advice.expected_mfu(reg),
+            expected_mfu=expectations.expected_mfu(reg),
             peak_flops_total=peak_flops_total,
             checkpoint_interval_seconds=(reg.get("checkpoint") or {}).get("interval_seconds"),
             now=now,

@@ -14,11 +14,11 @@ from collections.abc import Callable
 
 from sqlalchemy.orm import Session
 
-from trainvitals.service import pipeline
-from trainvitals.service.detector_inputs import DetectorInputs
-from trainvitals.service.leader import AnalysisLease
+from trainvitals.service.analysis import pipeline
+from trainvitals.service.analysis.detector_inputs import DetectorInputs
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import queries
+from trainvitals.service.store.lease import AnalysisLease
 
 logger = logging.getLogger("trainvitals.service")
 

@@ -6,9 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from sqlalchemy import func, select
 
-from trainvitals.service import ingest
-from trainvitals.service.batch_writer import BatchWriter, WriterBusyError
-from trainvitals.service.store import db, queries
+from trainvitals.service.ingest.batch_writer import BatchWriter, WriterBusyError
+from trainvitals.service.store import batches, db, queries
 from trainvitals.service.store.models import DeliveredBatch, StepRow, TensorStatRow
 from trainvitals.wire import Batch, BatchAck, RunRegistration
 
@@ -38,8 +37,8 @@ def sessions(db_url: str):
     engine = db.make_engine(db_url)
     factory = db.make_sessionmaker(engine)
     with factory() as s:
-        ingest.register_run(s, RunRegistration(run="r1", project="a", parallelism={"world_size": 8}))
-        ingest.register_run(s, RunRegistration(run="r2", project="b"))
+        batches.register_run(s, RunRegistration(run="r1", project="a", parallelism={"world_size": 8}))
+        batches.register_run(s, RunRegistration(run="r2", project="b"))
     yield factory
     engine.dispose()
 
@@ -51,8 +50,8 @@ def _count(factory, model) -> int:
 
 def test_one_group_decides_each_batch_on_its_own(sessions) -> None:
     with sessions() as s:
-        ingest.store_batch(s, _batch(0, 0))  # stored before: its retry below is a duplicate
-        outcomes = ingest.store_batches(
+        batches.store_batch(s, _batch(0, 0))  # stored before: its retry below is a duplicate
+        outcomes = batches.store_batches(
             s,
             [
                 (_batch(1, 0), "a"),
@@ -66,8 +65,8 @@ def test_one_group_decides_each_batch_on_its_own(sessions) -> None:
     assert outcomes[0] == BatchAck(accepted=4, duplicate=False)
     assert outcomes[1] == BatchAck(accepted=0, duplicate=True)
     assert outcomes[2] == BatchAck(accepted=0, duplicate=True)
-    assert isinstance(outcomes[3], ingest.UnknownRunError)
-    assert isinstance(outcomes[4], ingest.WrongProjectError)
+    assert isinstance(outcomes[3], batches.UnknownRunError)
+    assert isinstance(outcomes[4], batches.WrongProjectError)
     assert outcomes[5] == BatchAck(accepted=4, duplicate=False)
     # ranks 0, 1 and 4, two steps each, once
     assert _count(sessions, StepRow) == 6
@@ -150,7 +149,7 @@ def test_a_value_the_database_refuses_rejects_only_its_batch(sessions) -> None:
     finally:
         writer.stop()
     assert outcomes[0].accepted == 4 and outcomes[2].accepted == 4
-    assert isinstance(outcomes[1], ingest.UnstorableBatchError)
+    assert isinstance(outcomes[1], batches.UnstorableBatchError)
     assert _count(sessions, StepRow) == 4  # ranks 0 and 2; nothing of rank 1
     assert _count(sessions, DeliveredBatch) == 2
     with sessions() as s:

@@ -3,8 +3,7 @@
 import pytest
 from sqlalchemy import func, select
 
-from trainvitals.service import ingest
-from trainvitals.service.store import queries
+from trainvitals.service.store import batches, queries
 from trainvitals.service.store.models import DeliveredBatch, GradStatRow, StepRow
 from trainvitals.wire import Batch, RunRegistration
 
@@ -37,10 +36,10 @@ def _steps(rank: int, steps: range, seq: int, incarnation: int = 1) -> Batch:
 
 
 def test_batches_are_stored_once(session) -> None:
-    ingest.register_run(session, RunRegistration(run="r1", parallelism={"world_size": 2}))
-    first = ingest.store_batch(session, _steps(0, range(0, 10), seq=0))
-    again = ingest.store_batch(session, _steps(0, range(0, 10), seq=0))
-    ingest.store_batch(session, _steps(1, range(0, 10), seq=0))
+    batches.register_run(session, RunRegistration(run="r1", parallelism={"world_size": 2}))
+    first = batches.store_batch(session, _steps(0, range(0, 10), seq=0))
+    again = batches.store_batch(session, _steps(0, range(0, 10), seq=0))
+    batches.store_batch(session, _steps(1, range(0, 10), seq=0))
     assert (first.accepted, first.duplicate) == (20, False)
     assert (again.accepted, again.duplicate) == (0, True)
     assert queries.count_step_rows(session, run_id="r1") == 20
@@ -48,39 +47,39 @@ def test_batches_are_stored_once(session) -> None:
 
 
 def test_new_incarnation_with_same_seq_is_not_a_duplicate(session) -> None:
-    ingest.register_run(session, RunRegistration(run="r1"))
-    ingest.store_batch(session, _steps(0, range(0, 5), seq=0, incarnation=1))
-    ack = ingest.store_batch(session, _steps(0, range(3, 8), seq=0, incarnation=2))
+    batches.register_run(session, RunRegistration(run="r1"))
+    batches.store_batch(session, _steps(0, range(0, 5), seq=0, incarnation=1))
+    ack = batches.store_batch(session, _steps(0, range(3, 8), seq=0, incarnation=2))
     assert not ack.duplicate
     assert {k[1] for k in queries.step_keys(session, run_id="r1")} == {1, 2}
 
 
 def test_unregistered_run_is_refused_and_stores_nothing(session) -> None:
-    with pytest.raises(ingest.UnknownRunError):
-        ingest.store_batch(session, _steps(0, range(3), seq=0))
+    with pytest.raises(batches.UnknownRunError):
+        batches.store_batch(session, _steps(0, range(3), seq=0))
     session.rollback()
     assert session.scalar(select(func.count()).select_from(StepRow)) == 0
 
 
 def test_registration_is_idempotent_and_project_bound(session) -> None:
-    assert ingest.register_run(session, RunRegistration(run="r1", project="a")) is True
-    assert ingest.register_run(session, RunRegistration(run="r1", project="a")) is False
+    assert batches.register_run(session, RunRegistration(run="r1", project="a")) is True
+    assert batches.register_run(session, RunRegistration(run="r1", project="a")) is False
     with pytest.raises(ValueError, match="project"):
-        ingest.register_run(session, RunRegistration(run="r1", project="b"))
+        batches.register_run(session, RunRegistration(run="r1", project="b"))
 
 
 def test_global_grad_norm_counts_replicas_once(session) -> None:
-    ingest.register_run(session, RunRegistration(run="r1", parallelism={"world_size": 2}))
-    ingest.store_batch(session, _steps(0, range(0, 10), seq=0))
-    ingest.store_batch(session, _steps(1, range(0, 8), seq=0))
+    batches.register_run(session, RunRegistration(run="r1", parallelism={"world_size": 2}))
+    batches.store_batch(session, _steps(0, range(0, 10), seq=0))
+    batches.store_batch(session, _steps(1, range(0, 8), seq=0))
     # Replicated DDP gradients: only rank 0 owns them, so the norm is sqrt(4), not sqrt(8).
     assert queries.global_grad_norm(session, run_id="r1", step=5) == pytest.approx(2.0)
     assert session.scalar(select(func.count()).select_from(GradStatRow)) == 18
 
 
 def test_delete_run_removes_every_record(session) -> None:
-    ingest.register_run(session, RunRegistration(run="r1"))
-    ingest.store_batch(session, _steps(0, range(0, 4), seq=0))
+    batches.register_run(session, RunRegistration(run="r1"))
+    batches.store_batch(session, _steps(0, range(0, 4), seq=0))
     assert queries.delete_run(session, run_id="r1") is True
     assert queries.count_step_rows(session, run_id="r1") == 0
     assert queries.list_runs(session) == []

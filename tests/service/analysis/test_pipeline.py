@@ -5,8 +5,8 @@ import math
 import pytest
 from sqlalchemy import select
 
-from trainvitals.service import ingest, pipeline
-from trainvitals.service.store import queries
+from trainvitals.service.analysis import pipeline
+from trainvitals.service.store import batches, queries
 from trainvitals.service.store.models import GradSummary, RankWindow, StepRow, StepSummary, TensorSummary
 from trainvitals.wire import Batch, RunRegistration
 
@@ -23,7 +23,7 @@ def _batch(rank: int, seq: int, steps: range, *, inc: int = 1, seconds: float = 
 
 
 def _register(session, world: int = 2) -> None:
-    ingest.register_run(session, RunRegistration(
+    batches.register_run(session, RunRegistration(
         run="r", parallelism={"world_size": world}, hardware={"gpu_count": world, "peak_flops": 1e10}))
 
 
@@ -33,8 +33,8 @@ def _reduce(session, now: float = 1e9) -> int:
 
 def test_watermark_waits_for_every_rank_then_reduces(session) -> None:
     _register(session)
-    ingest.store_batch(session, _batch(0, 0, range(10)))
-    ingest.store_batch(session, _batch(1, 0, range(6), seconds=2.0))
+    batches.store_batch(session, _batch(0, 0, range(10)))
+    batches.store_batch(session, _batch(1, 0, range(6), seconds=2.0))
     assert _reduce(session, now=105.0) == 6  # steps 0..5: both ranks; 6..9 are not settled yet
     rows = session.scalars(select(StepSummary).order_by(StepSummary.step)).all()
     assert [r.step for r in rows] == list(range(6))
@@ -49,9 +49,9 @@ def test_watermark_waits_for_every_rank_then_reduces(session) -> None:
 
 def test_restart_keeps_the_newest_incarnation(session) -> None:
     _register(session, world=1)
-    ingest.store_batch(session, _batch(0, 0, range(10), inc=1))
+    batches.store_batch(session, _batch(0, 0, range(10), inc=1))
     _reduce(session)
-    ingest.store_batch(session, _batch(0, 0, range(5, 12), inc=2))  # resumed from step 5
+    batches.store_batch(session, _batch(0, 0, range(5, 12), inc=2))  # resumed from step 5
     assert _reduce(session) == 7  # steps 5..11 re-reduced (late data re-dirtied them)
     losses = dict(session.execute(select(StepSummary.step, StepSummary.loss)).all())
     assert losses[4] == 1.0 and losses[5] == 2.0 and losses[11] == 2.0
@@ -61,9 +61,9 @@ def test_restart_keeps_the_newest_incarnation(session) -> None:
 
 def test_rank_windows_and_late_rank(session) -> None:
     _register(session)
-    ingest.store_batch(session, _batch(0, 0, range(60)))
+    batches.store_batch(session, _batch(0, 0, range(60)))
     _reduce(session)
-    ingest.store_batch(session, _batch(1, 0, range(60), seconds=3.0))  # the other rank arrives late
+    batches.store_batch(session, _batch(1, 0, range(60), seconds=3.0))  # the other rank arrives late
     _reduce(session)
     windows = session.execute(select(RankWindow.window_start, RankWindow.rank, RankWindow.steps,
                                      RankWindow.step_seconds_mean)).all()
@@ -78,7 +78,7 @@ def test_nan_is_kept_on_both_backends(session) -> None:
     _register(session)
     nan = float("nan")
     for rank, (loss, amax, headroom) in enumerate([(nan, nan, nan), (2.5, 3.0, 1.5)]):
-        ingest.store_batch(session, Batch.model_validate({"run": "r", "rank": rank, "incarnation": 1, "seq": 0,
+        batches.store_batch(session, Batch.model_validate({"run": "r", "rank": rank, "incarnation": 1, "seq": 0,
                                                           "records": [
             {"kind": "step", "step": 0, "ts": 100.0, "step_seconds": 1.0, "loss": loss, "grad_norm": float("inf")},
             {"kind": "grad", "step": 0, "group": "__global__", "owned_sq": nan, "local_sq": nan, "nonfinite": 3},

@@ -1,4 +1,4 @@
-"""The msgspec fast decoder (service/wire_decode.py) agrees with the pydantic wire models.
+"""The msgspec fast decoder (service/decode.py) agrees with the pydantic wire models.
 
 The pydantic models are the contract; the fast path may refuse more (the route then asks pydantic,
 which accepts or writes the 422), but it must never accept a batch pydantic refuses, nor read a
@@ -14,18 +14,18 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from trainvitals.service import wire_decode
 from trainvitals.service.api.routes.ingest import _decode
-from trainvitals.service.detectors.scenarios import Layout, make_scenario, to_wire_lines
+from trainvitals.service.ingest import decode
+from trainvitals.testing.scenarios import Layout, make_scenario, to_wire_lines
 from trainvitals.wire import v1
 
 PAIRS = [
-    (v1.StepRecord, wire_decode.StepRecord),
-    (v1.TensorRecord, wire_decode.TensorRecord),
-    (v1.GradRecord, wire_decode.GradRecord),
-    (v1.CheckpointRecord, wire_decode.CheckpointRecord),
-    (v1.EventRecord, wire_decode.EventRecord),
-    (v1.Batch, wire_decode.Batch),
+    (v1.StepRecord, decode.StepRecord),
+    (v1.TensorRecord, decode.TensorRecord),
+    (v1.GradRecord, decode.GradRecord),
+    (v1.CheckpointRecord, decode.CheckpointRecord),
+    (v1.EventRecord, decode.EventRecord),
+    (v1.Batch, decode.Batch),
 ]
 
 
@@ -33,7 +33,7 @@ def _fast_record_dict(record: Any) -> dict[str, Any]:
     return {"kind": record.kind, **msgspec.structs.asdict(record)}
 
 
-def _same(pyd: v1.Batch, fast: wire_decode.Batch) -> None:
+def _same(pyd: v1.Batch, fast: decode.Batch) -> None:
     assert (pyd.run, pyd.rank, pyd.incarnation, pyd.seq, pyd.sent_at) == (
         fast.run,
         fast.rank,
@@ -69,7 +69,7 @@ def test_scenario_streams_decode_identically() -> None:
             body = line.encode()
             if b'"records"' not in body:
                 continue
-            _same(v1.Batch.model_validate_json(body), wire_decode.decode_batch(body))
+            _same(v1.Batch.model_validate_json(body), decode.decode_batch(body))
             n += 1
     assert n > 10
 
@@ -129,7 +129,7 @@ def test_fuzzed_batches_never_accepted_by_the_fast_path_alone() -> None:
     for body in _mutations(rng, 4000):
         raw = json.dumps(body).encode()
         try:
-            fast = wire_decode.decode_batch(raw)
+            fast = decode.decode_batch(raw)
         except (msgspec.ValidationError, msgspec.DecodeError):
             fast = None
         try:
@@ -168,7 +168,7 @@ def test_refused_by_both(path, value) -> None:
     obj[path[-1]] = value
     raw = json.dumps(body).encode()
     with pytest.raises((msgspec.ValidationError, msgspec.DecodeError)):
-        wire_decode.decode_batch(raw)
+        decode.decode_batch(raw)
     with pytest.raises(RequestValidationError):
         _decode(raw)  # the route's path: pydantic's 422, which names the field
 
@@ -178,7 +178,7 @@ def test_lax_forms_fall_back_to_pydantic() -> None:
     still takes them through pydantic, so no sender sees a new 422."""
     raw = json.dumps(BASE).replace('"loss": 2.1', '"loss": NaN').replace('"amax": 3.0', '"amax": "3.0"').encode()
     with pytest.raises((msgspec.ValidationError, msgspec.DecodeError)):
-        wire_decode.decode_batch(raw)
+        decode.decode_batch(raw)
     batch = _decode(raw)
     assert isinstance(batch, v1.Batch)
     assert batch.records[0].loss != batch.records[0].loss  # NaN
@@ -186,4 +186,4 @@ def test_lax_forms_fall_back_to_pydantic() -> None:
 
 
 def test_the_common_batch_takes_the_fast_path() -> None:
-    assert isinstance(_decode(json.dumps(BASE).encode()), wire_decode.Batch)
+    assert isinstance(_decode(json.dumps(BASE).encode()), decode.Batch)

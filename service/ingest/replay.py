@@ -17,8 +17,8 @@ from pathlib import Path
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
-from trainvitals.service import ingest, pipeline
-from trainvitals.service.store import queries
+from trainvitals.service.analysis import pipeline
+from trainvitals.service.store import batches, queries
 from trainvitals.wire import Batch, RunRegistration
 
 
@@ -45,14 +45,14 @@ def replay_lines(session: Session, lines: Iterable[tuple[str, int, bytes]], repo
             body = json.loads(raw)
             if isinstance(body, dict) and "records" in body:
                 batch = Batch.model_validate(body)
-                ack = ingest.store_batch(session, batch)
+                ack = batches.store_batch(session, batch)
                 report.batches += 1
                 report.duplicates += int(ack.duplicate)
                 report.records += ack.accepted
                 runs.add(batch.run)
             else:
                 reg = RunRegistration.model_validate(body)
-                ingest.register_run(session, reg)
+                batches.register_run(session, reg)
                 report.registrations += 1
                 runs.add(reg.run)
         except (ValueError, ValidationError, LookupError) as exc:  # JSON, schema, unknown run, project

@@ -23,6 +23,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from trainvitals.service.detectors.findings import Finding
+from trainvitals.service.detectors.series import (
+    CheckpointEvent,
+    GroupGradNorms,
+    RankSteps,
+    RunEvent,
+    RunSeries,
+    RunSteps,
+    TensorSeries,
+)
 from trainvitals.wire.v1 import (
     Batch,
     CheckpointRecord,
@@ -36,17 +46,6 @@ from trainvitals.wire.v1 import (
     RunRegistration,
     StepRecord,
     TensorRecord,
-)
-
-from .findings import Finding
-from .series import (
-    CheckpointEvent,
-    GroupGradNorms,
-    RankSteps,
-    RunEvent,
-    RunSeries,
-    RunSteps,
-    TensorSeries,
 )
 
 HEALTHY_FAMILIES = (

@@ -5,8 +5,8 @@ import sys
 import textwrap
 import time
 
-from trainvitals.service.leader import AnalysisLease
 from trainvitals.service.store import db
+from trainvitals.service.store.lease import AnalysisLease
 
 
 def test_one_holder_at_a_time_and_takeover(db_url: str) -> None:
@@ -35,7 +35,7 @@ def test_a_killed_holder_releases_the_lease(db_url: str) -> None:
             textwrap.dedent(
                 f"""
                 import sys, time
-                from trainvitals.service.leader import AnalysisLease
+                from trainvitals.service.store.lease import AnalysisLease
                 from trainvitals.service.store import db
                 lease = AnalysisLease(db.make_engine({db_url!r}))
                 assert lease.acquire()

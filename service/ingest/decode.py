@@ -1,0 +1,137 @@
+"""The ingest fast path's decoder: msgspec structs derived from the pydantic wire models.
+
+pydantic's `Batch.model_validate_json` was a quarter of the collector's CPU under load (a model
+object per record); msgspec decodes and validates the same JSON into slotted structs several times
+faster. The structs are not written by hand: they are built at import from wire/v1.py's models
+(field names, types, Literal values, bounds, defaults), so the wire schema exists once. The
+pydantic models stay the contract (docs, OpenAPI); whenever msgspec refuses a body, the route
+re-validates it with pydantic so the 422 names the field in the usual words.
+tests/service/ingest/test_decode.py holds the two to the same verdicts and values.
+
+The structs quack like the pydantic records where ingest reads them: same attribute names, and a
+class attribute `kind`.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+import annotated_types
+import msgspec
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from trainvitals.wire import v1
+
+# annotated_types constraint -> msgspec.Meta keyword
+_BOUNDS = {
+    annotated_types.Ge: "ge",
+    annotated_types.Gt: "gt",
+    annotated_types.Le: "le",
+    annotated_types.Lt: "lt",
+    annotated_types.MinLen: "min_length",
+    annotated_types.MaxLen: "max_length",
+}
+
+
+def _meta(constraints: list[Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for c in constraints:
+        if isinstance(c, FieldInfo):
+            out.update(_meta(c.metadata))
+            continue
+        for kind, key in _BOUNDS.items():
+            if isinstance(c, kind):
+                out[key] = getattr(c, key)
+        pattern = getattr(c, "pattern", None)
+        if pattern is not None:
+            # Python's $ also matches before a trailing newline, pydantic's (Rust) regex does not.
+            out["pattern"] = pattern[:-1] + r"\Z" if pattern.endswith("$") else pattern
+    return out
+
+
+def _is_none(tp: Any) -> bool:
+    return tp is type(None)
+
+
+def _convert(tp: Any, constraints: list[Any], structs: dict[type[BaseModel], type]) -> Any:
+    """A pydantic annotation (+ field-level constraints) as a msgspec annotation.
+
+    Constraints go onto the non-None member: pydantic applies `int | None` with ge=0 to the int."""
+    if _is_none(tp):
+        return tp
+    origin = get_origin(tp)
+    if origin is Annotated:
+        inner, *extra = get_args(tp)
+        return _convert(inner, [*constraints, *extra], structs)
+    if origin in (Union, types.UnionType):
+        members = [_convert(a, [] if _is_none(a) else constraints, structs) for a in get_args(tp)]
+        return typing.Union[tuple(members)]  # noqa: UP007 - built at runtime from a list
+    if origin is list:
+        (item,) = get_args(tp)
+        converted: Any = list[_convert(item, [], structs)]  # type: ignore[misc]
+    elif origin is dict:
+        key, value = get_args(tp)
+        converted = dict[_convert(key, [], structs), _convert(value, [], structs)]  # type: ignore[misc]
+    elif origin is Literal or tp in (int, float, str, bool):
+        converted = tp
+    elif isinstance(tp, type) and issubclass(tp, BaseModel):
+        converted = structs[tp]
+    else:
+        raise TypeError(f"no msgspec form for wire annotation {tp!r}")
+    meta = _meta(constraints)
+    return Annotated[converted, msgspec.Meta(**meta)] if meta else converted
+
+
+def _struct(model: type[BaseModel], structs: dict[type[BaseModel], type]) -> type:
+    """One frozen struct with the model's fields; records are tagged by their `kind`."""
+    kind_field = model.model_fields.get("kind")
+    kind = kind_field.default if kind_field is not None else None
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
+    optional: list[tuple[str, Any, Any]] = []
+    for name, info in model.model_fields.items():
+        if name == "kind":
+            continue
+        tp = _convert(info.annotation, list(info.metadata), structs)
+        if info.is_required():
+            fields.append((name, tp))
+        elif info.default_factory is not None:
+            optional.append((name, tp, msgspec.field(default_factory=info.default_factory)))  # type: ignore[arg-type]
+        else:
+            optional.append((name, tp, info.default))
+    return msgspec.defstruct(
+        model.__name__,
+        [*fields, *optional],  # msgspec wants the required fields first
+        module=__name__,
+        namespace={"kind": kind} if kind else None,
+        tag=kind if kind else None,
+        tag_field="kind" if kind else None,
+        forbid_unknown_fields=True,
+        frozen=True,
+    )
+
+
+def _derive() -> dict[type[BaseModel], type]:
+    structs: dict[type[BaseModel], type] = {}
+    for model in (v1.StepRecord, v1.TensorRecord, v1.GradRecord, v1.CheckpointRecord, v1.EventRecord, v1.Batch):
+        structs[model] = _struct(model, structs)
+    return structs
+
+
+_STRUCTS = _derive()
+StepRecord: Any = _STRUCTS[v1.StepRecord]
+TensorRecord: Any = _STRUCTS[v1.TensorRecord]
+GradRecord: Any = _STRUCTS[v1.GradRecord]
+CheckpointRecord: Any = _STRUCTS[v1.CheckpointRecord]
+EventRecord: Any = _STRUCTS[v1.EventRecord]
+Batch: Any = _STRUCTS[v1.Batch]
+
+_DECODER = msgspec.json.Decoder(Batch)
+
+
+def decode_batch(body: bytes) -> Any:
+    """Decode and validate one batch body into a `Batch` struct; raises msgspec.ValidationError /
+    DecodeError for anything the fast path does not take (the route then asks pydantic)."""
+    return _DECODER.decode(body)

@@ -1,0 +1,59 @@
+"""Names and numbers the agent and the collector must agree on, written once.
+
+The wire models (wire/v1.py) take their Literal types from here, the agent its FP8 maxima and
+group names, the collector its layer labels: a change here is a change of the wire contract.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final, Literal, get_args
+
+WIRE_VERSION: Final = 1
+"""Bumped on any incompatible change of the messages in wire/v1.py."""
+
+GLOBAL_GROUP: Final = "__global__"
+"""The gradient-norm group that carries the whole model's sums of squares."""
+
+Role = Literal["input", "weight", "grad_output"]
+ROLES: tuple[Role, ...] = get_args(Role)
+"""The three tensors an FP8 GEMM casts, in the order the agent and the tables use."""
+
+Fp8Format = Literal["e4m3", "e5m2"]
+FP8_FORMATS: tuple[Fp8Format, ...] = get_args(Fp8Format)
+FP8_MAX: Final[dict[str, float]] = {"e4m3": 448.0, "e5m2": 57344.0}
+"""Largest finite magnitude of each format (OCP FP8: E4M3 'fn' variant, IEEE-like E5M2)."""
+DEFAULT_FORMATS: Final[dict[str, Fp8Format]] = {"input": "e4m3", "weight": "e4m3", "grad_output": "e5m2"}
+"""The usual hybrid recipe: E4M3 forward, E5M2 for gradients."""
+
+CheckpointStatus = Literal["started", "persisted", "failed", "verified"]
+EventKind = Literal[
+    "start", "restart", "resume", "failure", "node_replaced", "phase_change", "rollback", "stop", "note"
+]
+Recompute = Literal["none", "selective", "full"]
+AmaxAlgo = Literal["max", "most_recent"]
+
+# Prefixes that wrappers (DDP, torch.compile, FSDP1, activation checkpointing, Lightning) add to
+# the model's own parameter and module names; a layer label must not depend on them.
+_WRAPPER_PARTS: Final = frozenset(
+    {"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_forward_module"}
+)
+_PARAM_SUFFIX = re.compile(r"\.(weight|bias)$")
+
+
+def clean_name(name: str) -> str:
+    """'module._orig_mod.layers.3.fc' -> 'layers.3.fc': the model's own dotted name."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
+
+
+def layer_of(name: str) -> str:
+    """The layer a parameter or module belongs to, the label of every per-layer series.
+
+    'layers.3.attn.q.weight' -> 'layers.3' (up to the first numbered part, so bounded by depth);
+    'lm_head.proj' -> 'lm_head'; 'tok_emb.weight' -> 'tok_emb'.
+    """
+    parts = clean_name(name).split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return parts[0] if len(parts) > 1 else _PARAM_SUFFIX.sub("", parts[0])
