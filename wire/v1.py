@@ -132,8 +132,6 @@ class StepRecord(_Strict):
     pp_stage: int | None = Field(None, ge=0, description="pipeline stage of this rank")
     tp_rank: int | None = Field(None, ge=0, description="position in the tensor-parallel group")
     dp_rank: int | None = Field(None, ge=0, description="position in the data-parallel group")
-    mem_allocated_bytes: _Count | None = None
-    mem_reserved_bytes: _Count | None = None
 
 
 class TensorRecord(_Strict):

@@ -70,8 +70,6 @@ class StepRow(Base):
     pp_stage: Mapped[int | None] = mapped_column(Integer)
     tp_rank: Mapped[int | None] = mapped_column(Integer)
     dp_rank: Mapped[int | None] = mapped_column(Integer)
-    mem_allocated_bytes: Mapped[int | None] = mapped_column(BigInteger)
-    mem_reserved_bytes: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class TensorStatRow(Base):
