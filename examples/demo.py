@@ -128,7 +128,8 @@ def _print_summary(db_url: str, run: str, metrics: str, url: str) -> None:
         f"steps      {ov.steps} (steps {ov.first_step}..{ov.last_step}), {ov.step_records} step records, "
         f"{ov.grad_records} gradient records, {ov.events} events"
     )
-    print(f"step time  median {ov.step_seconds_p50 * 1000:.1f} ms")
+    if ov.step_seconds_p50 is not None:
+        print(f"step time  median {ov.step_seconds_p50 * 1000:.1f} ms")
     for rank, mean, p50, p99 in per_rank:
         print(
             f"  rank {rank}: mean {mean * 1000:6.1f} ms  p50 {p50 * 1000:6.1f} ms  p99 {p99 * 1000:6.1f} ms"

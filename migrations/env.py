@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from alembic import context
-from sqlalchemy import engine_from_config, pool
+from sqlalchemy import Connection, engine_from_config, pool
 
 from trainvitals.service.store.models import Base
 
@@ -34,7 +34,7 @@ def run_migrations_online() -> None:
         _run(connection)
 
 
-def _run(connection: object) -> None:
+def _run(connection: Connection) -> None:
     # render_as_batch: SQLite cannot ALTER most things; batch mode rebuilds tables instead.
     context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True)
     with context.begin_transaction():

@@ -246,7 +246,7 @@ def _add_query(
     help_: str,
     *,
     run: bool = True,
-    extra: Callable[[argparse.ArgumentParser], None] | None = None,
+    extra: Callable[[argparse.ArgumentParser], object] | None = None,
 ) -> None:
     p = sub.add_parser(name, help=help_)
     _add_db(p)

@@ -17,9 +17,11 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +35,7 @@ from trainvitals.service.detectors.series import (
     RunSteps,
     TensorSeries,
 )
+from trainvitals.wire.conventions import FP8_MAX, GLOBAL_GROUP, layer_of
 from trainvitals.wire.v1 import (
     Batch,
     CheckpointRecord,
@@ -72,7 +75,6 @@ FAULT_FAMILIES = (
 )
 """Runs with one injected fault each."""
 
-FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 T0 = 1_750_000_000.0
 """Unix seconds of step 0 (fixed: scenarios are deterministic)."""
 
@@ -361,7 +363,7 @@ def make_scenario(family: str, seed: int, *, layout: Layout | None = None) -> Sc
     lay = layout or Layout()
     # Odd seeds use a long 'max' history (TE default), even seeds a short one: both must stay quiet.
     if family.startswith("healthy") and seed % 2 == 1:
-        lay = Layout(**{**_layout_kwargs(lay), "history_len": 1024})
+        lay = dataclasses.replace(lay, history_len=1024)
     rng = np.random.default_rng([seed, _family_salt(family)])
     name = f"synthetic-{family}-s{seed}"
     builder = _FAMILIES.get(family)
@@ -370,16 +372,12 @@ def make_scenario(family: str, seed: int, *, layout: Layout | None = None) -> Sc
     return builder(rng=rng, name=name, family=family, seed=seed, layout=lay)
 
 
-def _layout_kwargs(lay: Layout) -> dict[str, object]:
-    return {f: getattr(lay, f) for f in Layout.__dataclass_fields__}
-
-
 def _family_salt(family: str) -> int:
     # Stable across processes (unlike hash()).
     return sum((i + 1) * ord(c) for i, c in enumerate(family))
 
 
-def _scenario(run: _Run, *, name: str, family: str, seed: int, series: RunSeries, **kw: object) -> Scenario:
+def _scenario(run: _Run, *, name: str, family: str, seed: int, series: RunSeries, **kw: Any) -> Scenario:
     return Scenario(
         name=name,
         family=family,
@@ -389,7 +387,7 @@ def _scenario(run: _Run, *, name: str, family: str, seed: int, series: RunSeries
         layout=run.layout,
         incarnation_from=dict(run.incarnation_from),
         **kw,
-    )  # type: ignore[arg-type]
+    )
 
 
 def _healthy_plain(
@@ -534,7 +532,7 @@ def _fp8_amax_creep(
 
 
 def _fp8_jump(*, rng: np.random.Generator, name: str, family: str, seed: int, layout: Layout) -> Scenario:
-    lay = Layout(**{**_layout_kwargs(layout), "history_len": 1024})
+    lay = dataclasses.replace(layout, history_len=1024)
     inject = int(rng.integers(1500, 2500))
     move = inject + 1200
     run = _Run(rng, move + 400, lay)
@@ -741,12 +739,12 @@ def registration_for(sc: Scenario) -> RunRegistration:
     )
 
 
-def _step_records(sc: Scenario, rank: int, rows: np.ndarray) -> list[object]:
+def _step_records(sc: Scenario, rank: int, rows: np.ndarray) -> list[Any]:
     s, rs, lay = sc.series.steps, sc.series.ranks, sc.layout
     assert rs is not None
     stage = int(rs.pp_stage[rank])
     last_stage = stage == lay.pp - 1
-    out: list[object] = []
+    out: list[Any] = []
     for i in rows.tolist():
         loss = float(s.loss[i]) if last_stage else None  # only the last pipeline stage computes the loss
         if (
@@ -775,11 +773,11 @@ def _step_records(sc: Scenario, rank: int, rows: np.ndarray) -> list[object]:
     return out
 
 
-def _grad_records(sc: Scenario, rank: int, i: int) -> list[object]:
+def _grad_records(sc: Scenario, rank: int, i: int) -> list[Any]:
     g = sc.series.groups
     assert g is not None
     step = int(sc.series.steps.steps[i])
-    out: list[object] = []
+    out: list[Any] = []
     sq = g.norms[i] ** 2
     nonfinite = ~np.isfinite(sq)
     # DDP-like: every rank holds every gradient (local_sq), rank 0 owns them (owned_sq).
@@ -793,7 +791,7 @@ def _grad_records(sc: Scenario, rank: int, i: int) -> list[object]:
     out.append(
         GradRecord(
             step=step,
-            group="__global__",
+            group=GLOBAL_GROUP,
             owned_sq=total if rank == 0 else 0.0,
             local_sq=total,
             nonfinite=int(nonfinite.sum()) * 37,
@@ -802,16 +800,16 @@ def _grad_records(sc: Scenario, rank: int, i: int) -> list[object]:
     return out
 
 
-def _tensor_records(sc: Scenario, rank: int, i: int) -> list[object]:
+def _tensor_records(sc: Scenario, rank: int, i: int) -> list[Any]:
     lay = sc.layout
     # One data-parallel replica (dp_rank 0 of each stage) sends the full vectors of its stage's layers.
     if rank % lay.dp != 0:
         return []
     stage = rank // lay.dp
     per_stage = math.ceil(lay.layers / lay.pp)
-    out: list[object] = []
+    out: list[Any] = []
     for ts in sc.series.tensors:
-        layer = int(ts.tensor.split(".")[1])
+        layer = int(layer_of(ts.tensor).split(".")[1])
         if layer // per_stage != stage:
             continue
         amax = float(ts.amax[i])
@@ -821,7 +819,7 @@ def _tensor_records(sc: Scenario, rank: int, i: int) -> list[object]:
             TensorRecord(
                 step=int(ts.steps[i]),
                 tensor=ts.tensor,
-                role=ts.role,
+                role=ts.role,  # type: ignore[arg-type]
                 format=ts.format,  # type: ignore[arg-type]
                 amax=amax,
                 scale=FP8_MAX[ts.format] / (amax * 2.0**-h)
@@ -865,7 +863,7 @@ def to_wire_lines(sc: Scenario, *, steps_per_batch: int = 100) -> Iterator[str]:
             # Side records belong to the batch whose steps' time span contains them.
             lo = float(ts[part[0] - 1]) if part[0] > 0 else -math.inf
             hi = float(ts[part[-1]]) if part[-1] < n - 1 else math.inf
-            side: list[object] = [
+            side: list[Any] = [
                 CheckpointRecord(
                     step=c.step,
                     generation=c.generation,
@@ -888,7 +886,7 @@ def to_wire_lines(sc: Scenario, *, steps_per_batch: int = 100) -> Iterator[str]:
                 seq[(rank, inc)] = k + 1
                 yield Batch(
                     run=s.run, rank=rank, incarnation=inc, seq=k, sent_at=float(ts[part[-1]]), records=records
-                ).model_dump_json()  # type: ignore[arg-type]
+                ).model_dump_json()
 
 
 # --------------------------------------------------------------------------- scoring

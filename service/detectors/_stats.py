@@ -117,14 +117,6 @@ def runs_of_true(mask: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(starts.tolist(), ends.tolist(), strict=True))
 
 
-def first_sustained(mask: np.ndarray, length: int) -> int | None:
-    """Index at which `mask` has first been True for `length` consecutive entries, or None."""
-    for a, b in runs_of_true(mask):
-        if b - a >= length:
-            return a + length - 1
-    return None
-
-
 def trailing_count(positions: np.ndarray, events: np.ndarray, window: float) -> np.ndarray:
     """For each position p: how many event positions e satisfy p - window < e <= p (both sorted)."""
     hi = np.searchsorted(events, positions, side="right")

@@ -27,7 +27,7 @@ import numpy as np
 from scipy import stats
 
 from ._stats import fmt_int, segment_apply, trailing_median, trailing_median_scale
-from .findings import Finding
+from .findings import Finding, SubjectKind
 from .series import RunSeries
 from .suppression import Suppression
 
@@ -304,7 +304,8 @@ def detect_nonfinite(series: RunSeries, cfg: GradNormConfig) -> list[Finding]:
         return []
     at = s.steps[bad]
     first = int(at[0])
-    subject_kind, subject = "run", ""
+    subject_kind: SubjectKind = "run"
+    subject = ""
     g = series.groups
     if g is not None and len(g.groups):
         row = np.searchsorted(g.steps, first)
