@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # torch first, pinned: the CPU build on local disk. An unpinned torch pulls several GB of CUDA wheels.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test test-fast lint system-deps clean
+.PHONY: demo test test-fast lint typecheck check system-deps clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,13 @@ test-fast: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: $(BIN)/.installed
-	$(BIN)/ruff check agent service wire dashboards examples migrations tests benchmarks
+	$(BIN)/ruff check agent service wire dashboards examples migrations testing tests benchmarks
+
+typecheck: $(BIN)/.installed
+	MYPY=$(BIN)/mypy ./tools/typecheck.sh
+
+# The quality gates CI runs before the tests.
+check: lint typecheck
 
 clean:
-	rm -rf $(VENV) demo-out trainvitals.db trainvitals-spool
+	rm -rf $(VENV) build demo-out trainvitals.db trainvitals-spool
