@@ -1,5 +1,13 @@
 """Wire format shared by the agent and the collector (see docs/wire-format.md)."""
 
+from trainvitals.wire.builders import (
+    batch_header,
+    checkpoint_record,
+    event_record,
+    grad_record,
+    step_record,
+    tensor_record,
+)
 from trainvitals.wire.conventions import (
     DEFAULT_FORMATS,
     FP8_FORMATS,
@@ -38,6 +46,12 @@ __all__ = [
     "WIRE_VERSION",
     "clean_name",
     "layer_of",
+    "batch_header",
+    "checkpoint_record",
+    "event_record",
+    "grad_record",
+    "step_record",
+    "tensor_record",
     "Batch",
     "BatchAck",
     "CheckpointRecord",
