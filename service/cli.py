@@ -236,6 +236,15 @@ def _demo(args: argparse.Namespace) -> int:
     )
 
 
+def _dashboards(args: argparse.Namespace) -> int:
+    # The SDK is the optional `dashboards` extra: imported here, not at the top of the CLI.
+    from trainvitals.dashboards.generate import write
+
+    for path in write(args.directory):
+        print(path)
+    return 0
+
+
 def _add_db(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", default=DEFAULT_SQLITE_URL, help=f"SQLAlchemy URL (default {DEFAULT_SQLITE_URL})")
 
@@ -363,6 +372,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", default="demo-out")
     demo.add_argument("--keep-serving", action="store_true", help="leave the collector running afterwards")
     demo.set_defaults(func=_demo)
+
+    dash = sub.add_parser("dashboards", help="Grafana dashboards as code (needs the `dashboards` extra)")
+    dsub = dash.add_subparsers(dest="dashboards_command", required=True)
+    dwrite = dsub.add_parser("write", help="write each dashboard's JSON as DIR/<uid>.json")
+    dwrite.add_argument("directory", nargs="?", default="dashboards/generated", metavar="DIR")
+    dash.set_defaults(func=_dashboards)
 
     from trainvitals.service.advisors.cli import add_advise_parser, add_plan_parser
 
