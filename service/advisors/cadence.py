@@ -455,155 +455,226 @@ def _interval(stall: float, mtbf: float, downtime: float, persist: float, shape:
     )
 
 
-def advise_cadence(inputs: CadenceInputs) -> CadenceAdvice:
-    """Checkpoint interval, bands, retention and tiers from costs and a failure rate or log."""
-    i = inputs
-    assumptions: list[str] = []
-    warnings: list[str] = []
-    restart = i.restart_s
-    log = i.log
-    shape = 1.0
-    high_density = False
-    if log is not None:
-        if log.median_downtime_s is not None:
-            restart = max(0.0, log.median_downtime_s - i.detect_s)
-            assumptions.append(
-                f"R from the log's median incident downtime ({log.median_downtime_s:.0f} s incl. detection)"
-            )
-        mtbf = 1 / log.rate_per_s
-        rate_lo, rate_hi = log.rate_ci_per_s
-        assumptions.append(
-            f"M = {mtbf / 3600:.2f} h from {log.n_incidents} incidents ({log.n_events} raw "
-            f"events, cluster factor {log.cluster_factor:.2f}) over "
-            f"{log.exposure_s / 3600:.0f} h"
+@dataclass(kw_only=True, slots=True)
+class _FailureModel:
+    """What the advice assumes about interruptions: given as an MTBF, or fitted to a log and then
+    adjusted by each Poisson test the log rejects (in the order trend, Weibull, dispersion)."""
+
+    mtbf_s: float
+    """M the interval is computed for (incident-level)."""
+    rate_lo: float
+    """Lower bound of the incident rate, per second (the confidence band's long end)."""
+    rate_hi: float
+    """Upper bound of the incident rate, per second."""
+    restart_s: float
+    """R per incident."""
+    shape: float = 1.0
+    """Failure-time shape (1 = exponential)."""
+    high_density: bool = False
+    """Counts are over-dispersed: also advise for bursts at 3x the rate."""
+    assumptions: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def _failure_model_from_mtbf(i: CadenceInputs) -> _FailureModel:
+    assert i.mtbf_s is not None  # CadenceInputs checks: mtbf_s or a log
+    return _FailureModel(
+        mtbf_s=i.mtbf_s,
+        rate_lo=1 / i.mtbf_s,
+        rate_hi=1 / i.mtbf_s,
+        restart_s=i.restart_s,
+        assumptions=["M given directly (no confidence bounds without an event log)"],
+    )
+
+
+def _failure_model_from_log(log: LogAnalysis, i: CadenceInputs) -> _FailureModel:
+    """M with its Garwood bounds from the log's incidents, R from its median downtime when logged;
+    then each rejected test adjusts the model (or only warns), in a fixed order."""
+    fm = _FailureModel(
+        mtbf_s=1 / log.rate_per_s,
+        rate_lo=log.rate_ci_per_s[0],
+        rate_hi=log.rate_ci_per_s[1],
+        restart_s=i.restart_s,
+    )
+    if log.median_downtime_s is not None:
+        fm.restart_s = max(0.0, log.median_downtime_s - i.detect_s)
+        fm.assumptions.append(
+            f"R from the log's median incident downtime ({log.median_downtime_s:.0f} s incl. detection)"
         )
-        tests = log.tests
-        trending = tests.trend is not None and tests.trend.rejects
-        if trending and tests.trend is not None:
-            # Forecast with the intensity at the end of the window, not the window's average.
-            scale = log.current_rate_per_s / log.rate_per_s
-            mtbf /= scale
-            rate_lo, rate_hi = rate_lo * scale, rate_hi * scale
-            warnings.append(
-                f"trend (Crow-AMSAA beta = {tests.trend.estimate:.2f}) rejects a constant rate: "
-                f"using the current intensity, M = {mtbf / 3600:.2f} h"
-            )
-        if tests.weibull is not None and tests.weibull.rejects:
-            lo, hi = tests.weibull.ci or (tests.weibull.estimate,) * 2
-            if trending or log.weibull_scale_s is None:
-                # Gaps of a non-stationary process are not identically distributed: no renewal fit.
-                warnings.append(
-                    f"Weibull shape {tests.weibull.estimate:.2f} (CI {lo:.2f}-{hi:.2f}) not "
-                    "used: the rate is not stationary"
-                )
-            else:
-                shape = tests.weibull.estimate
-                # The truncation-corrected fit also gives the mean of the unmerged process, which the
-                # renewal model needs (merging short gaps into incidents inflates n / exposure's M).
-                fitted = log.weibull_scale_s * gamma(1 + 1 / shape)
-                rate_lo, rate_hi = rate_lo * mtbf / fitted, rate_hi * mtbf / fitted
-                mtbf = fitted
-                warnings.append(
-                    f"Weibull shape {shape:.2f} (CI {lo:.2f}-{hi:.2f}) rejects exponential "
-                    "inter-arrivals: interval from the Weibull renewal model"
-                )
-        if tests.dispersion is not None and tests.dispersion.rejects:
-            high_density = True
-            phi = max(1.0, tests.dispersion.estimate)
-            centre = 1 / mtbf
-            rate_lo = centre - (centre - rate_lo) * math.sqrt(phi)
-            rate_hi = centre + (rate_hi - centre) * math.sqrt(phi)
-            warnings.append(
-                f"counts over-dispersed (var/mean = {phi:.2f}): confidence band widened "
-                "(quasi-Poisson); shorten the interval during high-density periods"
-            )
-        if tests.cv is not None and tests.cv.rejects:
-            warnings.append(
-                f"inter-arrival CV {tests.cv.estimate:.2f} > 1: failures cluster beyond incident merging"
-            )
-        rate_lo = max(rate_lo, 1e-12)
-    else:
-        assert i.mtbf_s is not None
-        mtbf = i.mtbf_s
-        rate_lo = rate_hi = 1 / mtbf
-        assumptions.append("M given directly (no confidence bounds without an event log)")
-    downtime = restart + i.detect_s
-    stall, persist = i.stall_s, i.persist_s
-    assumptions.append("interruptions arrive as a renewal process; one incident = one interruption")
-    if persist > 0:
-        assumptions.append(
-            f"async saves: only the {stall:.0f} s stall enters the interval; the "
-            f"{persist:.0f} s persist lag adds rework (a failure before it lands "
+    fm.assumptions.append(
+        f"M = {fm.mtbf_s / 3600:.2f} h from {log.n_incidents} incidents ({log.n_events} raw "
+        f"events, cluster factor {log.cluster_factor:.2f}) over "
+        f"{log.exposure_s / 3600:.0f} h"
+    )
+    trending = _use_current_intensity(fm, log)
+    _use_weibull_renewal(fm, log, trending=trending)
+    _widen_for_dispersion(fm, log)
+    cv = log.tests.cv
+    if cv is not None and cv.rejects:
+        fm.warnings.append(f"inter-arrival CV {cv.estimate:.2f} > 1: failures cluster beyond incident merging")
+    fm.rate_lo = max(fm.rate_lo, 1e-12)
+    return fm
+
+
+def _use_current_intensity(fm: _FailureModel, log: LogAnalysis) -> bool:
+    """When a trend rejects a constant rate, forecast with the intensity at the end of the window,
+    not the window's average. True when it did."""
+    trend = log.tests.trend
+    if trend is None or not trend.rejects:
+        return False
+    scale = log.current_rate_per_s / log.rate_per_s
+    fm.mtbf_s /= scale
+    fm.rate_lo, fm.rate_hi = fm.rate_lo * scale, fm.rate_hi * scale
+    fm.warnings.append(
+        f"trend (Crow-AMSAA beta = {trend.estimate:.2f}) rejects a constant rate: "
+        f"using the current intensity, M = {fm.mtbf_s / 3600:.2f} h"
+    )
+    return True
+
+
+def _use_weibull_renewal(fm: _FailureModel, log: LogAnalysis, *, trending: bool) -> None:
+    """When the Weibull shape rejects exponential gaps of a stationary process, switch to the
+    Weibull renewal model with the fitted shape and mean."""
+    weibull = log.tests.weibull
+    if weibull is None or not weibull.rejects:
+        return
+    lo, hi = weibull.ci or (weibull.estimate,) * 2
+    if trending or log.weibull_scale_s is None:
+        # Gaps of a non-stationary process are not identically distributed: no renewal fit.
+        fm.warnings.append(
+            f"Weibull shape {weibull.estimate:.2f} (CI {lo:.2f}-{hi:.2f}) not "
+            "used: the rate is not stationary"
+        )
+        return
+    fm.shape = weibull.estimate
+    # The truncation-corrected fit also gives the mean of the unmerged process, which the
+    # renewal model needs (merging short gaps into incidents inflates n / exposure's M).
+    fitted = log.weibull_scale_s * gamma(1 + 1 / fm.shape)
+    fm.rate_lo, fm.rate_hi = fm.rate_lo * fm.mtbf_s / fitted, fm.rate_hi * fm.mtbf_s / fitted
+    fm.mtbf_s = fitted
+    fm.warnings.append(
+        f"Weibull shape {fm.shape:.2f} (CI {lo:.2f}-{hi:.2f}) rejects exponential "
+        "inter-arrivals: interval from the Weibull renewal model"
+    )
+
+
+def _widen_for_dispersion(fm: _FailureModel, log: LogAnalysis) -> None:
+    """When daily counts are over-dispersed, widen the rate band by sqrt(var/mean) (quasi-Poisson)
+    and ask for a high-density interval."""
+    dispersion = log.tests.dispersion
+    if dispersion is None or not dispersion.rejects:
+        return
+    fm.high_density = True
+    phi = max(1.0, dispersion.estimate)
+    centre = 1 / fm.mtbf_s
+    fm.rate_lo = centre - (centre - fm.rate_lo) * math.sqrt(phi)
+    fm.rate_hi = centre + (fm.rate_hi - centre) * math.sqrt(phi)
+    fm.warnings.append(
+        f"counts over-dispersed (var/mean = {phi:.2f}): confidence band widened "
+        "(quasi-Poisson); shorten the interval during high-density periods"
+    )
+
+
+def _cost_assumptions(stall_s: float, persist_s: float) -> list[str]:
+    notes = ["interruptions arrive as a renewal process; one incident = one interruption"]
+    if persist_s > 0:
+        notes.append(
+            f"async saves: only the {stall_s:.0f} s stall enters the interval; the "
+            f"{persist_s:.0f} s persist lag adds rework (a failure before it lands "
             "falls back one generation)"
         )
+    return notes
 
-    optimum = optimal_interval(stall_s=stall, mtbf_s=mtbf)
+
+def _restart_schedule(
+    fm: _FailureModel, *, stall_s: float, persist_s: float, downtime_s: float, steady_s: float, steady_waste: float
+) -> tuple[tuple[float, ...] | None, float | None]:
+    """Under infant mortality (shape < 1), the hazard-adapted intervals after a restart and the
+    waste they save versus the steady interval; (None, None) otherwise."""
+    if not fm.shape < 1.0:
+        return None, None
+    schedule = hazard_schedule(stall_s=stall_s, mtbf_s=fm.mtbf_s, shape=fm.shape, steady_s=steady_s)
+    gain = steady_waste - schedule_waste(
+        schedule,
+        steady_s=steady_s,
+        stall_s=stall_s,
+        mtbf_s=fm.mtbf_s,
+        downtime_s=downtime_s,
+        persist_s=persist_s,
+        shape=fm.shape,
+    )
+    return schedule, gain
+
+
+def _tier_advice(i: CadenceInputs, mtbf_s: float) -> tuple[TierAdvice, ...]:
+    """Per-tier intervals, splitting the incident rate by blast radius: as the log counted it, else
+    by radius_mix (default: every incident takes one node)."""
+    if not i.tiers:
+        return ()
+    if i.log is not None and i.log.radius_counts:
+        total = sum(i.log.radius_counts.values())
+        mix = {r: c / total for r, c in i.log.radius_counts.items()}
+    else:
+        mix = i.radius_mix or {"node": 1.0}
+    return advise_tiers(i.tiers, {r: share / mtbf_s for r, share in mix.items()})
+
+
+def advise_cadence(inputs: CadenceInputs) -> CadenceAdvice:
+    """Checkpoint interval, bands, retention and tiers from costs and a failure rate or log.
+
+    The failure model (M, its rate bounds, the shape) comes from mtbf_s or from the log; the
+    interval minimises the expected waste under it (Lambert W when exponential, numerically for a
+    Weibull renewal); retention, tiers and the restart schedule are then derived at that interval.
+    """
+    i = inputs
+    fm = _failure_model_from_log(i.log, i) if i.log is not None else _failure_model_from_mtbf(i)
+    stall, persist, mtbf, shape = i.stall_s, i.persist_s, fm.mtbf_s, fm.shape
+    downtime = fm.restart_s + i.detect_s
+
     recommended = _interval(stall, mtbf, downtime, persist, shape)
-    confidence = tuple(
-        sorted(
-            (
-                _interval(stall, 1 / rate_hi, downtime, persist, shape),
-                _interval(stall, 1 / rate_lo, downtime, persist, shape),
-            )
+    confidence = sorted(
+        (
+            _interval(stall, 1 / fm.rate_hi, downtime, persist, shape),
+            _interval(stall, 1 / fm.rate_lo, downtime, persist, shape),
         )
     )
     young = young_interval(stall_s=stall, mtbf_s=mtbf)
     waste = expected_waste(
         recommended, stall_s=stall, mtbf_s=mtbf, downtime_s=downtime, persist_s=persist, shape=shape
     )
-    waste_young = expected_waste(
-        young, stall_s=stall, mtbf_s=mtbf, downtime_s=downtime, persist_s=persist, shape=shape
+    schedule, gain = _restart_schedule(
+        fm, stall_s=stall, persist_s=persist, downtime_s=downtime, steady_s=recommended, steady_waste=waste
     )
-    schedule = gain = None
-    if shape < 1.0:
-        schedule = hazard_schedule(stall_s=stall, mtbf_s=mtbf, shape=shape, steady_s=recommended)
-        gain = waste - schedule_waste(
-            schedule,
-            steady_s=recommended,
-            stall_s=stall,
-            mtbf_s=mtbf,
-            downtime_s=downtime,
-            persist_s=persist,
-            shape=shape,
-        )
-
-    retention = advise_retention(
-        interval_s=recommended,
-        latency_s=i.sdc_latency_s,
-        acceptable_risk=i.acceptable_risk,
-        checkpoint_bytes=i.checkpoint_bytes,
-        storage_budget_bytes=i.storage_budget_bytes,
-    )
-    tiers: tuple[TierAdvice, ...] = ()
-    if i.tiers:
-        if log is not None and log.radius_counts:
-            total = sum(log.radius_counts.values())
-            mix = {r: c / total for r, c in log.radius_counts.items()}
-        else:
-            mix = i.radius_mix or {"node": 1.0}
-        tiers = advise_tiers(i.tiers, {r: share / mtbf for r, share in mix.items()})
     return CadenceAdvice(
         young_interval_s=young,
-        daly_first_order_s=daly_first_order(stall_s=stall, mtbf_s=mtbf, restart_s=restart),
+        daly_first_order_s=daly_first_order(stall_s=stall, mtbf_s=mtbf, restart_s=fm.restart_s),
         daly_interval_s=daly_higher_order(stall_s=stall, mtbf_s=mtbf),
-        optimal_interval_s=optimum,
+        optimal_interval_s=optimal_interval(stall_s=stall, mtbf_s=mtbf),
         recommended_interval_s=recommended,
         band_s=flat_basin_band(recommended, i.basin_tolerance),
         confidence_band_s=(confidence[0], confidence[1]),
         expected_waste=waste,
-        expected_waste_young=waste_young,
+        expected_waste_young=expected_waste(
+            young, stall_s=stall, mtbf_s=mtbf, downtime_s=downtime, persist_s=persist, shape=shape
+        ),
         mtbf_s=mtbf,
         downtime_s=downtime,
         shape=shape,
-        retention=retention,
-        tiers=tiers,
+        retention=advise_retention(
+            interval_s=recommended,
+            latency_s=i.sdc_latency_s,
+            acceptable_risk=i.acceptable_risk,
+            checkpoint_bytes=i.checkpoint_bytes,
+            storage_budget_bytes=i.storage_budget_bytes,
+        ),
+        tiers=_tier_advice(i, mtbf),
         schedule_s=schedule,
         schedule_gain=gain,
         high_density_interval_s=(
-            _interval(stall, mtbf / 3, downtime, persist, shape) if high_density else None
+            _interval(stall, mtbf / 3, downtime, persist, shape) if fm.high_density else None
         ),
-        assumptions=tuple(assumptions),
-        warnings=tuple(warnings),
+        assumptions=tuple(fm.assumptions + _cost_assumptions(stall, persist)),
+        warnings=tuple(fm.warnings),
     )
 
 

@@ -23,8 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from scipy.optimize import brentq, minimize
 from scipy.stats import binom, chi2, norm
+
+Samples = Sequence[float] | npt.NDArray[np.float64]
+"""Times or gaps in seconds: a list, or the numpy array `analyze_log` takes np.diff into."""
 
 RADIUS_LEVELS = ("rank", "node", "rack", "pod", "cluster")
 """Blast radii, narrowest first."""
@@ -316,7 +320,7 @@ def garwood_interval(n: int, exposure_s: float, confidence: float = 0.9) -> tupl
 
 
 def dispersion_test(
-    times_s: Sequence[float], *, start_s: float, end_s: float, bin_s: float = 86400.0, alpha: float = 0.05
+    times_s: Samples, *, start_s: float, end_s: float, bin_s: float = 86400.0, alpha: float = 0.05
 ) -> TestResult | None:
     """Index of dispersion of counts per bin: sum (c - mean)^2 / mean ~ chi2(bins - 1) under Poisson."""
     n_bins = int((end_s - start_s) // bin_s)
@@ -339,7 +343,7 @@ def dispersion_test(
     )
 
 
-def cv_test(inter_arrivals_s: Sequence[float], *, alpha: float = 0.05) -> TestResult | None:
+def cv_test(inter_arrivals_s: Samples, *, alpha: float = 0.05) -> TestResult | None:
     """CV of inter-arrivals; for exponential data the sample CV has standard error ~ 1/sqrt(n)."""
     x = np.asarray(inter_arrivals_s, dtype=float)
     if len(x) < 10:
@@ -356,7 +360,7 @@ def cv_test(inter_arrivals_s: Sequence[float], *, alpha: float = 0.05) -> TestRe
     )
 
 
-def weibull_mle(samples: Sequence[float], *, truncation_s: float = 0.0) -> tuple[float, float]:
+def weibull_mle(samples: Samples, *, truncation_s: float = 0.0) -> tuple[float, float]:
     """Weibull (shape, scale) maximum-likelihood estimate, optionally left-truncated.
 
     Merging events closer than the merge window w into one incident removes inter-arrivals
@@ -403,7 +407,7 @@ def weibull_mle(samples: Sequence[float], *, truncation_s: float = 0.0) -> tuple
 
 
 def weibull_test(
-    inter_arrivals_s: Sequence[float], *, alpha: float = 0.05, truncation_s: float = 0.0
+    inter_arrivals_s: Samples, *, alpha: float = 0.05, truncation_s: float = 0.0
 ) -> TestResult | None:
     """Shape MLE with Wald CI on log(shape): Var(k_hat) ~ 0.608 k^2 / n; exponential is k = 1."""
     x = [v for v in inter_arrivals_s if v > 0]
@@ -426,7 +430,7 @@ def weibull_test(
 
 
 def crow_amsaa_test(
-    times_s: Sequence[float], *, start_s: float, end_s: float, alpha: float = 0.05
+    times_s: Samples, *, start_s: float, end_s: float, alpha: float = 0.05
 ) -> TestResult | None:
     """Power-law NHPP trend: beta = n / sum ln(T/t_i), CI from 2n beta / beta_hat ~ chi2(2n).
 
@@ -458,7 +462,7 @@ def crow_amsaa_test(
 
 
 def cascade_test(
-    inter_arrivals_s: Sequence[float], *, short_fraction: float = 0.1, alpha: float = 0.05
+    inter_arrivals_s: Samples, *, short_fraction: float = 0.1, alpha: float = 0.05
 ) -> TestResult | None:
     """Inter-arrivals shorter than 10% of the mean, versus the exponential's 1 - e^-0.1 share."""
     x = np.asarray(inter_arrivals_s, dtype=float)

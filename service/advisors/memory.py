@@ -130,7 +130,7 @@ def per_gpu_memory(plan: PlanInput) -> MemoryBreakdown:
     optimizer = BYTES_OPTIM * (sharded if p.zero >= 1 else stage_params)
 
     layers_per_stage = m.layers / p.pp
-    in_flight = min(p.micro_batches, p.pp)
+    in_flight: float = min(p.micro_batches, p.pp)
     if p.vpp > 1 and p.pp > 1:
         in_flight *= 1 + (p.pp - 1) / (p.pp * p.vpp)  # interleaving keeps extra warm-up chunks
     acts = activation_bytes_per_layer(plan) * layers_per_stage * in_flight

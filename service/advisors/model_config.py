@@ -341,34 +341,43 @@ def parse_hardware(data: Mapping[str, Any], *, strict: bool = True) -> HardwareC
         "peak_flops",
     }
     sec = _section(data, "hardware", _HW_ALIASES, known, strict)
-    explicit = {
-        "peak_bf16_tflops": _float(sec, "hardware", "peak_tflops"),
-        "peak_fp8_tflops": _float(sec, "hardware", "peak_fp8_tflops"),
-        "hbm_gib": _float(sec, "hardware", "hbm_gib"),
-        "intra_node_gbps": _float(sec, "hardware", "intra_node_gbps"),
-        "inter_node_gbps": _float(sec, "hardware", "inter_node_gbps"),
-    }
+    peak_bf16 = _float(sec, "hardware", "peak_tflops")
+    peak_fp8 = _float(sec, "hardware", "peak_fp8_tflops")
+    hbm = _float(sec, "hardware", "hbm_gib")
+    intra = _float(sec, "hardware", "intra_node_gbps")
+    inter = _float(sec, "hardware", "inter_node_gbps")
     peak_flops = _float(sec, "hardware", "peak_flops")
-    if peak_flops is not None and explicit["peak_bf16_tflops"] is None:
-        explicit["peak_bf16_tflops"] = peak_flops / 1e12
+    if peak_flops is not None and peak_bf16 is None:
+        peak_bf16 = peak_flops / 1e12
     name = sec.get("gpu")
     if name is not None and not isinstance(name, str):
         raise ValueError(f"hardware.gpu: must be a string, got {name!r}")
     if name is not None:
-        spec = gpu_spec(name)
-        spec = dataclasses.replace(spec, **{k: v for k, v in explicit.items() if v is not None})
+        # The table entry, with whatever the config gives explicitly taking precedence.
+        table = gpu_spec(name)
+        spec = dataclasses.replace(
+            table,
+            peak_bf16_tflops=table.peak_bf16_tflops if peak_bf16 is None else peak_bf16,
+            peak_fp8_tflops=table.peak_fp8_tflops if peak_fp8 is None else peak_fp8,
+            hbm_gib=table.hbm_gib if hbm is None else hbm,
+            intra_node_gbps=table.intra_node_gbps if intra is None else intra,
+            inter_node_gbps=table.inter_node_gbps if inter is None else inter,
+        )
     else:
-        missing = [
-            k
-            for k in ("peak_bf16_tflops", "hbm_gib", "intra_node_gbps", "inter_node_gbps")
-            if explicit[k] is None
-        ]
-        if missing:
+        if peak_bf16 is None or hbm is None or intra is None or inter is None:
             raise ValueError(
                 "hardware.gpu: required unless peak_tflops, hbm_gib, intra_node_gbps and "
                 "inter_node_gbps are all given"
             )
-        spec = GpuSpec(name="custom", gpus_per_node=8, **{k: v for k, v in explicit.items()})  # type: ignore[arg-type]
+        spec = GpuSpec(
+            name="custom",
+            peak_bf16_tflops=peak_bf16,
+            peak_fp8_tflops=peak_fp8,
+            hbm_gib=hbm,
+            intra_node_gbps=intra,
+            inter_node_gbps=inter,
+            gpus_per_node=8,
+        )
     per_node = _int(sec, "hardware", "gpus_per_node", spec.gpus_per_node)
     fraction = sec.get("usable_hbm_fraction", 0.75)
     if isinstance(fraction, bool) or not isinstance(fraction, int | float):

@@ -151,9 +151,12 @@ def _climb(
     steps: list[LadderStep] = []
     usable = hardware.gpu.hbm_bytes * hardware.usable_hbm_fraction
     static = STATIC_BYTES_PER_PARAM * model.params_total
-    kw = {"micro_batch": micro_batch, "global_tokens": global_tokens, "recompute": recompute}
 
-    ddp = _layout(model, hardware, gpus=gpus, tp=1, pp=1, ep=1, zero=1, **kw)
+    def layout(*, tp: int, pp: int, ep: int, zero: int) -> PlanInput:
+        return _layout(model, hardware, gpus=gpus, tp=tp, pp=pp, ep=ep, zero=zero, micro_batch=micro_batch,
+                       global_tokens=global_tokens, recompute=recompute)
+
+    ddp = layout(tp=1, pp=1, ep=1, zero=1)
     if static <= usable and _fits(ddp):
         return ddp, steps
     steps.append(
@@ -174,7 +177,7 @@ def _climb(
             )
         )
         return None, steps
-    fsdp = _layout(model, hardware, gpus=gpus, tp=1, pp=1, ep=1, zero=3, **kw)
+    fsdp = layout(tp=1, pp=1, ep=1, zero=3)
     if _fits(fsdp):
         return fsdp, steps
 
@@ -190,7 +193,7 @@ def _climb(
             f"tp={tp} splits both",
         )
     )
-    with_tp = _layout(model, hardware, gpus=gpus, tp=tp, pp=1, ep=1, zero=3, **kw)
+    with_tp = layout(tp=tp, pp=1, ep=1, zero=3)
     if _fits(with_tp):
         return with_tp, steps
 
@@ -214,13 +217,9 @@ def _climb(
             # With PP, ZeRO-1 first: FSDP would re-gather the stage weights for every micro-batch
             # over the inter-node fabric (seed 004, section 4); fall back to ZeRO-3 for memory.
             zeros = (1, 3) if pp > 1 else (3,)
-            candidates = [
-                _layout(model, hardware, gpus=gpus, tp=tp, pp=pp, ep=ep, zero=z, **kw) for z in zeros
-            ]
+            candidates = [layout(tp=tp, pp=pp, ep=ep, zero=z) for z in zeros]
             if pp > 1 and not pp_steps_added:
-                at_tp = per_gpu_memory(
-                    _layout(model, hardware, gpus=gpus, tp=tp, pp=1, ep=max(ep_options), zero=3, **kw)
-                )
+                at_tp = per_gpu_memory(layout(tp=tp, pp=1, ep=max(ep_options), zero=3))
                 steps.append(
                     LadderStep(
                         wall="weights > TP alone",

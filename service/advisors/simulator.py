@@ -20,7 +20,6 @@ comes from a seeded numpy Generator passed in or built from `seed`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +31,7 @@ from trainvitals.service.advisors.cadence import (
     daly_higher_order,
     young_interval,
 )
-from trainvitals.service.advisors.failure_log import FailureEvent, analyze_log
+from trainvitals.service.advisors.failure_log import FailureEvent, Samples, analyze_log
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -167,7 +166,7 @@ def _uptimes(trace: Trace, downtime_s: float) -> tuple[np.ndarray, float]:
 
 
 def replay_waste(
-    trace: Trace, *, intervals_s: Sequence[float], stall_s: float, downtime_s: float, persist_s: float = 0.0
+    trace: Trace, *, intervals_s: Samples, stall_s: float, downtime_s: float, persist_s: float = 0.0
 ) -> np.ndarray:
     """Waste fraction (1 - kept progress / wall time) for each fixed interval on one trace."""
     ups, final = _uptimes(trace, downtime_s)
