@@ -26,7 +26,8 @@ from trainvitals.service.store import batches, db, queries
 from trainvitals.wire import Batch, RunRegistration
 
 with warnings.catch_warnings():
-    # The SDK's classic Dashboard builder warns that a v2 model exists; Grafana <= 11 needs v1.
+    # The SDK's classic Dashboard model warns that a v2 model exists; Grafana's file provider
+    # and Grafana <= 11 load the classic one.
     warnings.simplefilter("ignore", DeprecationWarning)
     from trainvitals.dashboards import generate, panels, run
 
