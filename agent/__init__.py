@@ -4,10 +4,12 @@
     agent = tv.attach(model, optimizer, run="gpt-7b-0412")   # once
     agent.step(loss=loss, tokens=n_tokens)                    # once per optimizer step
 
-Imports torch and pydantic only. TRAINVITALS_DISABLE=1 makes attach() return a no-op.
+Imports torch and pydantic only. TRAINVITALS_DISABLE=1 makes attach() return a no-op; either
+way the result is a `TrainingAgent`.
 """
 
 from trainvitals.agent._agent import Agent, NoopAgent, attach
 from trainvitals.agent._config import AgentConfig
+from trainvitals.agent._protocol import TrainingAgent
 
-__all__ = ["Agent", "AgentConfig", "NoopAgent", "attach"]
+__all__ = ["Agent", "AgentConfig", "NoopAgent", "TrainingAgent", "attach"]

@@ -4,10 +4,11 @@ optimizer step, `close()` (or interpreter exit) flushes and removes every hook."
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -16,52 +17,18 @@ from torch import nn
 
 from trainvitals.agent._checkpoints import CheckpointHandle, CheckpointRecorder
 from trainvitals.agent._config import AgentConfig, disabled_by_env
+from trainvitals.agent._delivery import spooling_exporter
 from trainvitals.agent._dist import RankInfo, default_run_id, rank_info
-from trainvitals.agent._exporter import Exporter, Transport
 from trainvitals.agent._fp8_monitor import Fp8Monitor
 from trainvitals.agent._grad_norms import GradNormTracker
 from trainvitals.agent._guard import ErrorBudget, guarded, logger
 from trainvitals.agent._position import FLOPS_CONVENTION, Position, flops_per_token, position_of
+from trainvitals.agent._protocol import TrainingAgent
+from trainvitals.agent._sample import DeviceStack
 from trainvitals.agent._timing import StepTimer
-
-
-class _StepSample:
-    """One step's values, still possibly in flight from the device.
-
-    The training thread only concatenates device scalars into one tensor and starts one
-    non-blocking device-to-host copy; the exporter thread waits for the copy (never the training
-    thread) and expands the vector into wire records through each section's decoder. This keeps
-    the hot path free of syncs and of Python objects per tensor or parameter group.
-    """
-
-    __slots__ = ("step_fields", "values", "event", "sections")
-
-    def __init__(
-        self,
-        step_fields: dict[str, Any],
-        values: torch.Tensor | None,
-        event: Any,
-        sections: list[tuple[int, int, Callable[[int, list[float]], list[dict[str, Any]]] | str]],
-    ) -> None:
-        self.step_fields = step_fields
-        self.values = values
-        self.event = event
-        self.sections = sections  # (start, end, decoder or step-field name)
-
-    def records(self) -> list[dict[str, Any]]:
-        step = self.step_fields
-        if self.values is None:
-            return [step]
-        if self.event is not None:
-            self.event.synchronize()  # waits in the exporter thread, not in training
-        vals = self.values.tolist()
-        out = [step]
-        for start, end, decode in self.sections:
-            if isinstance(decode, str):
-                step[decode] = vals[start]
-            else:
-                out.extend(decode(step["step"], vals[start:end]))
-        return out
+from trainvitals.agent._transport import Transport
+from trainvitals.wire import Fp8Recipe, RunRegistration, event_record
+from trainvitals.wire.conventions import EventKind
 
 
 class Agent:
@@ -96,7 +63,7 @@ class Agent:
         # by hand (torchrun's restart count starts at 0 again), and ordered so "newest wins" works.
         self.incarnation = int(time.time() * 1000)
         self._errors = ErrorBudget(config.log_every_s)
-        self._exporter = Exporter(
+        self._exporter = spooling_exporter(
             config=config,
             run=run,
             rank=info.rank,
@@ -128,7 +95,13 @@ class Agent:
         self._exporter.start()
         self.event("start", detail=f"host={info.hostname} restart_count={info.restart_count}")
         ref = weakref.ref(self)
-        atexit.register(lambda: (a := ref()) is not None and a.close())
+
+        def close_at_exit() -> None:
+            agent = ref()
+            if agent is not None:
+                agent.close()
+
+        atexit.register(close_at_exit)
 
     def _make_fp8_monitors(self, model: nn.Module | None, recipe: dict[str, Any]) -> list[Fp8Monitor]:
         """Up to two monitors, each with its own cadence: modules that train through an FP8 recipe
@@ -142,28 +115,28 @@ class Agent:
             return []  # replica 0 holds every shard once; the others would repeat it
         if cfg.fp8_ranks == "dp0" and self.position.dp_rank is None and self.rank != 0:
             return []  # layout unknown: plain data parallelism is the safe assumption
-        common = {
-            "history_len": int(recipe.get("history_len", 1024)),
-            "margin": int(recipe.get("margin", 0)),
-            "amax_algo": str(recipe.get("amax_algo", "max")),
-            "formats": {
-                "input": recipe.get("input_format", "e4m3"),
-                "weight": recipe.get("weight_format", "e4m3"),
-                "grad_output": recipe.get("grad_format", "e5m2"),
-            },
-            "module_filter": cfg.fp8_module_filter,
-            "expensive_every": cfg.fp8_expensive_every_steps,
-            "errors": self._errors,
-        }
+        # The registration's recipe, its defaults the wire's (one place for L, margin, formats).
+        fp8 = Fp8Recipe.model_validate(recipe)
+        make = functools.partial(
+            Fp8Monitor,
+            model,
+            history_len=fp8.history_len,
+            margin=fp8.margin,
+            amax_algo=fp8.amax_algo,
+            formats={"input": fp8.input_format, "weight": fp8.weight_format, "grad_output": fp8.grad_format},
+            module_filter=cfg.fp8_module_filter,
+            expensive_every=cfg.fp8_expensive_every_steps,
+            errors=self._errors,
+        )
         monitors: list[Fp8Monitor] = []
         try:
             skip: frozenset[int] = frozenset()
             if cfg.fp8 in ("auto", "recipe"):
-                reader = Fp8Monitor(model, mode="recipe", **common)  # type: ignore[arg-type]
+                reader = make(mode="recipe")
                 skip = reader.recipe_modules
                 monitors.append(reader)  # every step: set_every(1) is the monitor's default
             if cfg.fp8 in ("auto", "shadow"):
-                shadow = Fp8Monitor(model, mode="shadow", skip_modules=skip, **common)  # type: ignore[arg-type]
+                shadow = make(mode="shadow", skip_modules=skip)
                 shadow.set_every(cfg.fp8_every_steps)
                 monitors.append(shadow)
         except Exception as exc:  # noqa: BLE001 - FP8 monitoring off, everything else keeps working
@@ -250,18 +223,36 @@ class Agent:
             return
         now = time.perf_counter()
         if step is not None:
-            if step < self._step:
-                self.event("resume", step=step, detail=f"step counter went from {self._step} down to {step}")
-            self._step = step
+            self._jump_to(step)
+        fields = self._step_fields(now, tokens=tokens, flops=flops, lr=lr)
+        stack = DeviceStack()
+        for name, value in (("loss", loss), ("grad_norm", grad_norm)):
+            if isinstance(value, torch.Tensor):
+                stack.add_scalar(name, value)  # read back by the exporter thread, no sync here
+            elif value is not None:
+                fields[name] = float(value)
+        self._stack_monitors(stack)
+        self._exporter.emit(stack.sample(fields))
+        self._step += 1
+        for fp8 in self._fp8:
+            # Registers the monitor's module hooks for a sampled step, removes them for the others:
+            # off-cadence steps cost the FP8 monitor nothing, not even hook dispatch.
+            fp8.observing = self._step % fp8.every == 0
+
+    def _jump_to(self, step: int) -> None:
+        if step < self._step:
+            self.event("resume", step=step, detail=f"step counter went from {self._step} down to {step}")
+        self._step = step
+
+    def _step_fields(
+        self, now: float, *, tokens: int | None, flops: float | None, lr: float | None
+    ) -> dict[str, Any]:
+        """The step record's host-side fields (step_record() arguments): the step's time and where
+        it went, the work done, the rank's place in the layout. Plain floats, no device values."""
         data_s, wait_s = self._timer.end_step(now)
         step_s = now - self._last_step_end
         self._last_step_end = now
-        fields: dict[str, Any] = {
-            "kind": "step",
-            "step": self._step,
-            "ts": time.time(),
-            "step_seconds": step_s,
-        }
+        fields: dict[str, Any] = {"step": self._step, "ts": time.time(), "step_seconds": step_s}
         if data_s is not None:
             fields["data_seconds"] = data_s
         if wait_s is not None:
@@ -270,97 +261,53 @@ class Agent:
             fields["compute_seconds"] = max(0.0, step_s - (data_s or 0.0) - (wait_s or 0.0))
         if flops is None and tokens is not None and self._flops_per_token is not None:
             flops = tokens * self._flops_per_token
-        for key, value in (("tokens", tokens), ("flops", flops), ("lr", lr)):
-            if value is not None:
-                fields[key] = value
         pos = self.position
-        for key, value in (("pp_stage", pos.pp_stage), ("tp_rank", pos.tp_rank), ("dp_rank", pos.dp_rank)):
+        for key, value in (
+            ("tokens", tokens),
+            ("flops", flops),
+            ("lr", lr),
+            ("pp_stage", pos.pp_stage),
+            ("tp_rank", pos.tp_rank),
+            ("dp_rank", pos.dp_rank),
+        ):
             if value is not None:
                 fields[key] = value
+        return fields
 
-        parts: list[torch.Tensor] = []
-        sections: list[tuple[int, int, Any]] = []
-        offset = 0
-
-        def add(t: torch.Tensor, decode: Any) -> None:
-            nonlocal offset
-            if parts and t.device != parts[0].device:
-                t = t.to(parts[0].device, non_blocking=True)
-            parts.append(t)
-            sections.append((offset, offset + t.numel(), decode))
-            offset += t.numel()
-
-        # Tensor scalars go in with one stack. Every torch op here runs with cold caches (the optimizer
-        # has just streamed through the parameters): ~5-20 us each on CPU, so as few as possible.
-        scalars: list[torch.Tensor] = []
-        for key, scalar in (("loss", loss), ("grad_norm", grad_norm)):
-            if isinstance(scalar, torch.Tensor):
-                if scalar.requires_grad:
-                    scalar = scalar.detach()
-                if scalar.dim() != 0:
-                    scalar = scalar.reshape(-1)[0]  # the first element, as for a 0-dim loss
-                if scalars and scalar.device != scalars[0].device:
-                    scalar = scalar.to(scalars[0].device, non_blocking=True)
-                sections.append((len(scalars), len(scalars) + 1, key))
-                scalars.append(scalar)
-            elif scalar is not None:
-                fields[key] = float(scalar)
-        if scalars:
-            stacked_scalars = torch.stack(scalars)
-            parts.append(stacked_scalars if stacked_scalars.dtype == torch.float32 else stacked_scalars.float())
-            offset = len(scalars)
+    def _stack_monitors(self, stack: DeviceStack) -> None:
+        """This step's gradient and FP8 vectors (device tensors, no sync) into the step's stack."""
         grads, self._pending_grads = self._pending_grads, None
         if grads is not None and self._grads is not None:
-            add(grads, self._grads.records)
+            stack.add(grads, self._grads.records)
         for fp8 in self._fp8:
             # `observing` was decided at the end of the previous step() from the predicted step number;
             # if the job jumped (step=, loaded()), what the hooks measured is still this step's.
             if fp8.observing:
                 fp8_vec, expensive = fp8.end_step()
                 if fp8_vec is not None:
-                    add(fp8_vec, lambda s, v, _m=fp8, _e=expensive: _m.records(s, v, _e))
-        values = event = None
-        if parts:
-            # One small device tensor, one non-blocking copy to the host. Sync point: none here;
-            # the exporter thread waits on the event.
-            stacked = torch.cat(parts) if len(parts) > 1 else parts[0]
-            if stacked.device.type == "cuda":
-                values = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
-                values.copy_(stacked, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-            else:
-                values = stacked if stacked.device.type == "cpu" else stacked.to("cpu")
-        self._exporter.emit(_StepSample(fields, values, event, sections))
-        self._step += 1
-        for fp8 in self._fp8:
-            # Registers the monitor's module hooks for a sampled step, removes them for the others:
-            # off-cadence steps cost the FP8 monitor nothing, not even hook dispatch.
-            fp8.observing = self._step % fp8.every == 0
+                    stack.add(fp8_vec, functools.partial(fp8.records, expensive=expensive))
 
     # ------------------------------------------------------------------ events and lifecycle
 
     @guarded()
     def event(
         self,
-        kind: str,
+        kind: EventKind,
         *,
         detail: str | None = None,
         step: int | None = None,
         domains: dict[str, str] | None = None,
     ) -> None:
         """Record a run event: failure, restart, resume, phase_change, rollback, note ..."""
-        record: dict[str, Any] = {
-            "kind": "event",
-            "event": kind,
-            "ts": time.time(),
-            "step": self._step if step is None else step,
-        }
-        if detail is not None:
-            record["detail"] = detail
-        if domains:
-            record["domains"] = dict(domains)
-        self._exporter.emit(record)
+        self._exporter.emit(
+            event_record(
+                ts=time.time(),
+                event=kind,
+                step=self._step if step is None else step,
+                detail=detail,
+                domains=domains,
+            )
+        )
 
     @contextmanager
     def checkpoint(
@@ -461,6 +408,9 @@ class Agent:
             self._errors.record("close", exc)
 
     def stats(self) -> dict[str, int]:
+        """Counters: agent errors, steps, records emitted / dropped (queue full) / delivered
+        (acknowledged by the collector), batches delivered / rejected / dropped (spool full),
+        failed delivery attempts."""
         s = self._exporter.stats
         return {
             "errors": self._errors.errors,
@@ -468,6 +418,7 @@ class Agent:
             "emitted_records": s.emitted_records,
             "dropped_records": s.dropped_records,
             "delivered_batches": s.delivered_batches,
+            "delivered_records": s.delivered_records,
             "failed_attempts": s.failed_attempts,
             "rejected_batches": s.rejected_batches,
             "spool_dropped_batches": s.spool_dropped_batches,
@@ -486,12 +437,56 @@ class Agent:
 
 
 class NoopAgent:
-    """What attach() returns when disabled: same methods, does nothing, costs nothing."""
+    """What attach() returns when disabled: the same methods, doing nothing, costing nothing (the
+    save helpers still save: they are the job's own saves).
+
+    Usage::
+
+        agent = NoopAgent()
+        agent.step(loss=loss)    # returns at once
+    """
 
     hooks = 0
 
+    def step(
+        self,
+        loss: torch.Tensor | float | None = None,
+        *,
+        tokens: int | None = None,
+        flops: float | None = None,
+        lr: float | None = None,
+        grad_norm: torch.Tensor | float | None = None,
+        step: int | None = None,
+    ) -> None:
+        return None
+
+    def event(
+        self,
+        kind: EventKind,
+        *,
+        detail: str | None = None,
+        step: int | None = None,
+        domains: dict[str, str] | None = None,
+    ) -> None:
+        return None
+
+    def grads_ready(self) -> None:
+        return None
+
+    def clip_grad_norm_(
+        self,
+        parameters: torch.Tensor | Iterable[torch.Tensor],
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+
     @contextmanager
-    def checkpoint(self, **kwargs: Any) -> Iterator[CheckpointHandle]:
+    def checkpoint(
+        self, *, step: int | None = None, path: str | None = None, generation: int | None = None
+    ) -> Iterator[CheckpointHandle]:
         yield CheckpointHandle()
 
     def save(self, obj: Any, path: str, *, step: int | None = None, **kwargs: Any) -> None:
@@ -511,22 +506,17 @@ class NoopAgent:
 
         return dcp.async_save(state_dict, checkpoint_id=checkpoint_id, **kwargs)
 
-    def loaded(self, **kwargs: Any) -> None:
+    def checkpoint_saved(
+        self,
+        *,
+        step: int | None = None,
+        path: str | None = None,
+        generation: int | None = None,
+        stall_seconds: float | None = None,
+    ) -> None:
         return None
 
-    def checkpoint_saved(self, **kwargs: Any) -> None:
-        return None
-
-    def grads_ready(self) -> None:
-        return None
-
-    def clip_grad_norm_(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(*args, **kwargs)
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    def event(self, *args: Any, **kwargs: Any) -> None:
+    def loaded(self, *, step: int, path: str | None = None, generation: int | None = None) -> None:
         return None
 
     def flush(self, timeout: float = 10.0) -> bool:
@@ -555,7 +545,7 @@ def attach(
     config: AgentConfig | None = None,
     registration: dict[str, Any] | None = None,
     transport: Transport | None = None,
-) -> Agent | NoopAgent:
+) -> TrainingAgent:
     """Attach the agent to this rank. Never raises: on a bad setup it logs and returns a NoopAgent.
 
     registration: optional parts of the wire-format run registration (keys model, parallelism,
@@ -564,8 +554,6 @@ def attach(
     if disabled_by_env():
         return NoopAgent()
     try:
-        from trainvitals.wire import RunRegistration
-
         config = config or AgentConfig(collector=collector)
         if collector is not None:
             config.collector = collector

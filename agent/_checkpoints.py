@@ -10,8 +10,13 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from trainvitals.wire import checkpoint_record
+from trainvitals.wire.builders import JsonObject
+from trainvitals.wire.conventions import CheckpointStatus
 
 _CHUNK = 8 * 1024 * 1024
 
@@ -47,12 +52,19 @@ class CheckpointHandle:
         return future
 
 
+@dataclass(frozen=True, slots=True)
+class _Generation:
+    step: int
+    generation: int
+    path: str | None
+
+
 class CheckpointRecorder:
     """Emits wire-format checkpoint records through `emit` (the exporter's O(1) emit)."""
 
     def __init__(
         self,
-        emit: Callable[[dict[str, Any]], None],
+        emit: Callable[[JsonObject], None],
         *,
         checksum: str,
         on_error: Callable[[str, BaseException], None],
@@ -63,55 +75,68 @@ class CheckpointRecorder:
         self._pool: ThreadPoolExecutor | None = None
         self._pending: set[Future[None]] = set()
 
-    def _record(self, **fields: Any) -> None:
+    def _record(
+        self,
+        gen: _Generation,
+        status: CheckpointStatus,
+        *,
+        stall: float | None = None,
+        persist: float | None = None,
+        size: int | None = None,
+        checksum: str | None = None,
+        error: str | None = None,
+    ) -> None:
         self._emit(
-            {"kind": "checkpoint", "ts": time.time(), **{k: v for k, v in fields.items() if v is not None}}
+            checkpoint_record(
+                step=gen.step,
+                generation=gen.generation,
+                status=status,
+                ts=time.time(),
+                path=gen.path,
+                bytes=size,
+                stall_seconds=stall,
+                persist_seconds=persist,
+                checksum=checksum,
+                error=error,
+            )
         )
 
     @contextmanager
     def saving(self, *, step: int, generation: int, path: str | None) -> Iterator[CheckpointHandle]:
         handle = CheckpointHandle()
-        base = {"step": step, "generation": generation, "path": path}
-        self._record(status="started", **base)
+        gen = _Generation(step, generation, path)
+        self._record(gen, "started")
         t0 = time.perf_counter()
         try:
             yield handle
         except BaseException as exc:
             # The job's own save failed: record it, then let the job see its exception as usual.
-            self._record(
-                status="failed", stall_seconds=time.perf_counter() - t0, error=repr(exc)[:4000], **base
-            )
+            self._record(gen, "failed", stall=time.perf_counter() - t0, error=repr(exc)[:4000])
             raise
         stall = time.perf_counter() - t0
         if handle.future is None:
-            self._finish(base, stall=stall, persist=stall)
+            self._finish(gen, stall=stall, persist=stall)
         else:
-            self._track_async(handle.future, base, t0=t0, stall=stall)
+            self._track_async(handle.future, gen, t0=t0, stall=stall)
 
     def saved(self, *, step: int, generation: int, path: str | None, stall: float | None) -> None:
-        self._finish({"step": step, "generation": generation, "path": path}, stall=stall, persist=None)
+        self._finish(_Generation(step, generation, path), stall=stall, persist=None)
 
-    def _track_async(self, future: Any, base: dict[str, Any], *, t0: float, stall: float) -> None:
+    def _track_async(self, future: Any, gen: _Generation, *, t0: float, stall: float) -> None:
         def done(fut: Any) -> None:
             persist = time.perf_counter() - t0
             exc = fut.exception() if hasattr(fut, "exception") else None
             if exc is not None:
-                self._record(
-                    status="failed",
-                    stall_seconds=stall,
-                    persist_seconds=persist,
-                    error=repr(exc)[:4000],
-                    **base,
-                )
+                self._record(gen, "failed", stall=stall, persist=persist, error=repr(exc)[:4000])
             else:
-                self._finish(base, stall=stall, persist=persist)
+                self._finish(gen, stall=stall, persist=persist)
 
         future.add_done_callback(done)
 
-    def _finish(self, base: dict[str, Any], *, stall: float | None, persist: float | None) -> None:
-        path = base.get("path")
+    def _finish(self, gen: _Generation, *, stall: float | None, persist: float | None) -> None:
+        path = gen.path
         if path is None or not os.path.exists(path):
-            self._record(status="persisted", stall_seconds=stall, persist_seconds=persist, **base)
+            self._record(gen, "persisted", stall=stall, persist=persist)
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainvitals-checksum")
@@ -122,14 +147,7 @@ class CheckpointRecorder:
             except OSError as exc:
                 self._on_error("checksum", exc)
                 size, digest = None, None
-            self._record(
-                status="persisted",
-                stall_seconds=stall,
-                persist_seconds=persist,
-                bytes=size,
-                checksum=digest,
-                **base,
-            )
+            self._record(gen, "persisted", stall=stall, persist=persist, size=size, checksum=digest)
 
         fut: Future[None] = self._pool.submit(hash_and_record)
         self._pending.add(fut)

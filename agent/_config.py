@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import getpass
 import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 DISABLE_ENV = "TRAINVITALS_DISABLE"
+
+
+def default_spill_dir() -> str:
+    """`<tmp>/trainvitals-spool-<user>`: node-local (tempfile's TMPDIR, else /tmp) and per user.
+
+    Not the working directory: on a cluster that is usually a shared file system, where every
+    rank's spool writes would become metadata traffic for everyone. A spool is delivered by the
+    next process of the same rank on the same node, or by `trainvitals replay` on the file.
+    """
+    try:
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no user name (a container without a passwd entry)
+        user = str(os.getuid())
+    return os.path.join(tempfile.gettempdir(), f"trainvitals-spool-{user}")
 
 
 def disabled_by_env() -> bool:
@@ -40,13 +56,15 @@ class AgentConfig:
     retry_backoff_s: float = 2.0
     """After a failed delivery, wait at least this long before trying the collector again."""
     spill_dir: str | None = None
-    """Where undeliverable batches wait on disk. None: $TRAINVITALS_SPILL_DIR, else ./trainvitals-spool."""
+    """Where batches wait on disk when they cannot be delivered now (and every batch of a process
+    that is exiting, until delivered). None: $TRAINVITALS_SPILL_DIR, else the node-local
+    `<tmp>/trainvitals-spool-<user>` (default_spill_dir())."""
     spill_max_bytes: int = 512 * 1024 * 1024
     """Per rank; past it new batches are dropped and counted rather than filling the disk."""
     record_file: str | None = None
     """Also append every batch (JSONL, wire format) to this file; '{rank}' is replaced."""
     flush_timeout_s: float = 10.0
-    """close()/exit waits at most this long for delivery; the rest stays spilled for later."""
+    """close()/exit waits at most this long for delivery; the rest stays spooled for later."""
     grad_groups: str = "block"
     """Gradient-norm groups: 'block' (per numbered layer, e.g. layers.3), 'param' or 'none'."""
     grad_ownership: str = "auto"
@@ -105,4 +123,4 @@ class AgentConfig:
         if self.token is None:
             self.token = os.environ.get("TRAINVITALS_TOKEN") or None
         if self.spill_dir is None:
-            self.spill_dir = os.environ.get("TRAINVITALS_SPILL_DIR", "trainvitals-spool")
+            self.spill_dir = os.environ.get("TRAINVITALS_SPILL_DIR") or default_spill_dir()

@@ -12,7 +12,6 @@ import torch.distributed as dist
 @dataclass(frozen=True, slots=True)
 class RankInfo:
     rank: int
-    local_rank: int
     world_size: int
     hostname: str
     restart_count: int
@@ -25,7 +24,6 @@ def rank_info() -> RankInfo:
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     return RankInfo(
         rank=rank,
-        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
         world_size=world,
         hostname=socket.gethostname(),
         restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),

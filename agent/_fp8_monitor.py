@@ -38,13 +38,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainvitals.agent._grad_norms import clean_name
 from trainvitals.agent._guard import ErrorBudget
+from trainvitals.wire import DEFAULT_FORMATS, FP8_MAX, ROLES, clean_name, tensor_record
+from trainvitals.wire.builders import JsonObject
+from trainvitals.wire.conventions import Fp8Format, Role
 
-# fp8.md "Formats": max finite value and smallest subnormal per format.
-FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+# fp8.md "Formats": smallest subnormal per format (the maxima, FP8_MAX, are a wire convention).
 FP8_MIN_SUBNORMAL = {"e4m3": 2.0**-9, "e5m2": 2.0**-16}
-ROLES = ("input", "weight", "grad_output")
 _CREST_SAMPLE = 4096  # elements sampled (strided) for the median in crest_bits: +-0.05 bits
 _F32_MAX = torch.finfo(torch.float32).max
 
@@ -59,8 +59,8 @@ def default_module_filter(name: str, module: nn.Module) -> bool:
 @dataclass(frozen=True, slots=True)
 class MonitoredTensor:
     fqn: str
-    role: str
-    fmt: str
+    role: Role
+    fmt: Fp8Format
     recipe: bool
 
 
@@ -92,7 +92,7 @@ class Fp8Monitor:
         history_len: int = 1024,
         margin: int = 0,
         amax_algo: str = "max",
-        formats: dict[str, str] | None = None,
+        formats: dict[str, Fp8Format] | None = None,
         module_filter: ModuleFilter | None = None,
         expensive_every: int = 50,
         mode: str = "auto",
@@ -106,7 +106,7 @@ class Fp8Monitor:
         self.amax_algo = amax_algo
         self.expensive_every = expensive_every
         self._errors = errors or ErrorBudget()
-        formats = {"input": "e4m3", "weight": "e4m3", "grad_output": "e5m2", **(formats or {})}
+        formats = {**DEFAULT_FORMATS, **(formats or {})}
         module_filter = module_filter or default_module_filter
 
         recipe_states: dict[int, list[tuple[str, Any]]] = {}
@@ -463,33 +463,27 @@ class Fp8Monitor:
 
     # ------------------------------------------------------------------ off the training thread
 
-    def records(self, step: int, values: list[float], expensive: bool) -> list[dict[str, Any]]:
+    def records(self, step: int, values: list[float], expensive: bool) -> list[JsonObject]:
         n = len(self.tensors)
-        out: list[dict[str, Any]] = []
+        out: list[JsonObject] = []
         for i, t in enumerate(self.tensors):
-            rec: dict[str, Any] = {
-                "kind": "tensor",
-                "step": step,
-                "tensor": t.fqn,
-                "role": t.role,
-                "format": t.fmt,
-                "amax": values[i],
-                "shadow": not t.recipe,
-            }
-            for name, k in (("headroom_bits", 1), ("lag_bits", 2)):
-                v = values[k * n + i]
-                if math.isfinite(v):
-                    rec[name] = v
-            stale = values[3 * n + i]
-            if math.isfinite(stale):
-                rec["staleness_steps"] = int(stale)
-            if expensive:
-                rec["sat_frac"] = min(1.0, max(0.0, values[4 * n + i]))
-                rec["underflow_frac"] = min(1.0, max(0.0, values[5 * n + i]))
-                crest = values[6 * n + i]
-                if math.isfinite(crest):
-                    rec["crest_bits"] = crest
-                rec["nonfinite"] = int(values[7 * n + i])
+            # NaN (not known yet: no history, no scale) is left out rather than sent.
+            crest = values[6 * n + i] if expensive else math.nan
+            rec = tensor_record(
+                step=step,
+                tensor=t.fqn,
+                role=t.role,
+                format=t.fmt,
+                amax=values[i],
+                headroom_bits=_finite(values[n + i]),
+                lag_bits=_finite(values[2 * n + i]),
+                staleness_steps=_int_or_none(values[3 * n + i]),
+                sat_frac=min(1.0, max(0.0, values[4 * n + i])) if expensive else None,
+                underflow_frac=min(1.0, max(0.0, values[5 * n + i])) if expensive else None,
+                crest_bits=_finite(crest),
+                nonfinite=int(values[7 * n + i]) if expensive else None,
+                shadow=not t.recipe,
+            )
             out.append(rec)
         return out
 
@@ -501,6 +495,14 @@ class Fp8Monitor:
     def hooks(self) -> int:
         """Module hooks registered right now (they come and go with the sampled steps; 0 after close)."""
         return self._shadow_hooks.registered + self._recipe_hooks.registered
+
+
+def _finite(v: float) -> float | None:
+    return v if math.isfinite(v) else None
+
+
+def _int_or_none(v: float) -> int | None:
+    return int(v) if math.isfinite(v) else None
 
 
 class _HookSet:
@@ -554,6 +556,8 @@ class _History:
     """Ring buffer of per-tensor amax samples (the shadow recipe's amax history), with the
     per-tensor maximum and the row it sits in, both from one reduction per push (argmax beside
     amax was 5x the time of max(dim=0) on CPU, which returns both)."""
+
+    buf: torch.Tensor  # [rows, n], set by to()
 
     def __init__(self, rows: int, n: int, device: torch.device | None = None) -> None:
         self.rows = rows

@@ -16,36 +16,14 @@ Ownership, per parameter, decided once:
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-GLOBAL_GROUP = "__global__"
-
-# Wrapper prefixes that are not part of the model's own names.
-_WRAPPER_PARTS = {
-    "module",
-    "_orig_mod",
-    "_fsdp_wrapped_module",
-    "_checkpoint_wrapped_module",
-    "_forward_module",
-}
-
-
-def clean_name(name: str) -> str:
-    return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
-
-
-def block_group(name: str) -> str:
-    """'layers.3.attn.q.weight' -> 'layers.3'; 'tok_emb.weight' -> 'tok_emb'."""
-    parts = clean_name(name).split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return parts[0] if len(parts) > 1 else re.sub(r"\.(weight|bias)$", "", parts[0])
+from trainvitals.wire import GLOBAL_GROUP, clean_name, grad_record, layer_of
+from trainvitals.wire.builders import JsonObject
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -92,7 +70,7 @@ class GradNormTracker:
         if groups == "param":
             names = [clean_name(n) for n, _ in named]
         elif groups == "block":
-            names = [block_group(n) for n, _ in named]
+            names = [layer_of(n) for n, _ in named]  # 'layers.3': the wire's per-layer label
         else:
             names = [GLOBAL_GROUP for _ in named]
         self.group_names: list[str] = list(dict.fromkeys(names))
@@ -145,7 +123,7 @@ class GradNormTracker:
                 grads.append(_local(g))
         if not present:
             return None
-        norms = torch._foreach_norm(grads, 2.0)
+        norms: tuple[torch.Tensor, ...] | list[torch.Tensor] = torch._foreach_norm(grads, 2.0)
         device = norms[0].device
         if any(n.device != device for n in norms):  # e.g. CPU-offloaded parameters
             norms = [n.to(device, non_blocking=True) for n in norms]
@@ -175,32 +153,30 @@ class GradNormTracker:
             self._cache = {key: cached}  # the set of present grads is stable after step 1
         return cached
 
-    def records(self, step: int, values: Sequence[float]) -> list[dict[str, object]]:
+    def records(self, step: int, values: Sequence[float]) -> list[JsonObject]:
         """Wire-format grad records from a copied-back vector (runs off the training thread)."""
         n = len(self.group_names)
-        out: list[dict[str, object]] = []
+        out: list[JsonObject] = []
         single = n == 1 and self.group_names[0] == GLOBAL_GROUP
         if not single:
             for i, name in enumerate(self.group_names):
                 out.append(
-                    {
-                        "kind": "grad",
-                        "step": step,
-                        "group": name,
-                        "local_sq": values[i],
-                        "owned_sq": values[n + i],
-                        "nonfinite": int(values[2 * n + i]),
-                    }
+                    grad_record(
+                        step=step,
+                        group=name,
+                        owned_sq=values[n + i],
+                        local_sq=values[i],
+                        nonfinite=int(values[2 * n + i]),
+                    )
                 )
         out.append(
-            {
-                "kind": "grad",
-                "step": step,
-                "group": GLOBAL_GROUP,
-                "local_sq": values[3 * n],
-                "owned_sq": values[3 * n + 1],
-                "nonfinite": int(values[3 * n + 2]),
-            }
+            grad_record(
+                step=step,
+                group=GLOBAL_GROUP,
+                owned_sq=values[3 * n + 1],
+                local_sq=values[3 * n],
+                nonfinite=int(values[3 * n + 2]),
+            )
         )
         return out
 

@@ -61,11 +61,11 @@ class StepTimer:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         # No annotations: DDP validates the hook's signature and accepts only GradBucket or none.
-        def timed_allreduce(process_group, bucket):  # type: ignore[no-untyped-def]
+        def timed_allreduce(process_group, bucket):
             self._launched = time.perf_counter()
             fut = allreduce_hook(process_group, bucket)
 
-            def done(f):  # type: ignore[no-untyped-def]
+            def done(f):
                 self._done = time.perf_counter()
                 return f.value()
 

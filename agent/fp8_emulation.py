@@ -43,6 +43,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+# Re-exported: the roles' column order and the formats' maxima are wire conventions.
+from trainvitals.wire.conventions import FP8_MAX, ROLES, Fp8Format
+
 __all__ = [
     "FP8_MAX",
     "ROLES",
@@ -52,13 +55,9 @@ __all__ = [
     "quantize_dequantize",
 ]
 
-Fp8Format = Literal["e4m3", "e5m2"]
-
-ROLES: tuple[str, str, str] = ("input", "weight", "grad_output")
-"""Column order of `Fp8Linear.amax_history` and `Fp8Linear.scale` (TE/torchao roles)."""
-
-# Largest finite values (OCP FP8 spec; TE `fp8_dtype_max` in delayed_scaling.cu; fp8.md "Formats").
-FP8_MAX: dict[str, float] = {"e4m3": 448.0, "e5m2": 57344.0}
+# ROLES is also the column order of `Fp8Linear.amax_history` and `Fp8Linear.scale` (TE/torchao
+# roles); FP8_MAX the formats' largest finite values (OCP FP8 spec; TE `fp8_dtype_max` in
+# delayed_scaling.cu; fp8.md "Formats").
 _DTYPES: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 # E5M2 spacing in [2^15, 2^16) is 2^13, so round-to-nearest-even sends |x| >= 57344 + 2^12 to the
 # next binade, 2^16, which does not exist: IEEE overflow to inf. Below it the cast rounds to 57344.
@@ -188,7 +187,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
     Backward: cast grad_output with its scale; gradients straight through the casts."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: FunctionCtx,
         x: torch.Tensor,
         weight: torch.Tensor,
@@ -212,7 +211,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: FunctionCtx, grad_out: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None]:
         x_hat, w_hat = ctx.saved_tensors  # type: ignore[attr-defined]

@@ -26,7 +26,9 @@ from typing import Any, Protocol, cast, runtime_checkable
 import torch
 from torch import nn
 
-from trainvitals.agent.fp8_emulation import _TE_FORMATS, ROLES, Fp8Linear
+from trainvitals.agent.fp8_emulation import _TE_FORMATS, Fp8Linear
+from trainvitals.wire import DEFAULT_FORMATS, ROLES
+from trainvitals.wire.conventions import Fp8Format, Role
 
 __all__ = [
     "EmulatedFp8State",
@@ -36,7 +38,7 @@ __all__ = [
     "find_fp8_modules",
 ]
 
-_DTYPE_FORMATS: dict[torch.dtype, str] = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+_DTYPE_FORMATS: dict[torch.dtype, Fp8Format] = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 
 @runtime_checkable
@@ -61,12 +63,12 @@ class Fp8State(Protocol):
             s_next = state.scale()
     """
 
-    roles: tuple[str, ...]
+    roles: tuple[Role, ...]
     margin: int
     history_len: int
     amax_compute_algo: str
 
-    def fmt(self, role: str) -> str: ...
+    def fmt(self, role: str) -> Fp8Format: ...
 
     def amax_history(self) -> torch.Tensor: ...
 
@@ -88,12 +90,12 @@ class EmulatedFp8State:
 
     def __init__(self, module: Fp8Linear) -> None:
         self.module = module
-        self.roles: tuple[str, ...] = ROLES
+        self.roles: tuple[Role, ...] = ROLES
         self.margin = module.recipe.margin
         self.history_len = module.recipe.history_len
         self.amax_compute_algo: str = module.recipe.amax_compute_algo
 
-    def fmt(self, role: str) -> str:
+    def fmt(self, role: str) -> Fp8Format:
         return self.module.recipe.fmt(role)
 
     def amax_history(self) -> torch.Tensor:
@@ -131,7 +133,7 @@ class TransformerEngineFp8State:
         self.module = module
         self.gemm = gemm
         recipe = _fp8_meta(module)["recipe"]
-        self.roles: tuple[str, ...] = ROLES
+        self.roles: tuple[Role, ...] = ROLES
         self.margin = int(recipe.margin)
         self.history_len = int(recipe.amax_history_len)
         algo = recipe.amax_compute_algo
@@ -140,7 +142,7 @@ class TransformerEngineFp8State:
         fmt = recipe.fp8_format
         self._formats = _TE_FORMATS[str(getattr(fmt, "name", fmt)).upper()]
 
-    def fmt(self, role: str) -> str:
+    def fmt(self, role: str) -> Fp8Format:
         return self._formats[self.roles.index(role)]
 
     def amax_history(self) -> torch.Tensor:
@@ -189,26 +191,26 @@ class TorchaoFp8State:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         config = cast(Any, module.config)
-        self.roles: tuple[str, ...] = tuple(
+        self.roles: tuple[Role, ...] = tuple(
             r for r in ROLES if _torchao_delayed(getattr(config, f"cast_config_{r}", None))
         )
         self.margin = 0
         delayed = config.delayed_scaling_config
         self.history_len = int(delayed.history_len)
         self.amax_compute_algo: str = str(delayed.scale_fn_name)
-        # Before target_dtype existed torchao cast input and weight to e4m3 and grad_output to e5m2.
-        defaults = {"input": "e4m3", "weight": "e4m3", "grad_output": "e5m2"}
-        self._formats: dict[str, str] = {}
+        # Before target_dtype existed torchao cast input and weight to e4m3 and grad_output to e5m2:
+        # the usual hybrid recipe, DEFAULT_FORMATS.
+        self._formats: dict[str, Fp8Format] = {}
         for role in self.roles:
             dtype = getattr(getattr(config, f"cast_config_{role}"), "target_dtype", None)
             if dtype is None:
-                self._formats[role] = defaults[role]
+                self._formats[role] = DEFAULT_FORMATS[role]
             elif dtype in _DTYPE_FORMATS:
                 self._formats[role] = _DTYPE_FORMATS[dtype]
             else:  # e.g. the fnuz dtypes of ROCm, whose max values differ
                 raise ValueError(f"unsupported float8 dtype {dtype} for {role}")
 
-    def fmt(self, role: str) -> str:
+    def fmt(self, role: str) -> Fp8Format:
         return self._formats[role]
 
     def amax_history(self) -> torch.Tensor:

@@ -15,9 +15,10 @@ from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from trainvitals.agent._agent import Agent, NoopAgent, attach
+from trainvitals.agent._agent import attach
 from trainvitals.agent._config import AgentConfig
 from trainvitals.agent._guard import ErrorBudget, guarded
+from trainvitals.agent._protocol import TrainingAgent
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -138,7 +139,7 @@ class TrainvitalsCallback(TrainerCallback):
         self.collector = collector
         self.config = config
         self.registration = registration
-        self.agent: Agent | NoopAgent | None = None
+        self.agent: TrainingAgent | None = None
         """The agent of the current (or last) train() call; kept after close for stats()."""
         self._trainer = trainer
         self._errors = ErrorBudget()

@@ -13,9 +13,10 @@ from typing import Any, cast
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from trainvitals.agent._agent import Agent, NoopAgent, attach
+from trainvitals.agent._agent import attach
 from trainvitals.agent._config import AgentConfig
 from trainvitals.agent._guard import ErrorBudget, guarded
+from trainvitals.agent._protocol import TrainingAgent
 
 # `lightning.pytorch.Callback` and `pytorch_lightning.Callback` are distinct classes (the same code
 # shipped twice) and each Trainer only accepts its own. `pip install lightning` also installs
@@ -137,7 +138,7 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         self.config = config
         self.registration = registration
         self.count_tokens = count_tokens
-        self.agent: Agent | NoopAgent | None = None
+        self.agent: TrainingAgent | None = None
         """The agent of the current (or last) fit(); kept after close for stats()."""
         self._errors = ErrorBudget()
         self._attached = False

@@ -1,4 +1,4 @@
-"""Delivery: bounded queue, write-ahead spool, exactly-once across a collector outage.
+"""Delivery: bounded queue, spool on failure, exactly-once across a collector outage.
 
 Uses the real collector (uvicorn in a thread, SQLite or PostgreSQL) and real sockets; the
 exporter's thread body (run_once) is driven synchronously so the tests are deterministic.
@@ -13,7 +13,8 @@ from pathlib import Path
 from sqlalchemy import select
 
 from trainvitals.agent import AgentConfig
-from trainvitals.agent._exporter import Exporter
+from trainvitals.agent._delivery import spooling_exporter
+from trainvitals.agent._processor import BatchProcessor
 from trainvitals.service.store import db
 from trainvitals.service.store.models import StepRow
 from trainvitals.wire import Batch, RunRegistration
@@ -21,10 +22,10 @@ from trainvitals.wire import Batch, RunRegistration
 REG = RunRegistration(run="r1", parallelism={"world_size": 1}).model_dump(mode="json")
 
 
-def _exporter(url: str, tmp_path: Path, **cfg: object) -> Exporter:
+def _exporter(url: str, tmp_path: Path, **cfg: object) -> BatchProcessor:
     settings: dict = {"http_timeout_s": 2.0, "retry_backoff_s": 0.0, **cfg}
     config = AgentConfig(collector=url, spill_dir=str(tmp_path / "spool"), **settings)
-    return Exporter(config=config, run="r1", rank=0, incarnation=1, registration=REG)
+    return spooling_exporter(config=config, run="r1", rank=0, incarnation=1, registration=REG)
 
 
 def _step(i: int) -> dict:
@@ -78,7 +79,7 @@ def test_spool_left_by_a_dead_process_is_delivered_by_the_next_one(collector, tm
         first.emit(_step(i))
     first.shutdown(timeout=1.0)  # collector down: everything stays spooled
     collector.start()
-    second = Exporter(
+    second = spooling_exporter(
         config=AgentConfig(collector=collector.url, spill_dir=str(tmp_path / "spool")),
         run="r1",
         rank=0,
@@ -92,7 +93,7 @@ def test_spool_left_by_a_dead_process_is_delivered_by_the_next_one(collector, tm
 
 
 def test_full_queue_drops_oldest_and_counts() -> None:
-    exp = Exporter(
+    exp = spooling_exporter(
         config=AgentConfig(collector="", queue_max_records=3, max_batch_records=3, spill_dir="/nonexistent"),
         run="r1",
         rank=0,
@@ -167,7 +168,7 @@ def test_rejected_batch_is_set_aside_not_retried_forever(collector, tmp_path: Pa
 def test_spool_is_read_lazily_and_resumes_where_delivery_stopped(tmp_path: Path) -> None:
     """A failed attempt reads only up to the line that failed (a full 512 MiB spool is streamed,
     not loaded), and the next attempt starts at that line; torn last lines wait."""
-    from trainvitals.agent._spill import Spool
+    from trainvitals.agent._spool import Spool
 
     spool = Spool(tmp_path / "s.jsonl", max_bytes=1 << 20)
     for i in range(5):

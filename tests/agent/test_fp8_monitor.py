@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from trainvitals.agent._fp8_monitor import FP8_MAX, Fp8Monitor
+from trainvitals.agent._fp8_monitor import Fp8Monitor
+from trainvitals.wire import FP8_MAX
 
 
 def _run(monitor: Fp8Monitor, model: nn.Module, scale: float) -> tuple[dict, bool]:

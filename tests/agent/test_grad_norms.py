@@ -6,7 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from trainvitals.agent._grad_norms import GLOBAL_GROUP, GradNormTracker, block_group
+from trainvitals.agent._grad_norms import GradNormTracker
+from trainvitals.wire import GLOBAL_GROUP
+from trainvitals.wire import layer_of as block_group  # the agent's 'block' groups are the wire's layer labels
 
 
 class Tiny(nn.Module):

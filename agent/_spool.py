@@ -1,8 +1,10 @@
-"""A bounded on-disk spool of undelivered messages, drained in order.
+"""A bounded on-disk spool of undelivered messages, read back in order.
 
-One JSONL file per (run, rank): each line is a wire-format message (a run registration or a
-batch), so a spool is also a file `trainvitals replay` can ingest. Lines are only ever appended;
-the reader keeps a byte offset, and the file is truncated once everything in it is delivered.
+One JSONL file per (run, rank). Lines are only ever appended; the reader keeps a byte offset, and
+the file is removed once everything in it is delivered, so the next append starts a new file.
+The exporter writes the run registration as a new file's first line (docs/agent.md), which makes
+every spool file a stream `trainvitals replay` ingests as it is, and tells a reader each line's
+kind from where it sits: the first line is the registration, every other line a batch.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 
 def spool_path(spill_dir: str, run: str, rank: int) -> Path:
@@ -18,13 +21,33 @@ def spool_path(spill_dir: str, run: str, rank: int) -> Path:
     return Path(spill_dir) / f"{safe_run}.rank{rank}.jsonl"
 
 
+class SpoolLine(NamedTuple):
+    """One complete line of the spool: `end` is the offset just past it (for mark_delivered)."""
+
+    end: int
+    line: bytes
+
+    @property
+    def first(self) -> bool:
+        """Whether this is the file's first line (the exporter's run registration)."""
+        return self.end == len(self.line) + 1
+
+
 class Spool:
-    """Append-only JSONL spool with a read cursor; not thread-safe (the exporter thread owns it)."""
+    """Append-only JSONL spool with a read cursor; not thread-safe (the exporter thread owns it).
+
+    Usage::
+
+        spool = Spool(path, max_bytes=512 << 20)
+        spool.append(b'{"run": "r1"}')
+        for end, line in spool.pending():
+            if send(line):
+                spool.mark_delivered(end)
+    """
 
     def __init__(self, path: Path, max_bytes: int) -> None:
         self.path = path
         self.max_bytes = max_bytes
-        self.dropped_lines = 0
         self._offset = 0  # bytes of the file already delivered
 
     def __len__(self) -> int:
@@ -35,19 +58,21 @@ class Spool:
             return 0
 
     def append(self, line: bytes) -> bool:
-        """Append one message; False (and counted) when the spool is full."""
+        """Append one message (or several, newline-separated, with one fsync); False when full."""
         size = self.path.stat().st_size if self.path.exists() else 0
         if size + len(line) + 1 > self.max_bytes:
-            self.dropped_lines += 1
             return False
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Private to the user: a node-local spool usually sits under a shared /tmp.
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         with open(self.path, "ab") as fh:
             fh.write(line + b"\n")
             fh.flush()
-            os.fsync(fh.fileno())  # the point of spilling is to survive the process
+            # What reached write() survives the process being killed (page cache); the fsync is for
+            # a crash of the node's kernel, and costs the exporter thread a disk flush per append.
+            os.fsync(fh.fileno())
         return True
 
-    def pending(self) -> Iterator[tuple[int, bytes]]:
+    def pending(self) -> Iterator[SpoolLine]:
         """Undelivered lines with the offset just past each, oldest first, read lazily: after a
         long outage the spool can hold up to max_bytes, and a delivery attempt that fails at the
         first line must not have read (or hold) the rest."""
@@ -61,7 +86,7 @@ class Spool:
             for raw in fh:
                 pos += len(raw)
                 if raw.endswith(b"\n") and raw.strip():  # a torn last line (crash mid-write) waits
-                    yield pos, raw.rstrip(b"\n")
+                    yield SpoolLine(pos, raw.rstrip(b"\n"))
 
     def mark_delivered(self, offset: int) -> None:
         self._offset = offset

@@ -1,0 +1,242 @@
+"""The hand-off from the training thread to delivery, after OpenTelemetry's BatchProcessor.
+
+`emit()` is O(1), never blocks and never raises: it appends a record dict (or a step sample that
+expands into records later) to a bounded deque; when full, the oldest item is dropped and counted.
+A named daemon thread wakes every `send_interval_s`, cuts the queue into batches with consecutive
+`seq` numbers, encodes them and hands them to a `Delivery` (the network and the spool,
+agent/_delivery.py), whose errors it catches per pass. `flush()` and `shutdown()` run the same
+pass synchronously; `shutdown()` is idempotent and bounded. A forked child (a DataLoader worker)
+stops exporting: the records are the parent's to send.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from trainvitals.agent._config import AgentConfig
+from trainvitals.agent._guard import ErrorBudget
+from trainvitals.wire import batch_header
+
+
+def _dumps(obj: Any) -> str:
+    """Compact JSON, the wire format's spelling (NaN allowed as in json.dumps' default)."""
+    return json.dumps(obj, separators=(",", ":"))
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedBatch:
+    """One wire-format `Batch` as the JSON line that is sent (and spooled), without a newline."""
+
+    seq: int
+    body: bytes
+    records: int
+
+
+@dataclass(slots=True)
+class DeliveryReport:
+    """What one delivery pass did; the processor adds it up into `ExporterStats`."""
+
+    delivered_batches: int = 0
+    delivered_records: int = 0
+    """Records of this process that the collector acknowledged (a leftover spool's are not)."""
+    failed_attempts: int = 0
+    rejected_batches: int = 0
+    """Messages the collector refused for good (400, 413, 422): set aside, not retried."""
+    spool_dropped_batches: int = 0
+    """Batches that found the spool full (spill_max_bytes)."""
+
+
+@dataclass(slots=True)
+class ExporterStats(DeliveryReport):
+    """Counters a user (or a test) can read from `agent.stats()`."""
+
+    emitted_records: int = 0
+    dropped_records: int = 0
+    """Queue items dropped because the queue was full (oldest first)."""
+
+    def add(self, report: DeliveryReport) -> None:
+        for f in dataclasses.fields(DeliveryReport):
+            setattr(self, f.name, getattr(self, f.name) + getattr(report, f.name))
+
+
+class Delivery(Protocol):
+    """Where encoded batches go: the processor's only view of the network and the disk."""
+
+    def deliver(
+        self,
+        batches: Sequence[EncodedBatch],
+        *,
+        deadline: float,
+        ignore_backoff: bool = False,
+        write_ahead: bool = False,
+    ) -> DeliveryReport:
+        """Take `batches` (consecutive seq, oldest first): deliver them, or keep them for a later
+        pass, and retry what earlier passes kept. Returns by `deadline` (time.monotonic()).
+        write_ahead: keep every batch on disk before sending any (the process is about to end)."""
+        ...
+
+    def undelivered(self) -> bool:
+        """Whether anything handed over is still waiting for the collector."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class BatchProcessor:
+    """Bounded queue -> batches -> delivery, in a background thread.
+
+    Usage::
+
+        proc = BatchProcessor(config=cfg, run="r1", rank=0, incarnation=inc, delivery=delivery)
+        proc.start()
+        proc.emit(step_record(step=1, ts=time.time(), step_seconds=0.4))
+        proc.shutdown()          # idempotent; waits at most cfg.flush_timeout_s
+    """
+
+    def __init__(
+        self,
+        *,
+        config: AgentConfig,
+        run: str,
+        rank: int,
+        incarnation: int,
+        delivery: Delivery,
+        errors: ErrorBudget | None = None,
+    ) -> None:
+        self._cfg = config
+        self._run = run
+        self._rank = rank
+        self._incarnation = incarnation
+        self._delivery = delivery
+        self._errors = errors or ErrorBudget(config.log_every_s)
+        # Items are record dicts, or objects whose records() expands them off the training thread.
+        self._queue: deque[Any] = deque()
+        self._seq = 0
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # serialises passes between the worker, flush and shutdown
+        self._closed = False
+        self._in_forked_child = False
+        self.stats = ExporterStats()
+        ref = weakref.ref(self)
+
+        def after_fork_in_child() -> None:
+            processor = ref()
+            if processor is not None:
+                processor._after_fork()
+
+        os.register_at_fork(after_in_child=after_fork_in_child)
+
+    # ------------------------------------------------------------------ training-thread side
+
+    def emit(self, item: Any) -> None:
+        """O(1), never blocks: a full queue drops its oldest item and counts it."""
+        if self._closed or self._in_forked_child:
+            return
+        if len(self._queue) >= self._cfg.queue_max_records:
+            self._queue.popleft()
+            self.stats.dropped_records += 1
+        self._queue.append(item)
+        self.stats.emitted_records += 1
+
+    def start(self) -> None:
+        if self._thread is not None or self._closed:
+            return
+        self._thread = threading.Thread(target=self._worker, name="trainvitals-exporter", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Deliver what is queued within the timeout; what is left stays spooled. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        timeout = self._cfg.flush_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            # No worker (or it finished): one last synchronous pass within what is left.
+            self.run_once(deadline=deadline, ignore_backoff=True, write_ahead=True)
+            self._delivery.close()
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Deliver everything queued now; True when nothing is left undelivered afterwards."""
+        self.run_once(deadline=time.monotonic() + timeout, ignore_backoff=True)
+        return not self._queue and not self._delivery.undelivered()
+
+    # ------------------------------------------------------------------ background side
+
+    def _worker(self) -> None:
+        while not self._stopping.is_set():
+            self._wake.wait(self._cfg.send_interval_s)
+            self._wake.clear()
+            if self._stopping.is_set():
+                break
+            self.run_once(deadline=time.monotonic() + self._cfg.send_interval_s + self._cfg.http_timeout_s)
+        # The last pass: the process is ending, so everything goes to disk before the collector is
+        # tried, and a hung request or the interpreter's exit cannot lose it.
+        self.run_once(deadline=time.monotonic() + self._cfg.flush_timeout_s, ignore_backoff=True, write_ahead=True)
+
+    def run_once(self, *, deadline: float, ignore_backoff: bool = False, write_ahead: bool = False) -> None:
+        """One pass: queue -> batches -> delivery, until done, failing or out of time.
+
+        The thread body; tests call it synchronously.
+        """
+        with self._lock:
+            try:
+                report = self._delivery.deliver(
+                    self._cut_batches(), deadline=deadline, ignore_backoff=ignore_backoff, write_ahead=write_ahead
+                )
+                self.stats.add(report)
+            except Exception as exc:  # noqa: BLE001 - the exporter must outlive any bug
+                self._errors.record("exporter", exc)
+
+    def _cut_batches(self) -> list[EncodedBatch]:
+        batches: list[EncodedBatch] = []
+        while self._queue:
+            n = min(len(self._queue), self._cfg.max_batch_records)
+            # Encoded one queue item (one step's records) at a time and joined: the same bytes as
+            # json.dumps of the whole batch, but the C encoder holds the GIL for one step's worth
+            # of records per call instead of a whole send interval's, so the training thread never
+            # waits long for the GIL while a batch is being encoded.
+            parts: list[str] = []
+            count = 0
+            for _ in range(n):
+                records = self._expand(self._queue.popleft())
+                if records:
+                    parts.append(_dumps(records)[1:-1])
+                    count += len(records)
+            header = batch_header(
+                run=self._run, rank=self._rank, incarnation=self._incarnation, seq=self._seq, sent_at=time.time()
+            )
+            body = (_dumps(header)[:-1] + ',"records":[' + ",".join(parts) + "]}").encode()
+            batches.append(EncodedBatch(self._seq, body, count))
+            self._seq += 1
+        return batches
+
+    def _expand(self, item: Any) -> list[Any]:
+        if isinstance(item, dict):
+            return [item]
+        try:
+            records: list[Any] = item.records()
+            return records
+        except Exception as exc:  # noqa: BLE001 - one bad step sample must not cost the batch
+            self._errors.record("exporter", exc)
+            return []
+
+    def _after_fork(self) -> None:
+        # DataLoader workers are forked from the training process: they must not export.
+        self._in_forked_child = True
+        self._queue = deque()

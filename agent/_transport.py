@@ -1,0 +1,68 @@
+"""How a message reaches the collector: one POST, HTTP/1.1 keep-alive, standard library only."""
+
+from __future__ import annotations
+
+import http.client
+import urllib.parse
+from typing import Protocol
+
+
+class Transport(Protocol):
+    """What the delivery needs from the network; tests and custom setups pass their own."""
+
+    def post(self, path: str, body: bytes, timeout: float) -> int:
+        """POST JSON; return the HTTP status, raise OSError when the collector is unreachable."""
+        ...
+
+
+class HttpTransport:
+    """Keep-alive HTTP/1.1 to one collector (the agent imports torch and pydantic only).
+
+    Usage::
+
+        transport = HttpTransport("http://collector:8000", token="tv_...")
+        status = transport.post("/v1/batches", body, timeout=5.0)
+        transport.close()
+    """
+
+    def __init__(self, base_url: str, token: str | None = None) -> None:
+        parsed = urllib.parse.urlsplit(base_url)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(f"collector URL must be http(s)://host[:port], got {base_url!r}")
+        self._https = parsed.scheme == "https"
+        self._host = parsed.hostname
+        self._port = parsed.port or (443 if self._https else 80)
+        self._prefix = parsed.path.rstrip("/")
+        self._headers = {"Content-Type": "application/json"}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self._conn: http.client.HTTPConnection | None = None
+
+    def post(self, path: str, body: bytes, timeout: float) -> int:
+        for attempt in (0, 1):  # one silent retry: a keep-alive connection may have been closed
+            conn = self._connection(timeout)
+            try:
+                conn.request("POST", self._prefix + path, body=body, headers=self._headers)
+                resp = conn.getresponse()
+                resp.read()
+                return resp.status
+            except (http.client.HTTPException, OSError):
+                self.close()
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _connection(self, timeout: float) -> http.client.HTTPConnection:
+        if self._conn is None:
+            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+            self._conn = cls(self._host, self._port, timeout=timeout)
+        else:
+            self._conn.timeout = timeout
+            if self._conn.sock is not None:
+                self._conn.sock.settimeout(timeout)
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
