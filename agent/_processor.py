@@ -47,7 +47,8 @@ class DeliveryReport:
 
     delivered_batches: int = 0
     delivered_records: int = 0
-    """Records of this process that the collector acknowledged (a leftover spool's are not)."""
+    """Wire records of this process the collector acknowledged: a step's gradient and FP8 records
+    count one each (a leftover spool's records were the earlier process's and do not count)."""
     failed_attempts: int = 0
     rejected_batches: int = 0
     """Messages the collector refused for good (400, 413, 422): set aside, not retried."""
@@ -60,6 +61,8 @@ class ExporterStats(DeliveryReport):
     """Counters a user (or a test) can read from `agent.stats()`."""
 
     emitted_records: int = 0
+    """Queue items: one per step (its gradient and FP8 records travel with it), event or
+    checkpoint record."""
     dropped_records: int = 0
     """Queue items dropped because the queue was full (oldest first)."""
 

@@ -1,5 +1,6 @@
 """attach(): two lines, harmless, hooks removed on close, records in wire format."""
 
+import inspect
 import subprocess
 import sys
 import time
@@ -129,3 +130,32 @@ def test_agent_imports_with_torch_and_pydantic_only() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_agent_and_its_noop_share_one_protocol(tmp_path: Path) -> None:
+    model, opt = _model()
+    agent = tv.attach(model, opt, run="r1", config=tv.AgentConfig(collector="", spill_dir=str(tmp_path)))
+    assert isinstance(agent, tv.Agent) and isinstance(agent, tv.TrainingAgent)
+    assert isinstance(tv.NoopAgent(), tv.TrainingAgent)
+    agent.close()
+
+    def params(fn: object) -> list[tuple[str, object, object]]:
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]  # type: ignore[arg-type]
+
+    for name, member in vars(tv.TrainingAgent).items():
+        if callable(member) and not name.startswith("_") or name in ("__enter__", "__exit__"):
+            assert params(getattr(tv.Agent, name)) == params(member) == params(getattr(tv.NoopAgent, name)), name
+
+
+def test_stats_count_the_records_that_got_through(collector, tmp_path: Path) -> None:
+    model, opt = _model()
+    config = tv.AgentConfig(
+        collector=collector.url, spill_dir=str(tmp_path), record_file=str(tmp_path / "rec.jsonl")
+    )
+    agent = tv.attach(model, opt, run="r1", config=config)
+    _train(agent, model, opt, 3)
+    assert agent.flush()
+    lines = (tmp_path / "rec.jsonl").read_bytes().splitlines()[1:]
+    sent = [r for line in lines for r in Batch.model_validate_json(line).records]
+    assert agent.stats()["delivered_records"] == len(sent) > agent.stats()["steps"]  # grad records count too
+    agent.close()

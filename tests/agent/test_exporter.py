@@ -15,6 +15,7 @@ from sqlalchemy import select
 from trainvitals.agent import AgentConfig
 from trainvitals.agent._delivery import spooling_exporter
 from trainvitals.agent._processor import BatchProcessor
+from trainvitals.agent._transport import HttpTransport
 from trainvitals.service.store import db
 from trainvitals.service.store.models import StepRow
 from trainvitals.wire import Batch, RunRegistration
@@ -183,3 +184,77 @@ def test_spool_is_read_lazily_and_resumes_where_delivery_stopped(tmp_path: Path)
     with open(spool.path, "ab") as fh:
         fh.write(b'{"n": 5')  # a crash mid-append leaves a torn line
     assert [line for _, line in spool.pending()] == [b'{"n": %d}' % i for i in range(1, 5)]
+
+
+def test_a_healthy_collector_is_sent_batches_from_memory_not_from_disk(collector, tmp_path: Path) -> None:
+    exp = _exporter(collector.url, tmp_path, max_batch_records=4)
+    for i in range(10):
+        exp.emit(_step(i))
+    exp.run_once(deadline=time.monotonic() + 10)
+    assert _stored_steps(collector.db_url) == list(range(10))
+    assert exp.stats.delivered_records == 10
+    assert not (tmp_path / "spool").exists()  # nothing was written to disk on the way
+    exp.shutdown()
+
+
+class _SpoolWatchingTransport(HttpTransport):
+    """The real HTTP transport, noting whether the spool file existed at each request."""
+
+    def __init__(self, url: str, spool: Path) -> None:
+        super().__init__(url)
+        self.spool = spool
+        self.spooled_at_request: list[bool] = []
+
+    def post(self, path: str, body: bytes, timeout: float) -> int:
+        self.spooled_at_request.append(self.spool.exists())
+        return super().post(path, body, timeout)
+
+
+def test_the_last_pass_writes_every_batch_to_disk_before_sending(collector, tmp_path: Path) -> None:
+    spool = tmp_path / "spool" / "r1.rank0.jsonl"
+    transport = _SpoolWatchingTransport(collector.url, spool)
+    exp = spooling_exporter(
+        config=AgentConfig(collector=collector.url, spill_dir=str(tmp_path / "spool")),
+        run="r1",
+        rank=0,
+        incarnation=1,
+        registration=REG,
+        transport=transport,
+    )
+    exp.emit(_step(0))
+    exp.shutdown()  # no worker started: shutdown runs the last pass itself
+    assert transport.spooled_at_request and all(transport.spooled_at_request)
+    assert _stored_steps(collector.db_url) == [0]
+    assert not spool.exists()  # delivered, so removed again
+
+
+def test_a_spooled_lines_kind_comes_from_its_place_in_the_file(collector, tmp_path: Path) -> None:
+    # A registration whose bytes contain '"records":' is still a registration: the spool's first
+    # line. (Telling the kinds apart by looking for that text sent it to /v1/batches: a 422.)
+    reg = RunRegistration(run="r1", tags={"records": "kept"}).model_dump(mode="json")
+    collector.stop()
+    first = spooling_exporter(
+        config=AgentConfig(collector=collector.url, spill_dir=str(tmp_path / "spool")),
+        run="r1",
+        rank=0,
+        incarnation=1,
+        registration=reg,
+    )
+    for i in range(3):
+        first.emit(_step(i))
+    first.shutdown(timeout=1.0)  # collector down: registration + batch stay spooled
+    collector.start()
+    second = spooling_exporter(
+        config=AgentConfig(collector=collector.url, spill_dir=str(tmp_path / "spool")),
+        run="r1",
+        rank=0,
+        incarnation=2,
+        registration=reg,
+    )
+    second.emit(_step(3))
+    second.run_once(deadline=time.monotonic() + 10)
+    assert _stored_steps(collector.db_url) == [0, 1, 2, 3]
+    assert second.stats.rejected_batches == 0 and second.stats.delivered_batches == 2
+    # The leftover batch was the first process's: only this process's record counts as its own.
+    assert second.stats.delivered_records == 1
+    second.shutdown()
