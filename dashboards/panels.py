@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any, Literal, Self
+from typing import Any, Literal
 
 from grafana_foundation_sdk.builders import common as common_b
 from grafana_foundation_sdk.builders import dashboard as dash_b
@@ -198,10 +198,6 @@ class Sql(cog_builder.Builder[cog_variants.Dataquery]):
 
     def build(self) -> cog_variants.Dataquery:
         return self._query
-
-    def ref_id(self, ref: str) -> Self:
-        self._query.ref = ref
-        return self
 
 
 # -- field config pieces -----------------------------------------------------------------------
