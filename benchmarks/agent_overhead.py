@@ -174,6 +174,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(everything spills to disk); off: collector='' (spool only, nothing sent)",
     )
     p.add_argument("--long-steps", type=int, default=1500, help="steps of the memory run (0: skip)")
+    p.add_argument(
+        "--spool-batches",
+        type=int,
+        default=0,
+        help="batches per design in the spool study (0: skip): every batch written ahead to the spool "
+        "(with fsync) against batches sent from memory, the spool used only when delivery fails",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--fp8",
@@ -252,6 +259,7 @@ _CLIP_SECONDS = [0.0]  # time spent clipping (torch's, or the agent's which incl
 # processes as agent time, CPU time does not (on a shared machine the two part).
 _AGENT_CPU = [0.0]
 _CLIP_CPU = [0.0]
+_STEP_SECONDS = [0.0]  # one training step without the agent, measured before the rounds
 
 
 def instrument_agent() -> None:
@@ -289,8 +297,8 @@ def instrument_agent() -> None:
             _AGENT_SECONDS[0] += time.perf_counter() - t0
             _AGENT_CPU[0] += time.thread_time() - c0
 
-    _fp8_monitor.Fp8Monitor._guard = timed_guard  # type: ignore[method-assign]
-    _agent.Agent._before_optimizer_step = timed_before  # type: ignore[method-assign]
+    _fp8_monitor.Fp8Monitor._guard = timed_guard
+    _agent.Agent._before_optimizer_step = timed_before
 
 
 def detach(job: Job) -> None:
@@ -557,14 +565,117 @@ def memory_run(job: Job, args: argparse.Namespace, url: str, spill: str) -> list
             f"{step * 1e3:.1f} ms step (runs beside training; it competes only for the GIL)"
         )
     lines.append(
-        f"exporter: {stats['emitted_records']} records emitted, {stats['delivered_batches']} batches "
-        f"delivered, {stats['dropped_records']} dropped, {stats['errors']} agent errors"
+        f"exporter: {stats['emitted_records']} queue items emitted, {stats['delivered_batches']} batches "
+        f"({stats['delivered_records']} records) delivered, {stats['dropped_records']} dropped, "
+        f"{stats['errors']} agent errors"
     )
     lines.append(
         f"tracemalloc peak of Python allocations over 30 steps: without agent {peak_without / 1024:.0f} KiB,"
         f" with agent {peak_with / 1024:.0f} KiB"
     )
     lines.append(f"Python blocks allocated by agent code per step, alive until shipped: {retained:.1f}")
+    return lines
+
+
+@dataclass(slots=True)
+class SpoolIo:
+    """What the spool study counts through its wrappers (fsync, Spool.append, the HTTP post)."""
+
+    fsyncs: int = 0
+    fsync_seconds: float = 0.0
+    bytes_to_disk: int = 0
+    request_seconds: float = 0.0
+
+    def minus(self, earlier: SpoolIo) -> SpoolIo:
+        return SpoolIo(
+            self.fsyncs - earlier.fsyncs,
+            self.fsync_seconds - earlier.fsync_seconds,
+            self.bytes_to_disk - earlier.bytes_to_disk,
+            self.request_seconds - earlier.request_seconds,
+        )
+
+
+def spool_study(job: Job, args: argparse.Namespace, url: str, spill: str) -> list[str]:
+    """Exporter cost per batch in the two spool designs, on the same agent, batches alternating.
+
+    write-ahead: every batch appended to the spool file and fsynced, then sent from the file and
+    the file removed once acknowledged (the agent's design before this study, and what its last
+    pass at exit still does). on-failure: the batch is sent from memory; the spool is written only
+    when delivery fails (the default). Each batch holds one send interval of the default agent's
+    records (steps, gradient groups, the sampled FP8 records); its pass runs synchronously on this
+    thread, so thread CPU time is the exporter's own work. Also counted: fsync calls and time, bytes
+    written to the spool, and the time the batch spent in its HTTP request (the window in which a
+    killed process loses a batch that is not on disk).
+    """
+    from trainvitals.agent import _spool
+
+    attach(job, {}, url, spill, 3600.0)  # the worker sleeps; passes are run here, one per batch
+    exporter = job.agent._exporter
+    transport = exporter._delivery._transport
+    steps_per_batch = max(1, round(args.send_interval / _STEP_SECONDS[0]))
+    io = SpoolIo()
+    real_fsync, real_append, real_post = os.fsync, _spool.Spool.append, transport.post
+
+    def fsync(fd: Any) -> None:
+        t0 = time.perf_counter()
+        real_fsync(fd)
+        io.fsyncs += 1
+        io.fsync_seconds += time.perf_counter() - t0
+
+    def append(self: Any, line: bytes) -> bool:
+        ok = real_append(self, line)
+        io.bytes_to_disk += len(line) + 1 if ok else 0
+        return ok
+
+    def post(path: str, body: bytes, timeout: float) -> int:
+        t0 = time.perf_counter()
+        try:
+            return real_post(path, body, timeout)
+        finally:
+            io.request_seconds += time.perf_counter() - t0
+
+    os.fsync, _spool.Spool.append, transport.post = fsync, append, post
+    passes: dict[str, list[tuple[float, float, SpoolIo]]] = {"write-ahead": [], "on-failure": []}
+    try:
+        for _ in range(3):  # connection, registration: not part of the steady state
+            train_step(job)
+        exporter.run_once(deadline=time.monotonic() + 30)
+        for i in range(2 * args.spool_batches):
+            design = "write-ahead" if i % 2 == 0 else "on-failure"
+            for _ in range(steps_per_batch):
+                train_step(job)
+            before = SpoolIo(io.fsyncs, io.fsync_seconds, io.bytes_to_disk, io.request_seconds)
+            c0, t0 = time.thread_time(), time.perf_counter()
+            exporter.run_once(deadline=time.monotonic() + 30, write_ahead=design == "write-ahead")
+            cpu, wall = time.thread_time() - c0, time.perf_counter() - t0
+            passes[design].append((cpu, wall, io.minus(before)))
+    finally:
+        os.fsync, _spool.Spool.append, transport.post = real_fsync, real_append, real_post
+    stats = job.agent.stats()
+    detach(job)
+    lines = [
+        f"spool study: {args.spool_batches} batches per design, alternating, {steps_per_batch} steps per batch "
+        f"(one {args.send_interval:g} s send interval of {_STEP_SECONDS[0] * 1e3:.0f} ms steps), spool in {spill}",
+        "| design | exporter CPU per batch | pass wall time | fsync per batch | bytes to disk per batch | in request |",
+        "|---|---|---|---|---|---|",
+    ]
+
+    def ms(values: list[float]) -> str:
+        return f"{statistics.fmean(values) * 1e3:.2f} ms (median {statistics.median(values) * 1e3:.2f})"
+
+    for design, rows in passes.items():
+        ios = [r[2] for r in rows]
+        fsync_s = [x.fsync_seconds for x in ios]
+        lines.append(
+            f"| {design} | {ms([r[0] for r in rows])} | {ms([r[1] for r in rows])} |"
+            f" {statistics.fmean(x.fsyncs for x in ios):.1f} calls, {ms(fsync_s)}, max {max(fsync_s) * 1e3:.2f} ms |"
+            f" {statistics.fmean(x.bytes_to_disk for x in ios) / 1024:.1f} KiB |"
+            f" {ms([x.request_seconds for x in ios])} |"
+        )
+    lines.append(
+        f"  {stats['delivered_batches']} batches, {stats['delivered_records']} records delivered, "
+        f"{stats['failed_attempts']} failed attempts, {stats['errors']} agent errors"
+    )
     return lines
 
 
@@ -580,26 +691,27 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tv-bench-") as spill, collector_url(args.collector) as url:
         for _ in range(args.warmup):
             train_step(job)
+        t0 = time.perf_counter()
+        for _ in range(5):
+            train_step(job)
+        _STEP_SECONDS[0] = (time.perf_counter() - t0) / 5
         if args.block_steps <= 0:
-            t0 = time.perf_counter()
-            for _ in range(5):
-                train_step(job)
-            step_s = (time.perf_counter() - t0) / 5
-            args.block_steps = max(10, math.ceil(2 * args.send_interval / step_s))
+            args.block_steps = max(10, math.ceil(2 * args.send_interval / _STEP_SECONDS[0]))
         print(
             f"model d={args.d} layers={args.layers} heads={args.heads} seq={args.seq} batch={args.batch}; "
             f"{args.rounds} rounds x {args.block_steps} timed steps per block; collector: {args.collector}; "
             f"torch {torch.__version__}, {torch.get_num_threads()} thread",
             flush=True,
         )
-        results = paired_rounds(job, args, url, spill)
-        table = report_pairs(results, rng)
+        table = report_pairs(paired_rounds(job, args, url, spill), rng) if args.rounds > 0 else []
         memory = memory_run(job, args, url, spill) if args.long_steps > 0 else []
+        spool = spool_study(job, args, url, spill) if args.spool_batches > 0 else []
     print()
     print(f"command: {command}")
-    print("\n".join(table))
-    print()
-    print("\n".join(memory))
+    for section in (table, memory, spool):
+        if section:
+            print("\n".join(section))
+            print()
     return 0
 
 
