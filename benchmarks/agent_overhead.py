@@ -45,6 +45,13 @@ length (every periodic FP8 tier counted), in wall time and in the training threa
 (which leaves out preemption by other processes: on a shared machine the wall figure can double),
 and the entry points' cost per step by kind: ordinary, shadow-sampled (every fp8_every_steps)
 and expensive-tier steps.
+
+The spool study (`--spool-batches N`, off by default) compares the exporter's two ways of using
+its on-disk spool on the same agent, batch by batch: every batch written ahead (appended, fsynced,
+sent from the file, the file removed) against batches sent from memory with the spool written only
+when delivery fails (the agent's default). It reports the exporter's CPU and wall time per batch,
+fsync calls and time, bytes written to disk, and the time each batch spends in its HTTP request
+(docs/agent.md, "Delivery and the spool").
 """
 
 from __future__ import annotations
@@ -75,7 +82,7 @@ import trainvitals.agent as tv
 from trainvitals.examples.train_gpt import GPT, flops_per_token, model_dims, synthetic_batch
 
 # A collector stand-in that acknowledges everything: the agent runs its real delivery path
-# (JSON, HTTP keep-alive, spool truncation) without a database competing for the CPU.
+# (JSON, HTTP keep-alive) without a database competing for the CPU.
 _SINK = r"""
 import http.server
 class Sink(http.server.BaseHTTPRequestHandler):
@@ -171,7 +178,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("sink", "unreachable", "off"),
         default="sink",
         help="sink: a local process acknowledging every request; unreachable: a closed port "
-        "(everything spills to disk); off: collector='' (spool only, nothing sent)",
+        "(everything goes to the spool); off: collector='' (spool only, nothing sent)",
     )
     p.add_argument("--long-steps", type=int, default=1500, help="steps of the memory run (0: skip)")
     p.add_argument(
