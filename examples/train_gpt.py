@@ -95,7 +95,7 @@ def synthetic_batch(gen: torch.Generator, args: argparse.Namespace) -> tuple[tor
     return seq[:, :-1], seq[:, 1:]
 
 
-def save_generation(agent: tv.Agent | tv.NoopAgent, ckpt_dir: Path, step: int, model: nn.Module,
+def save_generation(agent: tv.TrainingAgent, ckpt_dir: Path, step: int, model: nn.Module,
                     optimizer: torch.optim.Optimizer, keep: int = 3) -> None:
     """One generation per save (recorded by the agent: stall, size, checksum), a `latest` pointer
     written after the file is complete, and the oldest generations pruned beyond `keep`."""
