@@ -238,9 +238,16 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _dashboards(args: argparse.Namespace) -> int:
     # The SDK is the optional `dashboards` extra: imported here, not at the top of the CLI.
+    from trainvitals.dashboards.alert_rules import Config
     from trainvitals.dashboards.generate import write
 
-    for path in write(args.directory):
+    urls = {"grafana_url": args.grafana_url, "runbook_base_url": args.runbook_base_url}
+    try:
+        config = Config(**{k: v for k, v in urls.items() if v is not None})
+    except ValueError as e:
+        print(f"trainvitals: {e}", file=sys.stderr)
+        return 2
+    for path in write(args.directory, config=config):
         print(path)
     return 0
 
@@ -375,8 +382,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     dash = sub.add_parser("dashboards", help="Grafana dashboards as code (needs the `dashboards` extra)")
     dsub = dash.add_subparsers(dest="dashboards_command", required=True)
-    dwrite = dsub.add_parser("write", help="write each dashboard's JSON as DIR/<uid>.json")
-    dwrite.add_argument("directory", nargs="?", default="dashboards/generated", metavar="DIR")
+    dwrite = dsub.add_parser(
+        "write",
+        help="write each dashboard's JSON as DIR/<uid>.json and the alert rules as DIR/trainvitals-alerts.yml "
+        "(without DIR: the repository's dashboards/generated/ and dashboards/alerts/)",
+    )
+    dwrite.add_argument("directory", nargs="?", default=None, metavar="DIR")
+    dwrite.add_argument(
+        "--grafana-url", help="Grafana root URL for the alerts' dashboard_url (default: a placeholder to replace)"
+    )
+    dwrite.add_argument(
+        "--runbook-base-url",
+        help="URL of the rendered docs/runbooks.md for the alerts' runbook_url (default: a placeholder to replace)",
+    )
     dash.set_defaults(func=_dashboards)
 
     from trainvitals.service.advisors.cli import add_advise_parser, add_plan_parser
