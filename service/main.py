@@ -66,7 +66,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(runs.router)
     app.include_router(advisors.router)
     app.include_router(health.router)
-    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.exception_handler(RequestValidationError)(_validation_error)
 
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     return app

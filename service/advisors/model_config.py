@@ -24,8 +24,8 @@ from trainvitals.service.advisors.hardware import GpuSpec, gpu_spec
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
-# Registration payloads written by other tools use other names for the same fields.
-_MODEL_ALIASES = {
+# Registration payloads written by other tools use other names for the same fields (alias: key).
+MODEL_ALIASES = {
     "num_layers": "layers",
     "n_layers": "layers",
     "hidden_size": "hidden",
@@ -41,14 +41,27 @@ _MODEL_ALIASES = {
     "num_experts": "experts",
     "top_k": "active_experts",
 }
-_PAR_ALIASES = {
+PARALLELISM_ALIASES = {
     "world_size": "gpus",
     "zero_stage": "zero",
     "micro_batch_size": "micro_batch",
     "global_batch_size": "global_batch",
     "virtual_stages": "vpp",
 }
-_HW_ALIASES = {"gpu_type": "gpu", "count": "gpus", "peak_tflops_per_gpu": "peak_tflops"}
+HARDWARE_ALIASES = {"gpu_type": "gpu", "count": "gpus", "peak_tflops_per_gpu": "peak_tflops"}
+
+# The keys each section takes (after aliases); anything else is an error in strict parsing.
+MODEL_KEYS = frozenset({
+    "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "gated_mlp", "vocab", "seq_len", "params", "experts",
+    "active_experts", "tied_embeddings",
+})
+PARALLELISM_KEYS = frozenset({
+    "gpus", "tp", "pp", "dp", "cp", "ep", "vpp", "zero", "micro_batch", "global_batch", "recompute",
+})
+HARDWARE_KEYS = frozenset({
+    "gpu", "gpus", "gpus_per_node", "peak_tflops", "peak_fp8_tflops", "hbm_gib", "intra_node_gbps",
+    "inter_node_gbps", "precision", "usable_hbm_fraction", "peak_flops",
+})
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -233,7 +246,7 @@ class PlanInput:
 
 
 def _section(
-    data: Mapping[str, Any], name: str, aliases: Mapping[str, str], known: set[str], strict: bool
+    data: Mapping[str, Any], name: str, aliases: Mapping[str, str], known: frozenset[str], strict: bool
 ) -> dict[str, Any]:
     raw = data.get(name)
     if not isinstance(raw, Mapping):
@@ -291,21 +304,7 @@ def default_ffn_hidden(hidden: int, gated: bool) -> int:
 
 
 def parse_model(data: Mapping[str, Any], *, strict: bool = True) -> ModelConfig:
-    known = {
-        "layers",
-        "hidden",
-        "heads",
-        "kv_heads",
-        "ffn_hidden",
-        "gated_mlp",
-        "vocab",
-        "seq_len",
-        "params",
-        "experts",
-        "active_experts",
-        "tied_embeddings",
-    }
-    sec = _section(data, "model", _MODEL_ALIASES, known, strict)
+    sec = _section(data, "model", MODEL_ALIASES, MODEL_KEYS, strict)
     heads = _int(sec, "model", "heads")
     gated = _bool(sec, "model", "gated_mlp", True)
     hidden = _int(sec, "model", "hidden")
@@ -327,20 +326,7 @@ def parse_model(data: Mapping[str, Any], *, strict: bool = True) -> ModelConfig:
 
 
 def parse_hardware(data: Mapping[str, Any], *, strict: bool = True) -> HardwareConfig:
-    known = {
-        "gpu",
-        "gpus",
-        "gpus_per_node",
-        "peak_tflops",
-        "peak_fp8_tflops",
-        "hbm_gib",
-        "intra_node_gbps",
-        "inter_node_gbps",
-        "precision",
-        "usable_hbm_fraction",
-        "peak_flops",
-    }
-    sec = _section(data, "hardware", _HW_ALIASES, known, strict)
+    sec = _section(data, "hardware", HARDWARE_ALIASES, HARDWARE_KEYS, strict)
     peak_bf16 = _float(sec, "hardware", "peak_tflops")
     peak_fp8 = _float(sec, "hardware", "peak_fp8_tflops")
     hbm = _float(sec, "hardware", "hbm_gib")
@@ -402,8 +388,7 @@ def _zero(sec: dict[str, Any]) -> int:
 def parse_parallelism(
     data: Mapping[str, Any], model: ModelConfig, *, strict: bool = True, gpus_fallback: int | None = None
 ) -> ParallelismConfig:
-    known = {"gpus", "tp", "pp", "dp", "cp", "ep", "vpp", "zero", "micro_batch", "global_batch", "recompute"}
-    sec = _section(data, "parallelism", _PAR_ALIASES, known, strict)
+    sec = _section(data, "parallelism", PARALLELISM_ALIASES, PARALLELISM_KEYS, strict)
     p = "parallelism"
     gpus = _int(sec, p, "gpus", gpus_fallback)
     tp, pp, cp = _int(sec, p, "tp", 1), _int(sec, p, "pp", 1), _int(sec, p, "cp", 1)

@@ -10,6 +10,8 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from trainvitals.service.auth import ANONYMOUS, Principal
+from trainvitals.service.store import queries
+from trainvitals.service.store.models import Run
 
 
 def _session(request: Request) -> Iterator[Session]:
@@ -58,11 +60,35 @@ SessionDep = Annotated[Session, Depends(_session)]
 PrincipalDep = Annotated[Principal, Depends(authenticate)]
 
 
-def readable_run(session: Session, principal: Principal, run_id: str) -> None:
-    """404 for an unknown run, 403 unless the principal may read its project."""
-    from trainvitals.service.store.queries import get_run
-
-    run = get_run(session, run_id=run_id)
+def _authorized_run(session: Session, principal: Principal, run_id: str, scope: str) -> Run:
+    run = queries.get_run(session, run_id=run_id)
     if run is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
-    require(principal, "read", run.project)
+    require(principal, scope, run.project)
+    return run
+
+
+def readable_run(run_id: str, session: SessionDep, principal: PrincipalDep) -> Run:
+    """The path's run: 404 when unknown, 403 unless the caller may read its project."""
+    return _authorized_run(session, principal, run_id, "read")
+
+
+def writable_run(run_id: str, session: SessionDep, principal: PrincipalDep) -> Run:
+    """The path's run: 404 when unknown, 403 unless the caller may write (ingest) its project."""
+    return _authorized_run(session, principal, run_id, "ingest")
+
+
+def readable_project(principal: PrincipalDep, project: str | None = None) -> str | None:
+    """The project whose runs a caller sees: its token's (403 when `project` names another one),
+    or `project` (None: every project) when auth is off."""
+    if principal.project is None:
+        return project
+    require(principal, "read", project or principal.project)
+    return principal.project
+
+
+# A route that takes one of these gets the run (or project) already authorised; the session is
+# the request's one (FastAPI caches a dependency per request), so the run is not loaded twice.
+ReadableRun = Annotated[Run, Depends(readable_run)]
+WritableRun = Annotated[Run, Depends(writable_run)]
+ReadableProject = Annotated[str | None, Depends(readable_project)]

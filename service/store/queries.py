@@ -465,3 +465,8 @@ def ingest_counts(session: Session, *, project: str | None = None) -> list[Inges
     if project is not None:
         q = q.join(Run, Run.run_id == IngestCount.run_id).where(Run.project == project)
     return [IngestCountRow(r[0], r[1], int(r[2] or 0), int(r[3] or 0)) for r in session.execute(q)]
+
+
+def ping(session: Session) -> None:
+    """One round trip to the database (the liveness probe); raises when it does not answer."""
+    session.execute(select(1))

@@ -1,21 +1,28 @@
 """Advisor routes: cost model (plan / recommend), checkpoint cadence (from inputs or from a run's
-observed saves and failures). The advisors are pure functions; these routes only adapt."""
+observed saves and failures). The advisors are pure functions; these routes only adapt.
+
+A body of the wrong shape is refused by its request model (422 naming the field); a value the
+advisor refuses is a ValueError naming the key (422 with that message as detail)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
-
-from fastapi import APIRouter, Body, HTTPException
+from fastapi import APIRouter, HTTPException
 
 from trainvitals.service import advisors
 from trainvitals.service.advisors.recommend import recommend_from_config
 from trainvitals.service.analysis import expectations
-from trainvitals.service.api.deps import PrincipalDep, SessionDep, readable_run
-from trainvitals.service.store import queries
+from trainvitals.service.api.deps import ReadableRun, SessionDep
+from trainvitals.service.api.schemas import (
+    CadenceAdvicePublic,
+    CadenceRequest,
+    PlanPublic,
+    PlanRequest,
+    RecommendationPublic,
+    RecommendRequest,
+    RunCadenceAdvicePublic,
+)
 
 router = APIRouter(prefix="/v1", tags=["advisors"])
-
-JsonBody = Annotated[dict[str, Any], Body()]
 
 
 def _bad(exc: Exception) -> HTTPException:
@@ -23,39 +30,41 @@ def _bad(exc: Exception) -> HTTPException:
 
 
 @router.post("/plan", summary="Predicted memory, step time and MFU for a parallelism config")
-def plan(config: JsonBody) -> dict[str, Any]:
+def plan(body: PlanRequest) -> PlanPublic:
     try:
-        return advisors.plan(advisors.parse_plan_input(config)).as_dict()
+        result = advisors.plan(advisors.parse_plan_input(body.as_config()))
     except ValueError as exc:
         raise _bad(exc) from exc
+    return PlanPublic.model_validate(result.as_dict())
 
 
 @router.post("/plan/recommend", summary="Climb the parallelism ladder for a model and cluster")
-def recommend(config: JsonBody) -> dict[str, Any]:
+def recommend(body: RecommendRequest) -> RecommendationPublic:
     try:
-        return recommend_from_config(config).as_dict()
+        result = recommend_from_config(body.as_config())
     except ValueError as exc:
         raise _bad(exc) from exc
+    return RecommendationPublic.model_validate(result.as_dict())
 
 
 @router.post("/advise/checkpoints", summary="Checkpoint interval and retention from explicit inputs")
-def advise(inputs: JsonBody) -> dict[str, Any]:
+def advise(body: CadenceRequest) -> CadenceAdvicePublic:
     try:
-        return advisors.advise_cadence(advisors.CadenceInputs(**inputs)).as_dict()
-    except (TypeError, ValueError) as exc:
+        result = advisors.advise_cadence(body.as_inputs())
+    except ValueError as exc:  # the request model has checked the types; TierSpec/CadenceInputs the values
         raise _bad(exc) from exc
+    return CadenceAdvicePublic.model_validate(result.as_dict())
 
 
 @router.get("/runs/{run_id}/advice/checkpoints", summary="Cadence advice from the run's observed saves and failures")
-def advise_run(run_id: str, session: SessionDep, principal: PrincipalDep, mtbf_s: float | None = None,
-               restart_s: float = 600.0, detect_s: float = 60.0, sdc_latency_s: float | None = None) -> dict[str, Any]:
-    readable_run(session, principal, run_id)
-    run = queries.get_run(session, run_id=run_id)
-    assert run is not None
+def advise_run(run: ReadableRun, session: SessionDep, mtbf_s: float | None = None, restart_s: float = 600.0,
+               detect_s: float = 60.0, sdc_latency_s: float | None = None) -> RunCadenceAdvicePublic:
     try:
         result, saves, failures = expectations.run_checkpoint_advice(
-            session, run_id=run_id, registration=run.registration, mtbf_s=mtbf_s, restart_s=restart_s,
+            session, run_id=run.run_id, registration=run.registration, mtbf_s=mtbf_s, restart_s=restart_s,
             detect_s=detect_s, sdc_latency_s=sdc_latency_s)
     except ValueError as exc:
         raise _bad(exc) from exc
-    return {"run": run_id, "observed_saves": saves, "observed_failures": failures, **result.as_dict()}
+    return RunCadenceAdvicePublic.model_validate(
+        {"run": run.run_id, "observed_saves": saves, "observed_failures": failures, **result.as_dict()}
+    )

@@ -7,18 +7,19 @@ from collections.abc import Iterator
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import Metric
-from sqlalchemy import text
 
 from trainvitals.service.api.deps import PrincipalDep, SessionDep, require
+from trainvitals.service.api.schemas import HealthPublic
 from trainvitals.service.exposition import TrainvitalsCollector
+from trainvitals.service.store import queries
 
 router = APIRouter(tags=["ops"])
 
 
 @router.get("/healthz", summary="Liveness: the process serves and the database answers")
-def healthz(session: SessionDep) -> dict[str, str]:
-    session.execute(text("SELECT 1"))
-    return {"status": "ok"}
+def healthz(session: SessionDep) -> HealthPublic:
+    queries.ping(session)
+    return HealthPublic(status="ok")
 
 
 @router.get(

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from trainvitals.service.api.deps import PrincipalDep, SessionDep, authenticate, require
+from trainvitals.service.api.schemas import RunRegisteredPublic
 from trainvitals.service.ingest.batch_writer import WriterBusyError
 from trainvitals.service.ingest.decode import decode_batch
 from trainvitals.service.store import batches
@@ -91,7 +92,7 @@ _BATCH_BODY = {
 @router.post("/runs", status_code=status.HTTP_201_CREATED, summary="Register a run (idempotent)")
 def register_run(
     registration: RunRegistration, session: SessionDep, principal: PrincipalDep, response: Response
-) -> dict[str, object]:
+) -> RunRegisteredPublic:
     require(principal, "ingest", registration.project)
     try:
         created = batches.register_run(session, registration)
@@ -99,7 +100,7 @@ def register_run(
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
     if not created:
         response.status_code = status.HTTP_200_OK
-    return {"run": registration.run, "created": created}
+    return RunRegisteredPublic(run=registration.run, created=created)
 
 
 @router.post(

@@ -3,134 +3,172 @@ checkpoint generations, rollback target. JSON by default, `?format=csv` for CSV.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Literal
+from collections.abc import Iterable
+from typing import Any, Literal, TypeVar
 
 from fastapi import APIRouter, HTTPException, Query, Response, status
+from pydantic import BaseModel
 
-from trainvitals.service.api.deps import PrincipalDep, SessionDep, readable_run, require
+from trainvitals.service.api.deps import ReadableProject, ReadableRun, SessionDep, WritableRun
+from trainvitals.service.api.schemas import (
+    CheckpointGenerationPublic,
+    FindingPublic,
+    RollbackPublic,
+    RunOverviewPublic,
+    RunPublic,
+    StepTimeMatrixPublic,
+    TensorStepPublic,
+    WorstTensorPublic,
+)
 from trainvitals.service.csv_output import to_csv
 from trainvitals.service.store import queries
 
 router = APIRouter(prefix="/v1/runs", tags=["post-mortem"])
 
 Format = Literal["json", "csv"]
+Reply = TypeVar("Reply", bound=BaseModel | list[Any])
+Row = TypeVar("Row", bound=BaseModel)
+
+# Every route here can also answer text/csv: documented next to the JSON schema of its 200.
+_CSV: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/csv": {"schema": {"type": "string"}}}, "description": "JSON, or CSV with ?format=csv"}
+}
 
 
-def _reply(data: Any, fmt: Format) -> Any:
+def _rows(model: type[Row], rows: Iterable[Any]) -> list[Row]:
+    return [model.model_validate(row) for row in rows]
+
+
+def _reply(data: Reply, fmt: Format) -> Reply | Response:
+    """The model as JSON (FastAPI renders it), or as CSV: columns in the model's field order."""
     if fmt == "csv":
-        return Response(to_csv(data), media_type="text/csv")
+        plain = [row.model_dump() for row in data] if isinstance(data, list) else data.model_dump()
+        return Response(to_csv(plain), media_type="text/csv")
     return data
 
 
-@router.get("", summary="List runs (of the token's project)")
-def list_runs(
-    session: SessionDep, principal: PrincipalDep, project: str | None = None, format: Format = "json"
-) -> Any:
-    if principal.project is not None:
-        require(principal, "read", project or principal.project)
-        project = principal.project
+@router.get("", summary="List runs (of the token's project)", response_model=list[RunPublic], responses=_CSV)
+def list_runs(session: SessionDep, project: ReadableProject, format: Format = "json") -> list[RunPublic] | Response:
     runs = [
-        {
-            "run": r.run_id,
-            "project": r.project,
-            "status": r.status,
-            "world_size": r.world_size,
-            "created_at": r.created_at,
-            "last_seen_at": r.last_seen_at,
-        }
+        RunPublic(
+            run=r.run_id,
+            project=r.project,
+            status=r.status,
+            world_size=r.world_size,
+            created_at=r.created_at,
+            last_seen_at=r.last_seen_at,
+        )
         for r in queries.list_runs(session, project=project)
     ]
     return _reply(runs, format)
 
 
-@router.get("/{run_id}", summary="One run: overview of what was stored")
-def get_run(run_id: str, session: SessionDep, principal: PrincipalDep, format: Format = "json") -> Any:
-    readable_run(session, principal, run_id)
-    overview = queries.run_overview(session, run_id=run_id)
-    assert overview is not None
-    return _reply(dataclasses.asdict(overview), format)
+@router.get(
+    "/{run_id}", summary="One run: overview of what was stored", response_model=RunOverviewPublic, responses=_CSV
+)
+def get_run(run: ReadableRun, session: SessionDep, format: Format = "json") -> RunOverviewPublic | Response:
+    overview = queries.run_overview(session, run_id=run.run_id)
+    assert overview is not None  # the run exists: ReadableRun loaded it in this session
+    return _reply(RunOverviewPublic.model_validate(overview), format)
 
 
 @router.delete(
     "/{run_id}", status_code=status.HTTP_204_NO_CONTENT, summary="Delete a run and all its records"
 )
-def delete_run(run_id: str, session: SessionDep, principal: PrincipalDep) -> None:
-    run = queries.get_run(session, run_id=run_id)
-    if run is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
-    require(principal, "ingest", run.project)  # deleting is a write
-    queries.delete_run(session, run_id=run_id)
+def delete_run(run: WritableRun, session: SessionDep) -> None:  # deleting is a write: the ingest scope
+    queries.delete_run(session, run_id=run.run_id)
 
 
-@router.get("/{run_id}/tensors/worst", summary="Tensors with the least FP8 headroom in a step range")
+@router.get(
+    "/{run_id}/tensors/worst",
+    summary="Tensors with the least FP8 headroom in a step range",
+    response_model=list[WorstTensorPublic],
+    responses=_CSV,
+)
 def worst_tensors(
-    run_id: str,
+    run: ReadableRun,
     session: SessionDep,
-    principal: PrincipalDep,
     start: int | None = None,
     end: int | None = None,
     k: int = Query(10, ge=1, le=1000),
     format: Format = "json",
-) -> Any:
-    readable_run(session, principal, run_id)
-    return _reply(queries.worst_tensors(session, run_id=run_id, start=start, end=end, k=k), format)
+) -> list[WorstTensorPublic] | Response:
+    rows = queries.worst_tensors(session, run_id=run.run_id, start=start, end=end, k=k)
+    return _reply(_rows(WorstTensorPublic, rows), format)
 
 
-@router.get("/{run_id}/tensors/{tensor}/timeline", summary="A tensor's headroom / amax per step")
+@router.get(
+    "/{run_id}/tensors/{tensor}/timeline",
+    summary="A tensor's headroom / amax per step",
+    response_model=list[TensorStepPublic],
+    responses=_CSV,
+)
 def tensor_timeline(
-    run_id: str,
+    run: ReadableRun,
     tensor: str,
     session: SessionDep,
-    principal: PrincipalDep,
     role: Literal["input", "weight", "grad_output"] | None = None,
     start: int | None = None,
     end: int | None = None,
     format: Format = "json",
-) -> Any:
-    readable_run(session, principal, run_id)
-    rows = queries.tensor_timeline(session, run_id=run_id, tensor=tensor, role=role, start=start, end=end)
-    return _reply(rows, format)
+) -> list[TensorStepPublic] | Response:
+    rows = queries.tensor_timeline(session, run_id=run.run_id, tensor=tensor, role=role, start=start, end=end)
+    return _reply(_rows(TensorStepPublic, rows), format)
 
 
-@router.get("/{run_id}/ranks/step-times", summary="Per-rank step time matrix for a step range")
+@router.get(
+    "/{run_id}/ranks/step-times",
+    summary="Per-rank step time matrix for a step range",
+    response_model=StepTimeMatrixPublic,
+    responses=_CSV,
+)
 def step_times(
-    run_id: str,
+    run: ReadableRun,
     session: SessionDep,
-    principal: PrincipalDep,
     start: int = Query(ge=0),
     end: int = Query(ge=0),
     format: Format = "json",
-) -> Any:
-    readable_run(session, principal, run_id)
+) -> StepTimeMatrixPublic | Response:
     if end < start or end - start > 100_000:
-        raise HTTPException(
-            422, "need start <= end and at most 100000 steps"
-        )
-    return _reply(queries.step_time_matrix(session, run_id=run_id, start=start, end=end), format)
+        raise HTTPException(422, "need start <= end and at most 100000 steps")
+    matrix = queries.step_time_matrix(session, run_id=run.run_id, start=start, end=end)
+    return _reply(StepTimeMatrixPublic.model_validate(matrix), format)
 
 
-@router.get("/{run_id}/findings", summary="Detector findings with onset steps")
+@router.get(
+    "/{run_id}/findings",
+    summary="Detector findings with onset steps",
+    response_model=list[FindingPublic],
+    responses=_CSV,
+)
 def findings(
-    run_id: str, session: SessionDep, principal: PrincipalDep, active: bool = False, format: Format = "json"
-) -> Any:
-    readable_run(session, principal, run_id)
-    return _reply(queries.findings(session, run_id=run_id, active_only=active), format)
+    run: ReadableRun, session: SessionDep, active: bool = False, format: Format = "json"
+) -> list[FindingPublic] | Response:
+    rows = queries.findings(session, run_id=run.run_id, active_only=active)
+    return _reply(_rows(FindingPublic, rows), format)
 
 
-@router.get("/{run_id}/checkpoints", summary="Checkpoint generations with status across ranks")
-def checkpoints(run_id: str, session: SessionDep, principal: PrincipalDep, format: Format = "json") -> Any:
-    readable_run(session, principal, run_id)
-    return _reply(queries.checkpoint_generations(session, run_id=run_id), format)
+@router.get(
+    "/{run_id}/checkpoints",
+    summary="Checkpoint generations with status across ranks",
+    response_model=list[CheckpointGenerationPublic],
+    responses=_CSV,
+)
+def checkpoints(
+    run: ReadableRun, session: SessionDep, format: Format = "json"
+) -> list[CheckpointGenerationPublic] | Response:
+    rows = queries.checkpoint_generations(session, run_id=run.run_id)
+    return _reply(_rows(CheckpointGenerationPublic, rows), format)
 
 
-@router.get("/{run_id}/rollback", summary="Which checkpoint generation to roll back to")
+@router.get(
+    "/{run_id}/rollback",
+    summary="Which checkpoint generation to roll back to",
+    response_model=RollbackPublic,
+    responses=_CSV,
+)
 def rollback(
-    run_id: str,
-    session: SessionDep,
-    principal: PrincipalDep,
-    before_step: int | None = None,
-    format: Format = "json",
-) -> Any:
-    readable_run(session, principal, run_id)
-    return _reply(queries.rollback_target(session, run_id=run_id, before_step=before_step), format)
+    run: ReadableRun, session: SessionDep, before_step: int | None = None, format: Format = "json"
+) -> RollbackPublic | Response:
+    target = queries.rollback_target(session, run_id=run.run_id, before_step=before_step)
+    return _reply(RollbackPublic.model_validate(target), format)

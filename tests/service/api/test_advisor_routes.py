@@ -49,3 +49,20 @@ def test_run_advice_from_observed_saves_and_failures(client: TestClient) -> None
     text = client.get("/metrics").text
     assert 'trainvitals_checkpoint_recommended_interval_seconds{run="r"}' in text
     assert 'trainvitals_checkpoint_interval_band_seconds{bound="low",run="r"}' in text
+
+
+def test_typed_bodies_refuse_unknown_keys_and_take_tiers(client: TestClient) -> None:
+    assert client.post("/v1/plan", json={**PLAN, "extra": 1}).status_code == 422
+    assert client.post("/v1/advise/checkpoints", json={"stall_s": 60, "mtbf_s": 3600, "bogus": 1}).status_code == 422
+    assert client.post("/v1/advise/checkpoints", json={"stall_s": "60", "mtbf_s": 3600}).status_code == 422
+    # The recommender reads gpus (or world_size) and ignores the rest of a plan's layout.
+    rec = client.post("/v1/plan/recommend", json={**PLAN, "parallelism": {"world_size": 8, "tp": 4}}).json()
+    assert rec["config"]["gpus"] == 8
+    tiers = [{"name": "ram", "cost_s": 5, "survives": "node"}, {"name": "pfs", "cost_s": 120, "survives": "cluster"}]
+    advice = client.post("/v1/advise/checkpoints", json={"stall_s": 60, "mtbf_s": 14400, "tiers": tiers,
+                                                        "radius_mix": {"node": 0.9, "rack": 0.1}}).json()
+    assert [t["name"] for t in advice["tiers"]] == ["ram", "pfs"]
+    assert advice["tiers"][0]["interval_s"] < advice["tiers"][1]["interval_s"]
+    bad = client.post("/v1/advise/checkpoints", json={"stall_s": 60, "mtbf_s": 14400,
+                                                     "tiers": [{"name": "x", "cost_s": 1, "survives": "galaxy"}]})
+    assert bad.status_code == 422 and "survives" in bad.json()["detail"]

@@ -95,3 +95,20 @@ def test_metrics_and_openapi(client: TestClient) -> None:
     assert 'trainvitals_run_rank_step_seconds{run="r1",stat="p50"} 0.25' in text
     paths = client.get("/openapi.json").json()["paths"]
     assert {"/v1/runs", "/v1/batches", "/metrics", "/healthz"} <= set(paths)
+
+
+def test_csv_columns_follow_the_response_models(client: TestClient) -> None:
+    client.post("/v1/runs", json={"run": "r1"})
+    records = _batch(steps=range(3))["records"] + [
+        {"kind": "checkpoint", "step": 2, "generation": 1, "status": "persisted", "ts": 2.0, "bytes": 10**9}
+    ]
+    client.post("/v1/batches", json={**_batch(), "records": records})
+    header = client.get("/v1/runs", params={"format": "csv"}).text.splitlines()[0]
+    assert header == "run,project,status,world_size,created_at,last_seen_at"
+    assert client.get("/v1/runs/r1", params={"format": "csv"}).text.splitlines()[:2] == ["key,value", "run_id,r1"]
+    matrix = client.get("/v1/runs/r1/ranks/step-times", params={"start": 0, "end": 2, "format": "csv"})
+    assert matrix.headers["content-type"].startswith("text/csv")
+    assert matrix.text.splitlines() == ["step,rank0", "0,0.25", "1,0.25", "2,0.25"]
+    # A number on both backends (PostgreSQL's sum() of a bigint column is a NUMERIC).
+    assert client.get("/v1/runs/r1/checkpoints").json()[0]["bytes"] == 10**9
+    assert client.get("/v1/runs/r1/rollback").json()["target"]["bytes"] == 10**9

@@ -1,0 +1,523 @@
+"""The collector's HTTP contract: response models (`XPublic`) of the read and advisor routes, and
+the advisor routes' request bodies (`XRequest`).
+
+Responses mirror what the queries and the advisors' `as_dict()` return, field for field and in the
+same order (the CSV columns of `?format=csv` follow it); tests/service/api/test_schemas.py keeps
+them in step with the store's rows and the advisors' dataclasses.
+
+Request bodies check shape and JSON types only. The advisors' parsers stay the one owner of what a
+value means (divisibility, GPU names, ranges) and name the offending key in their 422; so the
+request types pass each value through unchanged (strict types, no coercion) and accept exactly
+what `trainvitals plan --config` and `trainvitals advise` accept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    WithJsonSchema,
+    model_validator,
+)
+
+from trainvitals.service.advisors.cadence import CadenceInputs, TierSpec
+from trainvitals.service.advisors.failure_log import RADIUS_LEVELS
+from trainvitals.service.advisors.model_config import HARDWARE_ALIASES, MODEL_ALIASES, PARALLELISM_ALIASES
+
+
+class _Public(BaseModel):
+    # Rows arrive as dicts (queries), dataclasses (RunOverview) or advisor dicts: read any of them.
+    model_config = ConfigDict(from_attributes=True, use_attribute_docstrings=True)
+
+
+# --------------------------------------------------------------------------- post-mortem reads
+
+
+class RunPublic(_Public):
+    """One run in `GET /v1/runs`."""
+
+    run: str
+    project: str
+    status: str
+    """running | finished"""
+    world_size: int
+    created_at: float
+    """Registration time, epoch seconds."""
+    last_seen_at: float
+    """Last report of any rank, epoch seconds."""
+
+
+class RunOverviewPublic(_Public):
+    """`GET /v1/runs/{run_id}`: what was stored for a run (store.queries.RunOverview)."""
+
+    run_id: str
+    project: str
+    status: str
+    world_size: int
+    ranks: int
+    """Most ranks that reported one step."""
+    steps: int
+    step_records: int
+    """Records stored, by kind (as are the other *_records and events)."""
+    first_step: int | None
+    last_step: int | None
+    step_seconds_p50: float | None
+    """Median over steps of the cross-rank median step time."""
+    step_seconds_min_rank_mean: float | None
+    step_seconds_max_rank_mean: float | None
+    """Per-rank means over the newest rank windows, as is slowest_rank."""
+    slowest_rank: int | None
+    tensor_records: int
+    grad_records: int
+    checkpoint_records: int
+    events: int
+
+
+class TensorStepPublic(_Public):
+    """One step of a tensor's timeline: FP8 statistics reduced over ranks and TP shards."""
+
+    tensor: str
+    role: str
+    step: int
+    format: str
+    amax: float
+    """Max over ranks."""
+    headroom_bits: float | None
+    """Min over ranks."""
+    lag_bits: float | None
+    staleness_steps: int | None
+    sat_frac: float | None
+    underflow_frac: float | None
+    crest_bits: float | None
+    nonfinite: int | None
+    """Sum over ranks."""
+    shadow: bool
+
+
+class WorstTensorPublic(_Public):
+    """A tensor (and role) with little FP8 headroom in the step range."""
+
+    tensor: str
+    role: str
+    min_headroom_bits: float
+    max_amax: float
+    clipped_steps: int
+    """Steps with negative headroom."""
+    max_sat_frac: float | None
+    first_step: int
+    last_step: int
+
+
+class StepTimeMatrixPublic(_Public):
+    """Per-rank step seconds: seconds[i][j] is steps[i] on ranks[j], null where not reported."""
+
+    run: str
+    ranks: list[int]
+    steps: list[int]
+    seconds: list[list[float | None]]
+
+
+class FindingPublic(_Public):
+    """A detector finding, one per (kind, subject), updated as it evolves."""
+
+    kind: str
+    severity: str
+    """page | ticket | info"""
+    subject_kind: str
+    subject: str
+    onset_step: int
+    last_step: int
+    magnitude: float
+    summary: str
+    active: bool
+    first_seen_at: float
+    updated_at: float
+
+
+class CheckpointGenerationPublic(_Public):
+    """One checkpoint generation (and incarnation) across ranks."""
+
+    generation: int
+    step: int
+    incarnation: int
+    bytes: int | None
+    """Total size over the ranks that persisted it."""
+    stall_seconds: float | None
+    """Slowest rank's training stall."""
+    persist_seconds: float | None
+    path: str | None
+    ts: float
+    errors: list[str]
+    status: Literal["failed", "verified", "persisted", "started"]
+    """failed if any rank failed; persisted when every involved rank persisted; verified when also
+    checksummed by each (or reported verified)."""
+    ranks: int
+    """Ranks that reported anything for it."""
+
+
+class RollbackPublic(_Public):
+    """`GET /v1/runs/{run_id}/rollback`: the generation to restart from."""
+
+    run: str
+    before_step: int | None
+    reason: str
+    target: CheckpointGenerationPublic | None
+    """Newest verified (else persisted) generation before before_step; null when there is none."""
+    verified: bool
+    generations_considered: int
+
+
+# --------------------------------------------------------------------------- ops and ingest
+
+
+class HealthPublic(_Public):
+    status: Literal["ok"]
+
+
+class RunRegisteredPublic(_Public):
+    """`POST /v1/runs`: 201 with created=true, or 200 for a repeated registration."""
+
+    run: str
+    created: bool
+
+
+# --------------------------------------------------------------------------- advisor answers
+
+
+class MemoryPublic(_Public):
+    """Per-GPU memory by tenant, GiB."""
+
+    params_gib: float
+    grads_gib: float
+    optimizer_gib: float
+    activations_gib: float
+    overhead_gib: float
+    total_gib: float
+    capacity_gib: float
+    fits: bool
+
+
+class StepTimePublic(_Public):
+    """One optimizer step's time, seconds, by component."""
+
+    compute_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    ep_comm_s: float
+    dp_comm_exposed_s: float
+    dp_comm_total_s: float
+    bubble_s: float
+    total_s: float
+
+
+class MfuPublic(_Public):
+    predicted: float
+    low: float
+    high: float
+    calibrated: bool
+    """True when the GPU type is covered by the calibration data."""
+    convention: str
+    """FLOP counting convention of the numbers."""
+
+
+class PlanPublic(_Public):
+    """`POST /v1/plan`: predicted memory, step time and MFU (advisors.PlanResult.as_dict())."""
+
+    memory: MemoryPublic
+    step_time: StepTimePublic
+    tokens_per_s: float
+    mfu: MfuPublic
+    binding_wall: str
+    """memory, compute, tp_comm, pp_bubble, dp_comm or ep_comm."""
+    model_flops_per_token: float
+    params_total: float
+    params_active: float
+    warnings: list[str]
+
+
+class ParallelismPublic(_Public):
+    gpus: int
+    tp: int
+    pp: int
+    dp: int
+    cp: int
+    ep: int
+    vpp: int
+    zero: int
+    micro_batch: int
+    global_batch: int
+    recompute: str
+
+
+class LadderStepPublic(_Public):
+    wall: str
+    """The binding wall ("state > 1 GPU", "weights/GPU", ...)."""
+    axis: str
+    """The axis added to relieve it."""
+    detail: str
+
+
+class RecommendationPublic(_Public):
+    """`POST /v1/plan/recommend` (advisors.Recommendation.as_dict())."""
+
+    feasible: bool
+    config: ParallelismPublic | None
+    plan: PlanPublic | None
+    binding_wall: str
+    mfu: MfuPublic | None
+    ladder: list[LadderStepPublic]
+    min_gpus: int | None
+    """Smallest GPU count on which a layout fits (when infeasible)."""
+    useful_gpus: int | None
+    """Largest GPU count data parallelism can still use under the critical batch."""
+    warnings: list[str]
+
+
+class RetentionPublic(_Public):
+    keep: int
+    keep_for_risk: int
+    keep_deterministic: int
+    risk_at_keep: float
+    storage_limit: int | None
+    keep_every: int
+    promote_after_s: float | None
+    notes: list[str]
+
+
+class TierAdvicePublic(_Public):
+    name: str
+    interval_s: float
+    """null when no incident in the mix reaches this tier (an infinite interval)."""
+    rate_per_hour: float
+
+
+class CadenceAdvicePublic(_Public):
+    """`POST /v1/advise/checkpoints` (advisors.CadenceAdvice.as_dict(); docs/advisors.md)."""
+
+    young_interval_s: float
+    daly_first_order_s: float
+    daly_interval_s: float
+    optimal_interval_s: float
+    recommended_interval_s: float
+    band_s: tuple[float, float]
+    """Flat-basin band around the recommendation."""
+    confidence_band_s: tuple[float, float]
+    """The recommendation at the failure rate's confidence bounds."""
+    expected_waste: float
+    expected_waste_young: float
+    mtbf_s: float
+    downtime_s: float
+    shape: float
+    retention: RetentionPublic
+    tiers: list[TierAdvicePublic]
+    schedule_s: list[float] | None
+    schedule_gain: float | None
+    high_density_interval_s: float | None
+    assumptions: list[str]
+    warnings: list[str]
+
+
+class _ObservedRun(_Public):
+    run: str
+    observed_saves: int
+    observed_failures: int
+
+
+# Bases in this order so that run and the observed counts come first, as the route always sent them
+# (pydantic orders fields from the last base to the first).
+class RunCadenceAdvicePublic(CadenceAdvicePublic, _ObservedRun):
+    """`GET /v1/runs/{run_id}/advice/checkpoints`: cadence advice from the run's observed saves."""
+
+
+# --------------------------------------------------------------------------- advisor requests
+
+# Numbers pass through as sent (an int stays an int: the advisors' answers and error messages read
+# exactly as they do from the CLI); strings and booleans are refused here.
+_Number = Annotated[StrictInt | StrictFloat, WithJsonSchema({"type": "number"})]
+# JSON has one number type: a count may come as 4 or 4.0 (YAML-born configs); the parser checks
+# that it is whole and names the key otherwise.
+_Count = Annotated[StrictInt | StrictFloat, WithJsonSchema({"type": "integer"})]
+# A positive number; a string is passed on because YAML 1.1 reads "7.0e10" as one (the parser converts it).
+_Amount = Annotated[StrictInt | StrictFloat | StrictStr, WithJsonSchema({"type": "number"})]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class _Section(_Request):
+    """A config section; keys may also be given by the names other tools use (model_config.*_ALIASES)."""
+
+    _aliases: ClassVar[Mapping[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _canonical_keys(cls, data: Any) -> Any:
+        # As the planner's parser does: an alias becomes its key, and of two names for one key the
+        # later one wins.
+        if isinstance(data, Mapping):
+            return {cls._aliases.get(key, key): value for key, value in data.items()}
+        return data
+
+
+class ModelSection(_Section):
+    """A decoder-only transformer; unset keys take the planner's defaults."""
+
+    _aliases = MODEL_ALIASES
+
+    layers: _Count
+    hidden: _Count
+    heads: _Count
+    vocab: _Count
+    seq_len: _Count
+    kv_heads: _Count | None = None
+    """Default: heads (multi-head attention)."""
+    ffn_hidden: _Count | None = None
+    """Default: 8/3 hidden rounded up to 256 (gated), else 4 hidden."""
+    gated_mlp: StrictBool | None = None
+    """Default true (SwiGLU)."""
+    params: _Amount | None = None
+    """Total parameter count; rescales the architecture's count."""
+    experts: _Count | None = None
+    active_experts: _Count | None = None
+    tied_embeddings: StrictBool | None = None
+
+
+class ParallelismSection(_Section):
+    """The layout; gpus = tp * cp * pp * dp, dp derived when not given."""
+
+    _aliases = PARALLELISM_ALIASES
+
+    gpus: _Count | None = None
+    """Default: hardware.gpus."""
+    tp: _Count | None = None
+    pp: _Count | None = None
+    dp: _Count | None = None
+    cp: _Count | None = None
+    ep: _Count | None = None
+    vpp: _Count | None = None
+    zero: StrictInt | StrictStr | None = None
+    """ZeRO stage 0-3, or "fsdp" (= 3, the default)."""
+    micro_batch: _Count | None = None
+    global_batch: _Count | None = None
+    """Sequences per optimizer step; default micro_batch * dp."""
+    recompute: Literal["none", "selective", "full"] | None = None
+    """Default selective."""
+
+
+class HardwareSection(_Section):
+    """A GPU from the table (docs/advisors.md), or its explicit numbers; explicit numbers override
+    the table's."""
+
+    _aliases = HARDWARE_ALIASES
+
+    gpu: StrictStr | None = None
+    gpus: _Count | None = None
+    gpus_per_node: _Count | None = None
+    peak_tflops: _Amount | None = None
+    """Dense bf16 peak per GPU."""
+    peak_fp8_tflops: _Amount | None = None
+    hbm_gib: _Amount | None = None
+    intra_node_gbps: _Amount | None = None
+    inter_node_gbps: _Amount | None = None
+    precision: Literal["bf16", "fp8"] | None = None
+    """Which peak is the MFU denominator; default bf16."""
+    usable_hbm_fraction: _Number | None = None
+    """Default 0.75."""
+    peak_flops: _Amount | None = None
+    """Dense bf16 peak in FLOP/s (instead of peak_tflops)."""
+
+
+class PlanRequest(_Request):
+    """`POST /v1/plan`: the plan config of `trainvitals plan --config FILE`."""
+
+    model: ModelSection
+    parallelism: ParallelismSection
+    hardware: HardwareSection
+
+    def as_config(self) -> dict[str, Any]:
+        """The config dict the planner parses: canonical key names, only the keys given."""
+        return self.model_dump(exclude_unset=True)
+
+
+class RecommendParallelism(_Request):
+    """What the recommender reads of a parallelism section; other keys (tp, pp, ...) are ignored,
+    so the body of `POST /v1/plan` can be sent as it is. Of the aliases only world_size is read
+    (for gpus), as `recommend_from_config` does."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gpus_from_world_size(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and "gpus" not in data and "world_size" in data:
+            return {**data, "gpus": data["world_size"]}
+        return data
+
+    gpus: _Count | None = None
+    """GPUs to lay out; default hardware.gpus (one of them is required)."""
+    micro_batch: _Count = 1
+    global_batch: _Count | None = None
+    """Target sequences per step; default: the critical batch (2M tokens)."""
+    recompute: Literal["none", "selective", "full"] | None = None
+
+
+class RecommendRequest(BaseModel):
+    """`POST /v1/plan/recommend`: model and hardware, and the GPU count; other top-level keys are
+    ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: ModelSection
+    hardware: HardwareSection
+    parallelism: RecommendParallelism | None = None
+
+    def as_config(self) -> dict[str, Any]:
+        return self.model_dump(exclude_unset=True)
+
+
+class TierRequest(_Request):
+    """One checkpoint tier, fastest first."""
+
+    name: StrictStr
+    cost_s: _Number
+    """Stall of one save to this tier, seconds."""
+    survives: StrictStr = Field(description=f"Widest blast radius its copy survives: {', '.join(RADIUS_LEVELS)}.")
+
+
+class CadenceRequest(_Request):
+    """`POST /v1/advise/checkpoints`: the inputs of `trainvitals advise` without an event log
+    (advisors.CadenceInputs; unset keys take its defaults)."""
+
+    stall_s: _Number
+    """Training stall per checkpoint."""
+    persist_s: _Number = 0.0
+    """Async lag until a checkpoint is durable."""
+    mtbf_s: _Number | None = None
+    """Job-level mean time between interruptions (required: the HTTP route takes no event log)."""
+    restart_s: _Number = 600.0
+    detect_s: _Number = 60.0
+    sdc_latency_s: _Number | None = None
+    """Mean silent-data-corruption detection latency."""
+    acceptable_risk: _Number = 0.01
+    """Acceptable probability that one SDC cannot be rolled back."""
+    checkpoint_bytes: _Number | None = None
+    storage_budget_bytes: _Number | None = None
+    tiers: list[TierRequest] = []
+    radius_mix: dict[str, _Number] | None = None
+    """Share of incidents per blast radius (default: all "node")."""
+    basin_tolerance: _Number = 0.05
+
+    def as_inputs(self) -> CadenceInputs:
+        """The advisor's inputs; ValueError (a 422) for values it refuses."""
+        given = self.model_dump(exclude_unset=True, exclude={"tiers"})
+        tiers = tuple(TierSpec(**tier.model_dump()) for tier in self.tiers)
+        return CadenceInputs(**given, tiers=tiers)
