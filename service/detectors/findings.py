@@ -43,6 +43,10 @@ class Finding:
     detected_step: int | None = None
     """First step at which the detector, seeing only data up to that step, would have raised this
     finding (detectors are causal, so a live collector raises it there too). None: not step-based."""
+    paged_step: int | None = None
+    """First step at which it was a page (later than `detected_step` when a ticket escalated: a loss
+    bump that did not recover, an FP8 forecast that became imminent). None: never paged. `detect()`
+    fills it with `detected_step` for findings that page from the start."""
 
     @property
     def key(self) -> tuple[str, str, str, str]:

@@ -8,7 +8,13 @@ end-of-training shapes shared by both runs cancel.
 
 Finding kinds and magnitudes:
 
-- `loss_divergence` (page): loss / reference level (ratio).
+- `loss_divergence` (ticket, escalating to page): loss / reference level (ratio). A rise that
+  recovers is a ticket that closes itself when the loss is back (single bumps of ~0.5 nats that
+  decay within a few hundred steps are benign, BLOOM / OPT logbooks); it pages when the loss is
+  still up `page_persist_steps` later, still climbing `page_rising_steps` later, or when a second
+  excursion follows within `recur_steps` (`Finding.paged_step` says when).
+- `loss_trend` (ticket, page when large): a slow climb against a fixed earlier reference (the
+  lowest level the run reached), which the short-window test cannot see.
 - `loss_nonfinite` (page): number of steps with a non-finite loss.
 """
 
@@ -42,13 +48,25 @@ class LossConfig:
     rise_z: float = 8.0
     """And by this many standard errors of the short median (robust scale of per-step noise)."""
     sustain_steps: int = 20
-    """Consecutive steps the condition must hold."""
+    """Consecutive steps the condition must hold: then a ticket (a bump that recovers is benign)."""
+    page_persist_steps: int = 500
+    """The ticket pages when the loss is still up this many steps after it fired: benign bumps
+    (BLOOM, OPT logbooks: +0.5 nats) decay back within a few hundred steps."""
+    page_rising_steps: int = 200
+    """... or when, this many steps after it fired, the loss is above everything it reached before
+    by `rise_floor` (a bump peaks early and decays; a divergence keeps climbing)."""
+    recur_steps: int = 2_000
+    """An excursion that fires within this many steps of the previous one's end recurs."""
+    recur_min_episodes: int = 2
+    """Excursions in a chain of recurrences that page (the first recurrence pages)."""
     nonfinite_hold_steps: int = 500
     """A non-finite loss stays active this many steps after the last one."""
 
     def __post_init__(self) -> None:
         if self.short_steps < 1 or self.sustain_steps < 1 or self.rise_floor <= 0:
             raise ValueError("short_steps, sustain_steps must be >= 1 and rise_floor > 0")
+        if min(self.page_persist_steps, self.page_rising_steps, self.recur_min_episodes) < 1:
+            raise ValueError("page_persist_steps, page_rising_steps, recur_min_episodes must be >= 1")
 
 
 def _log(values: np.ndarray) -> np.ndarray:
@@ -104,48 +122,158 @@ def detect_divergence(
     excess = short - ref
     threshold = np.maximum(cfg.rise_floor, cfg.rise_z * np.nan_to_num(se, nan=np.inf))
     cond = np.isfinite(excess) & (excess > threshold) & ~quiet
-
-    first_fire: int | None = None
-    run_len = 0
-    for i in range(len(cond)):
-        run_len = run_len + 1 if cond[i] else 0
-        if run_len >= cfg.sustain_steps:
-            first_fire = i
-            break
-    if first_fire is None:
+    episodes = _episodes(cond, short, ref, excess, threshold, seg, cfg)
+    if not episodes:
         return []
-    # Onset: walk back over the contiguous stretch where the smoothed loss was already above half
-    # the threshold, then back half a short window (the median lags the raw loss by that much).
-    i = first_fire
-    while (
-        i > 0 and np.isfinite(excess[i - 1]) and excess[i - 1] > threshold[i - 1] / 2 and seg[i - 1] == seg[i]
-    ):
-        i -= 1
-    onset_idx = max(i - cfg.short_steps // 2, int(np.searchsorted(seg, seg[i])))
-    # Once fired, the reference is frozen at its value then: a loss that stays up is still diverged
-    # (a rolling reference would absorb the new level and close the finding).
-    frozen = ref[first_fire]
-    still = np.isfinite(short) & (short - frozen > threshold[first_fire] / 2)
-    still[: first_fire + 1] = True
-    active = bool(still[-1])
-    last_idx = len(still) - 1 if active else first_fire + int(np.argmin(still[first_fire:]))
-    mag = math.exp(float(short[last_idx] - frozen)) if np.isfinite(short[last_idx]) else math.nan
-    onset = int(s.steps[onset_idx])
+    chain = _report_chain(episodes, len(cond), cfg)
+    first, last_ep = chain[0], chain[-1]
+    paged = _paged_index(chain, cfg)
+    active = last_ep.end == len(cond)
+    last_idx = len(cond) - 1 if active else last_ep.end - 1
+    # Open: the current level; resolved: the peak the excursion reached.
+    level = short[last_idx] if active else np.nanmax(short[last_ep.fire : last_idx + 1])
+    mag = math.exp(float(level - last_ep.frozen)) if np.isfinite(level) else math.nan
+    onset = int(s.steps[first.onset])
+    if paged is None:
+        why = "ticket: closes when the loss is back"
+    elif len(chain) > 1 and paged == last_ep.fire:
+        why = f"paged: recurred ({len(chain)} episodes)"
+    else:
+        why = f"paged: not recovering by step {int(s.steps[paged])}"
     return [
         Finding(
             kind="loss_divergence",
-            severity="page",
+            severity="ticket" if paged is None else "page",
             run=series.run,
             subject_kind="run",
             subject="",
             onset_step=onset,
             last_step=int(s.steps[last_idx]),
             magnitude=mag,
-            summary=f"loss diverging: {mag:.2f}x {against} since step {onset}",
+            summary=f"loss up {mag:.2f}x {against} since step {onset} ({why})",
             active=active,
-            detected_step=int(s.steps[first_fire]),
+            detected_step=int(s.steps[first.fire]),
+            paged_step=None if paged is None else int(s.steps[paged]),
         )
     ]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class _Episode:
+    """One excursion of the smoothed loss above its reference (indices into the run's steps)."""
+
+    onset: int
+    fire: int
+    """Where the rise had held `sustain_steps`: the ticket."""
+    end: int
+    """First index where the loss was back (exclusive end); len(steps) while still up."""
+    frozen: float
+    """Reference level at `fire`, kept for the whole episode."""
+    persist_page: int | None
+    """Index at which the episode had lasted `page_persist_steps`, or kept rising: the page."""
+
+
+def _episodes(
+    cond: np.ndarray,
+    short: np.ndarray,
+    ref: np.ndarray,
+    excess: np.ndarray,
+    threshold: np.ndarray,
+    seg: np.ndarray,
+    cfg: LossConfig,
+) -> list[_Episode]:
+    out: list[_Episode] = []
+    n = len(cond)
+    i = 0
+    while i < n:
+        first_fire: int | None = None
+        run_len = 0
+        for j in range(i, n):
+            run_len = run_len + 1 if cond[j] else 0
+            if run_len >= cfg.sustain_steps:
+                first_fire = j
+                break
+        if first_fire is None:
+            break
+        # Onset: walk back over the contiguous stretch where the smoothed loss was already above
+        # half the threshold, then back half a short window (the median lags the raw loss by that).
+        k = first_fire
+        while (
+            k > i
+            and np.isfinite(excess[k - 1])
+            and excess[k - 1] > threshold[k - 1] / 2
+            and seg[k - 1] == seg[k]
+        ):
+            k -= 1
+        onset = max(k - cfg.short_steps // 2, int(np.searchsorted(seg, seg[k])), i)
+        # Once fired, the reference is frozen at its value then: a loss that stays up is still up
+        # (a rolling reference would absorb the new level and close the finding).
+        frozen = float(ref[first_fire])
+        up = short - frozen
+        still = np.isfinite(short) & (up > threshold[first_fire] / 2)
+        still[first_fire] = True
+        back = np.flatnonzero(~still[first_fire:])
+        end = first_fire + int(back[0]) if len(back) else n
+        out.append(
+            _Episode(
+                onset=onset,
+                fire=first_fire,
+                end=end,
+                frozen=frozen,
+                persist_page=_persist_page(up, first_fire, end, cfg),
+            )
+        )
+        i = end
+    return out
+
+
+def _persist_page(up: np.ndarray, fire: int, end: int, cfg: LossConfig) -> int | None:
+    """Where an episode stops looking like a benign bump: still up `page_persist_steps` after it
+    fired, or still rising `page_rising_steps` after it fired (a bump peaks early, then decays)."""
+    if end - fire > cfg.page_persist_steps:
+        persist = fire + cfg.page_persist_steps
+    else:
+        persist = None
+    lag = cfg.page_rising_steps
+    if end - fire > lag:
+        seg_up = np.nan_to_num(up[fire:end], nan=-np.inf)
+        peak_before = np.maximum.accumulate(seg_up)  # highest level up to each index
+        rising = seg_up[lag:] > peak_before[: len(seg_up) - lag] + cfg.rise_floor
+        hits = np.flatnonzero(rising)
+        if len(hits) and (persist is None or fire + lag + int(hits[0]) < persist):
+            return fire + lag + int(hits[0])
+    return persist
+
+
+def _chains(episodes: list[_Episode], cfg: LossConfig) -> list[list[_Episode]]:
+    """Episodes grouped by recurrence: one that fires within `recur_steps` of the previous one's
+    end (indices are steps apart in a dense series) continues its chain."""
+    chains: list[list[_Episode]] = []
+    for ep in episodes:
+        if chains and ep.fire - chains[-1][-1].end <= cfg.recur_steps:
+            chains[-1].append(ep)
+        else:
+            chains.append([ep])
+    return chains
+
+
+def _paged_index(chain: list[_Episode], cfg: LossConfig) -> int | None:
+    """First index at which the chain paged: an episode not recovering, or a recurrence."""
+    pages = [ep.persist_page for ep in chain if ep.persist_page is not None]
+    if len(chain) >= cfg.recur_min_episodes:
+        pages.append(chain[cfg.recur_min_episodes - 1].fire)
+    return min(pages) if pages else None
+
+
+def _report_chain(episodes: list[_Episode], n: int, cfg: LossConfig) -> list[_Episode]:
+    """The chain the finding describes (one finding per run): the latest if the loss is up now or it
+    paged, else the latest chain that paged (a post-mortem must see the page), else the latest."""
+    chains = _chains(episodes, cfg)
+    latest = chains[-1]
+    if latest[-1].end == n or _paged_index(latest, cfg) is not None:
+        return latest
+    paged = [c for c in chains if _paged_index(c, cfg) is not None]
+    return paged[-1] if paged else latest
 
 
 def detect_nonfinite_loss(series: RunSeries, cfg: LossConfig) -> list[Finding]:

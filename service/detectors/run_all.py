@@ -9,6 +9,7 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from .checkpoints import CheckpointConfig, detect_checkpoints, detect_no_rollback_target
@@ -63,6 +64,12 @@ def detect(
     found += detect_mfu_gap(series, sup, cfg.mfu)
     found += detect_checkpoints(series, cfg.checkpoints)
     found += detect_no_rollback_target(series, cfg.checkpoints, open_pages=found)
+    found = [
+        dataclasses.replace(f, paged_step=f.detected_step)
+        if f.severity == "page" and f.paged_step is None
+        else f
+        for f in found
+    ]
     return sorted(
         found, key=lambda f: (_SEVERITY_ORDER[f.severity], f.onset_step, f.kind, f.subject_kind, f.subject)
     )

@@ -82,3 +82,55 @@ def test_nonfinite_loss(series) -> None:
     s2.steps.loss_nonfinite = np.zeros(500, dtype=np.int64)
     s2.steps.loss_nonfinite[300] = 2
     assert detect_nonfinite_loss(s2, CFG)[0].onset_step == 300
+
+
+def _bumped(n: int, bumps: list[tuple[int, float, float]], keep: float = 0.0) -> np.ndarray:
+    """The quiet loss with +nats bumps at steps, each decaying with its time constant; `keep` of the
+    last bump's height stays (a bump that does not recover)."""
+    t = np.arange(n, dtype=float)
+    log_bump = np.zeros(n)
+    for at, nats, tau in bumps:
+        log_bump += np.where(t >= at, nats * np.exp(-np.clip(t - at, 0, None) / tau), 0.0)
+    if keep:
+        log_bump += np.where(t >= bumps[-1][0], keep * bumps[-1][1], 0.0)
+    return _loss(n) * np.exp(log_bump)
+
+
+@pytest.mark.parametrize(
+    ("bumps", "keep", "severity", "paged_after_fire"),
+    [
+        ([(3000, 0.5, 40)], 0.0, "ticket", None),  # benign: back within ~150 steps
+        ([(3000, 0.5, 100)], 0.0, "ticket", None),  # benign: back within ~350 steps
+        ([(3000, 0.4, 60)], 0.6, "page", 500),  # settles 0.24 nats up: persistence pages
+        ([(2500, 0.4, 60), (3500, 0.4, 60)], 0.0, "page", None),  # recurrence pages at the 2nd
+    ],
+)
+def test_a_bump_is_a_ticket_until_it_persists_or_recurs(
+    series, bumps: list[tuple[int, float, float]], keep: float, severity: str, paged_after_fire: int | None
+) -> None:
+    s = series(5000, loss=_bumped(5000, bumps, keep))
+    (f,) = detect_divergence(s, suppression_for(s, SuppressionConfig()), CFG)
+    assert f.severity == severity and f.detected_step is not None
+    assert abs(f.onset_step - bumps[0][0]) <= 5 and f.detected_step - bumps[0][0] <= 40
+    if severity == "ticket":
+        assert f.paged_step is None and not f.active and "closes when the loss is back" in f.summary
+        assert f.magnitude > 1.3  # a resolved bump reports its peak
+    elif paged_after_fire is not None:
+        assert f.paged_step == f.detected_step + paged_after_fire and f.active
+    else:
+        assert f.paged_step is not None and bumps[1][0] < f.paged_step <= bumps[1][0] + 40
+        assert "recurred" in f.summary
+
+
+def test_a_climbing_loss_pages_before_the_persistence_limit(series) -> None:
+    n = 4000
+    t = np.arange(n)
+    loss = _loss(n) * np.exp(0.6 * (np.clip(t - 3000, 0, None) / 300) ** 2)
+    s = series(n, loss=loss)
+    (f,) = detect_divergence(s, suppression_for(s, SuppressionConfig()), CFG)
+    assert f.severity == "page" and f.paged_step is not None and f.detected_step is not None
+    assert f.paged_step - f.detected_step < CFG.page_persist_steps
+    # Live, just before it paged, the same finding was a ticket.
+    early = series(f.paged_step, loss=loss[: f.paged_step])
+    (g,) = detect_divergence(early, suppression_for(early, SuppressionConfig()), CFG)
+    assert g.severity == "ticket" and g.detected_step == f.detected_step and g.onset_step == f.onset_step
