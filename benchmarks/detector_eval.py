@@ -19,6 +19,8 @@ import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 
+import numpy as np
+
 from trainvitals.service.detectors import DetectorConfig, detect
 from trainvitals.testing.scenarios import (
     FAULT_FAMILIES,
@@ -37,6 +39,18 @@ def _span(values: list[int]) -> str:
     if not values:
         return "-"
     return f"{min(values)}/{int(statistics.median(values))}/{max(values)}"
+
+
+def _ratio_span(values: list[float]) -> str:
+    return "/".join(f"{v:.3f}" for v in (min(values), statistics.median(values), max(values))) if values else "-"
+
+
+def _loss_rise(o: Outcome) -> float:
+    """How far the loss had climbed when the finding was raised (the ramp's own size, not the fit)."""
+    assert o.detected_step is not None and o.injected_step is not None
+    loss = make_scenario(o.family, o.seed).series.steps.loss
+    now = float(np.nanmedian(loss[o.detected_step - 250 : o.detected_step + 1]))
+    return now / float(np.nanmedian(loss[o.injected_step - 250 : o.injected_step]))
 
 
 def _counts(items: Counter[str]) -> str:
@@ -96,6 +110,10 @@ def main() -> None:
         print(f"{fam:<23} {len(hit):>3}/{len(outs):<4}  {kinds.most_common(1)[0][0] if kinds else '-':<22} "
               f"{_span(onset):>14} {delay_s:>14} {_span(paged):>14} {_span(lead):>16}  {mis:>7}  "
               f"{_counts(pages)}")
+    if "loss_ramp" in faults:
+        rises = [_loss_rise(o) for o in faults["loss_ramp"] if o.detected]
+        print(f"\nloss_ramp: loss at detection / loss at injection (smoothed, 250 steps) "
+              f"min/median/max {_ratio_span(rises)}")
     missed = [o.scenario for outs in faults.values() for o in outs if not o.detected]
     early = [o.scenario for outs in faults.values() for o in outs
              if o.lead_steps is not None and o.lead_steps <= 0]

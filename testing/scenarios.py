@@ -78,6 +78,7 @@ FAULT_FAMILIES = (
     "nonfinite_grads",
     "loss_bump_persistent",
     "loss_bump_recurring",
+    "loss_ramp",
 )
 """Runs with one injected fault each."""
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._stats import segment_apply, trailing_median, trailing_median_scale
+from ._stats import runs_of_true, segment_apply, trailing_median, trailing_median_scale
 from .findings import Finding
 from .series import RunSeries
 from .suppression import Suppression
@@ -61,6 +61,23 @@ class LossConfig:
     """Excursions in a chain of recurrences that page (the first recurrence pages)."""
     nonfinite_hold_steps: int = 500
     """A non-finite loss stays active this many steps after the last one."""
+    trend_block_steps: int = 250
+    """Slow-climb test (`loss_trend`): works on the median log loss per block of this many steps."""
+    trend_ref_blocks: int = 3
+    """Blocks of the segment needed before the reference (the lowest block so far) is trusted."""
+    trend_floor: float = math.log(1.03)
+    """Minimum effect: the block median must exceed the lowest earlier block by 3% (a slow climb is
+    caught while still small; the short-window test needs 5% within ~400 steps)."""
+    trend_z: float = 8.0
+    """And by this many standard errors of the two block medians."""
+    trend_blocks: int = 8
+    """Blocks of the Mann-Kendall test: the climb must be steady (a bump lifts one block)."""
+    trend_mk_z: float = 2.5
+    """Mann-Kendall z of the last `trend_blocks` block medians (8 strictly rising blocks give 3.3)."""
+    trend_persist_blocks: int = 2
+    """Consecutive blocks the condition must hold."""
+    trend_page_ratio: float = 1.25
+    """The trend ticket pages once the loss is this multiple of the reference."""
 
     def __post_init__(self) -> None:
         if self.short_steps < 1 or self.sustain_steps < 1 or self.rise_floor <= 0:
@@ -303,8 +320,103 @@ def detect_nonfinite_loss(series: RunSeries, cfg: LossConfig) -> list[Finding]:
     ]
 
 
+def _mann_kendall_z(y: np.ndarray) -> float:
+    """Mann-Kendall trend z of a short series (positive: rising)."""
+    n = len(y)
+    i, j = np.triu_indices(n, k=1)
+    s_stat = float(np.sum(np.sign(y[j] - y[i])))
+    var = n * (n - 1) * (2 * n + 5) / 18
+    return (s_stat - math.copysign(1.0, s_stat)) / math.sqrt(var) if s_stat else 0.0
+
+
+def detect_trend(series: RunSeries, sup: Suppression, cfg: LossConfig) -> list[Finding]:
+    """`loss_trend`: a slow, steady climb against a fixed earlier reference, the lowest block median
+    the segment reached. Each short window looks flat against the one just before it, so the
+    divergence test cannot see a small per-step slope; this one compares with where the run was."""
+    s = series.steps
+    bsz = cfg.trend_block_steps
+    if len(s.steps) < bsz * (cfg.trend_ref_blocks + cfg.trend_blocks):
+        return []
+    y = np.where(sup.suppressed(s.steps), np.nan, _log(s.loss))
+    seg = sup.segment_ids(s.steps)
+    block = s.steps // bsz
+    starts = np.concatenate([[0], np.flatnonzero(np.diff(block)) + 1])
+    ends = np.concatenate([starts[1:], [len(block)]])
+    meds, ses, bsegs, last_idx = [], [], [], []
+    for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+        v = y[a:b]
+        fin = v[np.isfinite(v)]
+        complete = int(block[a] + 1) * bsz - 1 <= int(s.steps[-1])
+        if not complete or len(fin) < bsz // 2 or seg[a] != seg[b - 1]:
+            continue
+        # Per-step noise from first differences (immune to the trend), then the median's error.
+        d = np.diff(fin)
+        sigma = 1.4826 * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2) if len(d) else 0.0
+        meds.append(float(np.median(fin)))
+        ses.append(1.2533 * sigma / math.sqrt(len(fin)))
+        bsegs.append(int(seg[a]))
+        last_idx.append(b - 1)
+    med, se, bseg = np.array(meds), np.array(ses), np.array(bsegs)
+    cond = np.zeros(len(med), dtype=bool)
+    ref_at = np.full(len(med), -1)
+    for k in range(len(med)):
+        same = np.flatnonzero(bseg[:k] == bseg[k])
+        if len(same) < cfg.trend_ref_blocks or k - same[0] < cfg.trend_blocks - 1:
+            continue
+        r = int(same[np.argmin(med[same])])
+        ref_at[k] = r
+        excess = med[k] - med[r]
+        noise = cfg.trend_z * math.hypot(se[k], se[r])
+        recent = med[k - cfg.trend_blocks + 1 : k + 1]
+        cond[k] = excess > max(cfg.trend_floor, noise) and _mann_kendall_z(recent) >= cfg.trend_mk_z
+    fired = None
+    for a, b in runs_of_true(cond):
+        if b - a >= cfg.trend_persist_blocks:
+            fired = a + cfg.trend_persist_blocks - 1
+            break
+    if fired is None:
+        return []
+    r = int(ref_at[fired])
+    ref = med[r]
+    # Stays open while the loss is still above the (frozen) reference by the floor.
+    later = np.arange(fired, len(med))
+    up = (med[later] - ref > cfg.trend_floor) & (bseg[later] == bseg[fired])
+    back = np.flatnonzero(~up)
+    stop = int(later[back[0]] - 1) if len(back) else len(med) - 1
+    active = not len(back)
+    page = np.flatnonzero(med[fired : stop + 1] - ref >= math.log(cfg.trend_page_ratio))
+    paged = int(s.steps[last_idx[fired + int(page[0])]]) if len(page) else None
+    mag = math.exp(float(med[stop] - ref))
+    onset = int(s.steps[last_idx[r]]) + 1  # the climb starts after the lowest block
+    rise_now = (mag - 1) * 100
+    return [
+        Finding(
+            kind="loss_trend",
+            severity="page" if paged is not None else "ticket",
+            run=series.run,
+            subject_kind="run",
+            subject="",
+            onset_step=onset,
+            last_step=int(s.steps[last_idx[stop]]),
+            magnitude=mag,
+            summary=(
+                f"loss climbing steadily: {rise_now:.0f}% above its lowest level (block of "
+                f"{bsz} steps ending {int(s.steps[last_idx[r]])}) since step {onset}"
+                + (f"; paged at {cfg.trend_page_ratio:g}x" if paged is not None else "")
+            ),
+            active=active,
+            detected_step=int(s.steps[last_idx[fired]]),
+            paged_step=paged,
+        )
+    ]
+
+
 def detect_loss(
     series: RunSeries, sup: Suppression, cfg: LossConfig, *, baseline: RunSeries | None = None
 ) -> list[Finding]:
     """All loss findings of one run."""
-    return detect_nonfinite_loss(series, cfg) + detect_divergence(series, sup, cfg, baseline=baseline)
+    return (
+        detect_nonfinite_loss(series, cfg)
+        + detect_divergence(series, sup, cfg, baseline=baseline)
+        + detect_trend(series, sup, cfg)
+    )

@@ -134,3 +134,35 @@ def test_a_climbing_loss_pages_before_the_persistence_limit(series) -> None:
     early = series(f.paged_step, loss=loss[: f.paged_step])
     (g,) = detect_divergence(early, suppression_for(early, SuppressionConfig()), CFG)
     assert g.severity == "ticket" and g.detected_step == f.detected_step and g.onset_step == f.onset_step
+
+
+@pytest.mark.parametrize(
+    ("shape", "expect"),
+    [
+        ("flat", False),  # the healthy decay
+        ("bump", False),  # one benign bump lifts a block or two: not a steady climb
+        ("ramp", True),  # 3x over 35k steps from step 3000: ~0.3% per 100 steps
+    ],
+)
+def test_slow_climb_is_a_trend(series, shape: str, expect: bool) -> None:
+    from trainvitals.service.detectors.loss import detect_trend
+
+    n = 12_000
+    t = np.arange(n)
+    loss = _loss(n)
+    if shape == "ramp":
+        loss = loss * np.exp(math.log(3.0) * np.clip(t - 3000, 0, None) / 35_000)
+    elif shape == "bump":
+        loss = _bumped(n, [(5000, 0.5, 100)])
+    s = series(n, loss=loss)
+    sup = suppression_for(s, SuppressionConfig())
+    found = detect_trend(s, sup, CFG)
+    assert bool(found) is expect
+    assert not detect_divergence(s, sup, CFG) or shape == "bump"  # the short-window test is blind to it
+    if expect:
+        (f,) = found
+        assert f.kind == "loss_trend" and f.active and f.detected_step is not None
+        assert 2500 <= f.onset_step <= 4000 and f.detected_step - 3000 <= 3500
+        assert f.severity == "page" and f.paged_step is not None  # 25% above the low by step ~12k
+        seen = float(np.median(loss[f.detected_step - 250 : f.detected_step]) / np.median(loss[2750:3000]))
+        assert seen < 1.12  # found while the climb is still small
