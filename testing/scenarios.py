@@ -79,6 +79,7 @@ FAULT_FAMILIES = (
     "loss_bump_persistent",
     "loss_bump_recurring",
     "loss_ramp",
+    "fp8_headroom_exhaustion",
 )
 """Runs with one injected fault each."""
 

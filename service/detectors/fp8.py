@@ -10,8 +10,9 @@ Finding kinds (subject: tensor 'fqn:role') and magnitudes:
   Magnitude: worst headroom in bits (negative).
 - `fp8_jump` (ticket): one jump of >= 2.5 bits (an ~6x amax step), or a rising rate of > 1 bit jumps.
   Magnitude: largest lag in bits.
-- `fp8_headroom_trend` (ticket): block-minimum headroom falling, forecast to reach the clipping
-  level (-1 bit) within the horizon. Magnitude: forecast steps until then.
+- `fp8_headroom_trend` (ticket; page when zero headroom is forecast within 2,000 steps at a
+  confident trend): block-minimum headroom falling, forecast to reach the clipping level (-1 bit)
+  within the horizon. Magnitude: forecast steps until then.
 - `fp8_stale_scale` (ticket): headroom > 3 bits above its own level for >= 100 steps (after a spike
   a 'max' history holds the scale low). Magnitude: excess bits.
 - `fp8_underflow_rise` (ticket): underflow fraction > 2x its own level, sustained. Magnitude: ratio.
@@ -71,6 +72,11 @@ class Fp8Config:
     """Ignore slopes flatter than this (reference: 0.5 bit per 10k steps)."""
     trend_horizon_steps: int = 20_000
     """Ticket when the forecast reaches the clipping level within this many steps."""
+    trend_page_horizon_steps: int = 2_000
+    """The trend pages when the forecast reaches zero headroom (the largest values start to clip)
+    within this many steps: time to act (raise the margin, lower the LR, roll back) before it does."""
+    trend_page_z: float = 4.0
+    """... at a confident trend: Mann-Kendall z below minus this (20 falling blocks give 6.1)."""
     stale_bits: float = 3.0
     """Headroom this far above its own level is a stale (too small) scale."""
     stale_steps: int = 100
@@ -107,9 +113,11 @@ def _finding(
     summary: str,
     active: bool,
     detected: int,
+    paged: int | None = None,
 ) -> Finding:
     if ts.shadow and severity == "page":
         severity = "ticket"
+        paged = None
         summary += " (shadow: what delayed scaling would do; nothing clipped in this run)"
     return Finding(
         kind=kind,
@@ -123,6 +131,7 @@ def _finding(
         summary=summary,
         active=active,
         detected_step=detected,
+        paged_step=paged,
     )
 
 
@@ -278,6 +287,7 @@ def detect_headroom_trend(
             & (to_floor <= cfg.trend_horizon_steps)
             & (fitted_end < ref_low - cfg.trend_new_low_bits)
         )
+        to_zero = np.where(slope < 0, np.maximum(fitted_end, 0.0) / -slope, np.inf)
     fired_idx = None
     for a, b in runs_of_true(cond):
         if b - a >= cfg.trend_persist:
@@ -288,6 +298,11 @@ def detect_headroom_trend(
     end_step = (keys + 1) * bsz - 1
     active = bool(cond[-1])
     k = len(keys) - 1 if active else fired_idx
+    # Page once the confirmed trend forecasts zero headroom within the short horizon.
+    imminent = cond & (to_zero <= cfg.trend_page_horizon_steps) & (mk_z < -cfg.trend_page_z)
+    imminent[:fired_idx] = False
+    page_at = np.flatnonzero(imminent[: k + 1])
+    paged = int(end_step[page_at[0]]) if len(page_at) else None
     # Onset: the first block in the window that broke clearly below the tensor's earlier range.
     window = (keys >= first_key[first_cond]) & (keys <= keys[first_cond])
     window &= mins < ref_low[first_cond] - cfg.trend_new_low_bits
@@ -297,18 +312,20 @@ def detect_headroom_trend(
             ts,
             run,
             kind="fp8_headroom_trend",
-            severity="ticket",
+            severity="ticket" if paged is None else "page",
             onset=onset,
             last=int(end_step[k]),
             magnitude=float(to_floor[k]),
             summary=(
                 f"FP8 headroom of {subject_of(ts)} falling {-slope[k] * 1e3:.2f} bits per 1k steps "
                 f"since ~step "
-                f"{onset}, now {fitted_end[k]:.1f} bits; reaches {cfg.clip_hard_bits:g} bit (clipping) in "
-                f"~{fmt_int(to_floor[k])} steps"
+                f"{onset}, now {fitted_end[k]:.1f} bits; reaches 0 in ~{fmt_int(min(to_zero[k], 1e9))} steps, "
+                f"{cfg.clip_hard_bits:g} bit (clipping) in ~{fmt_int(to_floor[k])} steps"
+                + (f"; paged at step {paged}" if paged is not None else "")
             ),
             active=active,
             detected=int(end_step[fired_idx]),
+            paged=paged,
         )
     ]
 

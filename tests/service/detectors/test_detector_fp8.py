@@ -78,7 +78,8 @@ def test_headroom_trend_forecasts_exhaustion(series, tensor) -> None:
     t = np.arange(N)
     h = _h() - 0.0005 * np.clip(t - 1500, 0, None)  # -0.5 bits per 1k steps from step 1500
     f = _by_kind(_run(series, [tensor(h)]))["fp8_headroom_trend"]
-    assert f.severity == "ticket" and 1400 <= f.onset_step <= 2500
+    # Starting at 0.3 bits, zero is < 2,000 steps away once the trend is confirmed: it pages.
+    assert f.severity == "page" and 1400 <= f.onset_step <= 2500
     # A trend needs a reference range before its fit window, so not before ~2.5k steps into a run.
     assert f.detected_step is not None and f.detected_step <= 3100
     # Seen live at its detection step, the forecast is ahead of it: about (0.3 + 1) / 0.5 * 1000 - 1500.
@@ -115,3 +116,25 @@ def test_bad_first_step_after_resume(series, tensor, first_step_headroom: float,
     found = _by_kind(_run(series, [tensor(h)], events=[RunEvent(event="resume", ts=0.0, step=3000)]))
     assert ("fp8_resume_bad_step" in found) is expect
     assert "fp8_clipping" not in found  # the resume window suppresses the baseline detectors
+
+
+@pytest.mark.parametrize(("bits_per_1k", "pages"), [(0.6, True), (0.15, False)])
+def test_headroom_trend_pages_when_zero_is_near(series, tensor, bits_per_1k: float, pages: bool) -> None:
+    """A 3-bit margin eaten steadily: paged while the forecast to zero is within 2,000 steps and
+    before the headroom is gone; a slow fall stays a ticket."""
+    t = np.arange(N * 2)
+    h = 3.0 + np.random.default_rng(3).normal(0, 0.08, len(t)) - bits_per_1k / 1000 * np.clip(t - 1500, 0, None)
+    found = _by_kind(_run(series, [tensor(h)]))
+    if not pages:
+        assert found.get("fp8_headroom_trend") is None or found["fp8_headroom_trend"].severity == "ticket"
+        return
+    f = found["fp8_headroom_trend"]
+    zero = 1500 + int(3.0 / bits_per_1k * 1000)
+    assert f.severity == "page" and f.paged_step is not None and f.detected_step is not None
+    assert f.detected_step <= f.paged_step < zero - 500  # well before the headroom is gone
+    assert zero - f.paged_step <= CFG.trend_page_horizon_steps + 1000
+    assert "paged at step" in f.summary
+    live = _by_kind(_run(series, [tensor(h[: f.paged_step])]))["fp8_headroom_trend"]
+    assert live.severity == "ticket" and live.detected_step == f.detected_step
+    (shadow,) = [g for g in _run(series, [tensor(h, shadow=True)]) if g.kind == "fp8_headroom_trend"]
+    assert shadow.severity == "ticket" and shadow.paged_step is None
