@@ -80,6 +80,7 @@ FAULT_FAMILIES = (
     "loss_bump_recurring",
     "loss_ramp",
     "fp8_headroom_exhaustion",
+    "fp8_sporadic_saturation",
 )
 """Runs with one injected fault each."""
 
@@ -843,7 +844,7 @@ def _fp8_headroom_exhaustion(
 def _fp8_sporadic_saturation(
     *, rng: np.random.Generator, name: str, family: str, seed: int, layout: Layout
 ) -> Scenario:
-    inject = int(rng.integers(1500, 2500))
+    inject = int(rng.integers(6500, 7500))  # late in training (Fishman et al. 2024), after a clean history
     run = _Run(rng, inject + 5000, layout)
     layer = int(rng.integers(0, layout.layers))
     k = run.tensor_index(f"layers.{layer}.mlp.fc1", "input")

@@ -13,6 +13,9 @@ Finding kinds (subject: tensor 'fqn:role') and magnitudes:
 - `fp8_headroom_trend` (ticket; page when zero headroom is forecast within 2,000 steps at a
   confident trend): block-minimum headroom falling, forecast to reach the clipping level (-1 bit)
   within the horizon. Magnitude: forecast steps until then.
+- `fp8_saturation_rate` (ticket): saturated steps scattered thinly (never three within 100, so not
+  clipping) in far more 100-step blocks of the last 3,000 steps than the tensor's own history
+  predicts (Poisson). Magnitude: fraction of blocks with saturation in the window.
 - `fp8_stale_scale` (ticket): headroom > 3 bits above its own level for >= 100 steps (after a spike
   a 'max' history holds the scale low). Magnitude: excess bits.
 - `fp8_underflow_rise` (ticket): underflow fraction > 2x its own level, sustained. Magnitude: ratio.
@@ -29,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from scipy import stats
 
 from ._stats import fmt_int, nanmedian, runs_of_true, trailing_count, trailing_median
 from .findings import Finding, Severity
@@ -77,6 +81,26 @@ class Fp8Config:
     within this many steps: time to act (raise the margin, lower the LR, roll back) before it does."""
     trend_page_z: float = 4.0
     """... at a confident trend: Mann-Kendall z below minus this (20 falling blocks give 6.1)."""
+    sat_block_steps: int = 100
+    """Sporadic-saturation test (`fp8_saturation_rate`): counts blocks of this many steps holding at
+    least one saturated step (same definition as clipping), so a burst of clips counts once."""
+    sat_window_blocks: int = 30
+    """Window of the rate: 3,000 steps, long enough that dozens of scattered saturated steps add up."""
+    sat_min_blocks: int = 8
+    """Never report fewer saturated blocks than this in the window."""
+    sat_p: float = 1e-6
+    """Poisson P(N >= k) under the tensor's own saturated-block rate (its history before the window)
+    below which the rate is abnormal."""
+    sat_prior_blocks: float = 1.0
+    """Pseudo-count of the reference rate (with sat_prior_span_blocks): one saturated block per 50 a
+    priori, so a short history asks for more evidence; a clean long history lowers the rate."""
+    sat_prior_span_blocks: float = 50.0
+    """See sat_prior_blocks."""
+    sat_min_history_blocks: int = 30
+    """Blocks of the tensor's own history needed before the window (a rate is only abnormal
+    against a history; a tensor that saturates like this from the start is its own normal)."""
+    sat_persist_blocks: int = 2
+    """Consecutive block ends at which the test must hold."""
     stale_bits: float = 3.0
     """Headroom this far above its own level is a stale (too small) scale."""
     stale_steps: int = 100
@@ -137,8 +161,7 @@ def _finding(
 
 def detect_clipping(ts: TensorSeries, run: str, quiet: np.ndarray, cfg: Fp8Config) -> list[Finding]:
     h = ts.headroom_bits
-    sat = np.nan_to_num(ts.sat_frac, nan=0.0)
-    clip = np.isfinite(h) & (((h < 0) & (sat > cfg.clip_sat_frac)) | (h < cfg.clip_hard_bits)) & ~quiet
+    clip = _saturated(ts, quiet, cfg)
     if not clip.any():
         return []
     at = ts.steps[clip]
@@ -330,6 +353,81 @@ def detect_headroom_trend(
     ]
 
 
+def _saturated(ts: TensorSeries, quiet: np.ndarray, cfg: Fp8Config) -> np.ndarray:
+    """Steps whose largest values saturated: H < 0 with a measured saturated fraction above the
+    floor, or H below the hard limit (saturation unmeasured on cheap-tier steps)."""
+    h = ts.headroom_bits
+    sat = np.nan_to_num(ts.sat_frac, nan=0.0)
+    return np.isfinite(h) & (((h < 0) & (sat > cfg.clip_sat_frac)) | (h < cfg.clip_hard_bits)) & ~quiet
+
+
+def detect_saturation_rate(
+    ts: TensorSeries, run: str, quiet: np.ndarray, seg: np.ndarray, cfg: Fp8Config
+) -> list[Finding]:
+    """`fp8_saturation_rate` (ticket): saturated steps scattered thinly (never 3 within 100 steps, so
+    never clipping) but far more often than in the tensor's own history: saturation has become
+    routine. Judged on blocks with at least one saturated step over a 3,000-step window."""
+    sat_step = _saturated(ts, quiet, cfg)
+    if sat_step.sum() < cfg.sat_min_blocks:
+        return []
+    bsz = cfg.sat_block_steps
+    block = ts.steps // bsz
+    starts = np.concatenate([[0], np.flatnonzero(np.diff(block)) + 1])
+    keys = block[starts]
+    hit = np.add.reduceat(sat_step.astype(np.int64), starts) > 0
+    usable = np.add.reduceat((~quiet).astype(np.int64), starts) >= np.diff(np.append(starts, len(block))) // 2
+    complete = (keys + 1) * bsz - 1 <= int(ts.steps[-1])
+    ok = complete & usable & (seg[starts] == seg[np.append(starts[1:], len(seg)) - 1])
+    keys, hit, bseg = keys[ok], hit[ok], seg[starts][ok]
+    if len(keys) <= cfg.sat_window_blocks:
+        return []
+    w = cfg.sat_window_blocks
+    c_hit = np.concatenate([[0], np.cumsum(hit)])
+    idx = np.arange(len(keys))
+    lo = np.maximum(idx - w + 1, 0)
+    n_win = c_hit[idx + 1] - c_hit[lo]
+    # Reference: the same segment's blocks before the window.
+    seg_start = np.searchsorted(bseg, bseg, side="left")  # bseg is non-decreasing
+    ref_lo = seg_start
+    ref_hi = np.maximum(lo, seg_start)
+    n_ref = c_hit[ref_hi] - c_hit[ref_lo]
+    span_ref = ref_hi - ref_lo
+    rate = (n_ref + cfg.sat_prior_blocks) / (span_ref + cfg.sat_prior_span_blocks)
+    lam = rate * (idx + 1 - np.maximum(lo, seg_start))
+    p = stats.poisson.sf(n_win - 1, lam)
+    cond = (n_win >= cfg.sat_min_blocks) & (p < cfg.sat_p) & (span_ref >= cfg.sat_min_history_blocks)
+    for a, b in runs_of_true(cond):
+        if b - a < cfg.sat_persist_blocks:
+            continue
+        fired = a + cfg.sat_persist_blocks - 1
+        active = b == len(cond)
+        k = len(cond) - 1 if active else b - 1
+        first_block = int(keys[lo[fired] + int(np.argmax(hit[lo[fired] : fired + 1]))])
+        onset = int(ts.steps[np.searchsorted(ts.steps, first_block * bsz)])
+        onset = int(ts.steps[np.argmax(sat_step & (ts.steps >= onset))])
+        end_step = int(keys[k] + 1) * bsz - 1
+        n_steps = int((sat_step & (ts.steps >= onset) & (ts.steps <= end_step)).sum())
+        return [
+            _finding(
+                ts,
+                run,
+                kind="fp8_saturation_rate",
+                severity="ticket",
+                onset=onset,
+                last=end_step,
+                magnitude=float(n_win[k]) / w,
+                summary=(
+                    f"FP8 saturation on {subject_of(ts)} ({ts.format}) has become routine: {n_steps} "
+                    f"saturated steps since step {onset}, in {int(n_win[k])} of the last {w} blocks of "
+                    f"{bsz} steps (its own history: {rate[k] * w:.1f})"
+                ),
+                active=active,
+                detected=int(keys[fired] + 1) * bsz - 1,
+            )
+        ]
+    return []
+
+
 def detect_stale_scale(ts: TensorSeries, run: str, quiet: np.ndarray, cfg: Fp8Config) -> list[Finding]:
     h = ts.headroom_bits
     usable = h[np.isfinite(h) & ~quiet]
@@ -482,6 +580,7 @@ def detect_fp8(tensors: list[TensorSeries], run: str, sup: Suppression, cfg: Fp8
         out += detect_clipping(ts, run, quiet, cfg)
         out += detect_jumps(ts, run, quiet, cfg)
         out += detect_headroom_trend(ts, run, settling, seg, cfg)
+        out += detect_saturation_rate(ts, run, settling, seg, cfg)
         out += detect_stale_scale(ts, run, settling, cfg)
         out += detect_underflow_rise(ts, run, settling, cfg)
         out += detect_resume_step(ts, run, sup, cfg)

@@ -138,3 +138,29 @@ def test_headroom_trend_pages_when_zero_is_near(series, tensor, bits_per_1k: flo
     assert live.severity == "ticket" and live.detected_step == f.detected_step
     (shadow,) = [g for g in _run(series, [tensor(h, shadow=True)]) if g.kind == "fp8_headroom_trend"]
     assert shadow.severity == "ticket" and shadow.paged_step is None
+
+
+@pytest.mark.parametrize(
+    ("pattern", "expect"),
+    [
+        ("sporadic_from_5000", True),  # ~1 per 150 steps from step 5000, never 3 within 100
+        ("sporadic_throughout", False),  # the same rate all along: the tensor's own normal
+        ("one_burst", False),  # 10 saturated steps within 150: a burst counts once per block
+    ],
+)
+def test_sporadic_saturation_against_own_history(series, tensor, pattern: str, expect: bool) -> None:
+    n = 10_000
+    h = 0.3 + np.random.default_rng(0).normal(0, 0.08, n)
+    if pattern == "one_burst":
+        at = np.arange(5000, 5150, 15)
+    else:
+        at = np.arange(5000 if pattern == "sporadic_from_5000" else 400, n, 150)
+        at = at + np.random.default_rng(1).integers(0, 50, len(at))
+    h[at[at < n]] = -1.5
+    found = _by_kind(_run(series, [tensor(h)]))
+    assert ("fp8_saturation_rate" in found) is expect
+    assert "fp8_clipping" not in found or pattern == "one_burst"
+    if expect:
+        f = found["fp8_saturation_rate"]
+        assert f.severity == "ticket" and f.active and 5000 <= f.onset_step <= 5100
+        assert f.detected_step is not None and f.detected_step <= 5000 + 2500
