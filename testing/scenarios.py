@@ -81,6 +81,7 @@ FAULT_FAMILIES = (
     "loss_ramp",
     "fp8_headroom_exhaustion",
     "fp8_sporadic_saturation",
+    "slow_stage_10pct",
 )
 """Runs with one injected fault each."""
 

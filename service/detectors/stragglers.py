@@ -56,8 +56,11 @@ class StragglerConfig:
     """Binomial tail probability that flags a pooled window."""
     tail_persist_windows: int = 2
     """Consecutive flagged window ends before an intermittent straggler is reported."""
-    stage_ratio: float = 1.15
-    """A stage this much slower than the median of the other stages is imbalance."""
+    stage_ratio: float = 1.08
+    """A stage this much slower than the median of the other stages is imbalance. A whole stage
+    10% slower matters (the pipeline runs at its slowest stage's pace); stage medians over 50 steps x
+    all the stage's ranks are precise to well under 1%, so 1.08 leaves room for the few percent
+    stages differ by on healthy runs (the scenarios draw them within 3%)."""
     page_slowdown: float = 0.03
     """Estimated job slowdown at which a straggler pages instead of opening a ticket."""
 
