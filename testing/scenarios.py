@@ -59,6 +59,8 @@ HEALTHY_FAMILIES = (
     "healthy_heavy_tail",
     "healthy_phase_change",
     "healthy_loss_bump",
+    "healthy_shared_host",
+    "healthy_long",
 )
 """Runs that must never page."""
 
@@ -82,6 +84,7 @@ FAULT_FAMILIES = (
     "fp8_headroom_exhaustion",
     "fp8_sporadic_saturation",
     "slow_stage_10pct",
+    "shared_host_straggler",
 )
 """Runs with one injected fault each."""
 

@@ -10,7 +10,8 @@ Without a compute/wait split the step time is used and a single slow rank cannot
 
 Finding kinds (subject: rank, or stage) and magnitudes:
 
-- `straggler` (page when the job slowdown >= 3%, else ticket): r of the rank (e.g. 1.31).
+- `straggler` (ticket; page once the rank cost the job >= 5% of its step time over the last 1,000
+  steps, `Finding.paged_step`): r of the rank (e.g. 1.31). Onsets reach back into the warm-up.
 - `straggler_intermittent` (same severity rule): fraction of the rank's steps that were slow.
 - `stage_imbalance` (ticket): the stage's median time / median of the other stages.
 """
@@ -61,8 +62,18 @@ class StragglerConfig:
     10% slower matters (the pipeline runs at its slowest stage's pace); stage medians over 50 steps x
     all the stage's ranks are precise to well under 1%, so 1.08 leaves room for the few percent
     stages differ by on healthy runs (the scenarios draw them within 3%)."""
-    page_slowdown: float = 0.03
-    """Estimated job slowdown at which a straggler pages instead of opening a ticket."""
+    page_slowdown: float = 0.05
+    """A straggler pages once the time it costs the job over the last `page_window_steps` steps is
+    at least this fraction of the job's step time (lost / (job time - lost)); below it, or when the
+    slowness is sporadic (a few short stretches, as on a shared host), it is a ticket. 5% of a
+    large job is material; 3% paged on OS-scheduling noise when ranks share cores."""
+    page_window_steps: int = 1000
+    """Trailing window over which the cost is summed: long enough that a burst of slow steps
+    (a contention stretch of a few hundred steps) stays below the page line, short enough that a
+    1.2x straggler pages within about 300 steps of its onset."""
+    onset_lookback_steps: int = 9
+    """Onsets are backdated (into the warm-up too) over the steps where the median of this many
+    per-step ratios was still above `ratio`: detection waits for warm-up to end, evidence need not."""
 
 
 def _work_time(rs: RankSteps) -> tuple[np.ndarray, str]:
@@ -85,8 +96,49 @@ def _rank_name(rs: RankSteps, col: int) -> str:
     return f"rank {int(rs.ranks[col])}{node}"
 
 
-def _severity(slowdown: float, cfg: StragglerConfig) -> Severity:
-    return "page" if slowdown >= cfg.page_slowdown else "ticket"
+def _paged_row(
+    rs: RankSteps, t: np.ndarray, cohort_med: np.ndarray, col: int, lo: int, hi: int, cfg: StragglerConfig
+) -> int | None:
+    """First row in [lo, hi) where the time this rank cost the job over the trailing
+    `page_window_steps` rows reached `page_slowdown` of the job's time (None: never)."""
+    lost = np.clip(np.nan_to_num(t[:, col] - cohort_med, nan=0.0), 0, None)
+    job = np.nanmax(rs.step_seconds, axis=1)
+    job = np.where(np.isfinite(job), job, 0.0)
+    c_lost = np.concatenate([[0.0], np.cumsum(lost)])
+    c_job = np.concatenate([[0.0], np.cumsum(job)])
+    rows = np.arange(lo, hi)
+    start = np.maximum(rows + 1 - cfg.page_window_steps, 0)
+    lost_w = c_lost[rows + 1] - c_lost[start]
+    denom = c_job[rows + 1] - c_job[start] - lost_w
+    with np.errstate(divide="ignore", invalid="ignore"):
+        slow = np.where(denom > 0, lost_w / denom, 0.0)
+    hits = np.flatnonzero(slow >= cfg.page_slowdown)
+    return int(rows[hits[0]]) if len(hits) else None
+
+
+def _pick(episodes: list[Finding]) -> list[Finding]:
+    """One finding per rank (the key): the episode open now, else the latest that paged (a
+    post-mortem must see the page), else the latest. Earlier episodes were this finding live."""
+    if not episodes:
+        return []
+    if episodes[-1].active:
+        return [episodes[-1]]
+    paged = [f for f in episodes if f.severity == "page"]
+    return [paged[-1] if paged else episodes[-1]]
+
+
+def _severity(paged_row: int | None) -> Severity:
+    return "ticket" if paged_row is None else "page"
+
+
+def _backdate(step_r: np.ndarray, first: int, cfg: StragglerConfig) -> int:
+    """Walk the onset back while the median of the `onset_lookback_steps` ratios before it is still
+    above `ratio` (warm-up steps included: the cohort comparison needs no baseline)."""
+    k = cfg.onset_lookback_steps
+    i = first
+    while i >= k and np.nanmedian(step_r[i - k : i]) > cfg.ratio:
+        i -= 1
+    return i
 
 
 def _impact(
@@ -107,8 +159,9 @@ def detect_stragglers(series: RunSeries, sup: Suppression, cfg: StragglerConfig)
     rs = series.ranks
     if rs is None or len(rs.steps) < cfg.window_steps or len(rs.ranks) == 0:
         return []
-    t, basis = _work_time(rs)
-    t[sup.suppressed(rs.steps)] = np.nan
+    t_all, basis = _work_time(rs)
+    t = t_all.copy()
+    t[sup.suppressed(rs.steps)] = np.nan  # decisions wait for warm-up; onsets and cost use t_all
     wait = rs.wait_seconds.astype(float) if rs.wait_seconds.size else np.full_like(t, np.nan)
     w = cfg.window_steps
     n_win = len(rs.steps) // w
@@ -117,11 +170,24 @@ def detect_stragglers(series: RunSeries, sup: Suppression, cfg: StragglerConfig)
     win_wait = np.stack([nanmedian(wait[r], axis=0) for r in rows_of])
     cohorts = _cohorts(rs, cfg.min_cohort)
     step_cohort_med = np.full_like(t, np.nan)
+    all_cohort_med = np.full_like(t, np.nan)
     for cols in cohorts.values():
         step_cohort_med[:, cols] = nanmedian(t[:, cols], axis=1)[:, None]
+        all_cohort_med[:, cols] = nanmedian(t_all[:, cols], axis=1)[:, None]
     out: list[Finding] = []
     persistent: set[int] = set()
     last_step = int(rs.steps[-1])
+
+    # The same window test on unsuppressed times, only to backdate onsets into the warm-up.
+    win_all = np.stack([nanmedian(t_all[r], axis=0) for r in rows_of])
+    raw_flag = np.zeros_like(win_all, dtype=bool)
+    for cols in cohorts.values():
+        cm_all = nanmedian(win_all[:, cols], axis=1)
+        mad_all = nanmedian(np.abs(win_all[:, cols] - cm_all[:, None]), axis=1)
+        scale_all = np.maximum(MAD_TO_SIGMA * mad_all, cfg.mad_floor_frac * cm_all)
+        r_all = win_all[:, cols] / cm_all[:, None]
+        z_all = (win_all[:, cols] - cm_all[:, None]) / scale_all[:, None]
+        raw_flag[:, cols] = (np.nan_to_num(r_all) > cfg.ratio) & (np.nan_to_num(z_all) > cfg.z)
 
     for stage, cols in cohorts.items():
         cm = nanmedian(win_med[:, cols], axis=1)
@@ -135,17 +201,28 @@ def detect_stragglers(series: RunSeries, sup: Suppression, cfg: StragglerConfig)
             flag &= np.nan_to_num(z) > cfg.z
             # The slow rank waits least; a rank that waits more than its peers is a victim.
             flag &= ~(np.nan_to_num(win_wait[:, col], nan=-np.inf) > np.nan_to_num(wait_cm, nan=np.inf))
+            episodes: list[Finding] = []
             for a, b in runs_of_true(flag):
                 if b - a < cfg.persist_windows:
                     continue
                 persistent.add(int(col))
                 fired_w = a + cfg.persist_windows - 1
                 rows = np.arange(a * w, b * w)
-                step_r = t[rows, col] / step_cohort_med[rows, col]
-                first = int(rows[np.argmax(np.nan_to_num(step_r) > cfg.ratio)])
+                step_r_all = t_all[:, col] / all_cohort_med[:, col]
+                # Backdate over the earlier windows (warm-up included) where the rank was already
+                # slow by the same test, then step by step into the window before them.
+                a0 = a
+                while a0 > 0 and raw_flag[a0 - 1, col]:
+                    a0 -= 1
+                lead_rows = np.arange(a0 * w, b * w)
+                first = int(lead_rows[np.argmax(np.nan_to_num(step_r_all[lead_rows]) > cfg.ratio)])
+                first = _backdate(step_r_all, first, cfg)
                 active = b == n_win
-                span = np.arange(first, len(rs.steps) if active else b * w)
-                slowdown, gpu_h = _impact(rs, t, step_cohort_med[:, col], int(col), span)
+                end = len(rs.steps) if active else b * w
+                span = np.arange(first, end)
+                slowdown, gpu_h = _impact(rs, t_all, all_cohort_med[:, col], int(col), span)
+                detected_row = int(rows_of[fired_w][-1])
+                paged = _paged_row(rs, t_all, all_cohort_med[:, col], int(col), detected_row, end, cfg)
                 mag = float(r[b - 1])
                 others = np.setdiff1d(np.arange(len(rs.ranks)), [col])
                 vw = nanmedian(wait[np.ix_(rows, others)], axis=0)
@@ -153,10 +230,10 @@ def detect_stragglers(series: RunSeries, sup: Suppression, cfg: StragglerConfig)
                 victims = int(np.sum(np.nan_to_num(vw) > 2 * own_wait + 0.01))
                 onset = int(rs.steps[first])
                 wait_note = f"; {victims} ranks wait on it" if victims else ""
-                out.append(
+                episodes.append(
                     Finding(
                         kind="straggler",
-                        severity=_severity(slowdown, cfg),
+                        severity=_severity(paged),
                         run=series.run,
                         subject_kind="rank",
                         subject=str(int(rs.ranks[col])),
@@ -166,24 +243,33 @@ def detect_stragglers(series: RunSeries, sup: Suppression, cfg: StragglerConfig)
                         summary=(
                             f"{_rank_name(rs, int(col))} {basis} time {mag:.2f}x its pipeline stage {stage} "
                             f"since step {onset}{wait_note}; job ~{slowdown:.1%} slower, "
-                            f"{gpu_h:.1f} GPU-hours lost"
+                            f"{gpu_h:.1f} GPU-hours lost{_page_note(rs, paged, cfg)}"
                         ),
                         active=active,
-                        detected_step=int(rs.steps[rows_of[fired_w][-1]]),
+                        detected_step=int(rs.steps[detected_row]),
+                        paged_step=None if paged is None else int(rs.steps[paged]),
                     )
                 )
-                break  # one finding per rank: the first persistent episode (later ones update it live)
+            out += _pick(episodes)  # one finding per rank
 
-    out += _intermittent(series, rs, t, step_cohort_med, cohorts, persistent, basis, cfg)
+    out += _intermittent(series, rs, t, t_all, step_cohort_med, all_cohort_med, cohorts, persistent, basis, cfg)
     out += _stage_imbalance(series, rs, win_med, cohorts, rows_of, last_step, cfg)
     return out
+
+
+def _page_note(rs: RankSteps, paged: int | None, cfg: StragglerConfig) -> str:
+    if paged is None:
+        return f" (ticket: costs the job < {cfg.page_slowdown:.0%} over {cfg.page_window_steps:,} steps)"
+    return f" (paged at step {int(rs.steps[paged])}: >= {cfg.page_slowdown:.0%} over {cfg.page_window_steps:,} steps)"
 
 
 def _intermittent(
     series: RunSeries,
     rs: RankSteps,
     t: np.ndarray,
+    t_all: np.ndarray,
     step_cohort_med: np.ndarray,
+    all_cohort_med: np.ndarray,
     cohorts: dict[int, np.ndarray],
     persistent: set[int],
     basis: str,
@@ -215,6 +301,7 @@ def _intermittent(
                 continue
             p = stats.binom.sf(pooled_slow[:, col] - 1, pooled_valid[:, col], base)
             flag = (p < cfg.tail_p) & (frac[:, col] >= cfg.tail_min_frac)
+            episodes: list[Finding] = []
             for a, b in runs_of_true(flag):
                 if b - a < cfg.tail_persist_windows:
                     continue
@@ -228,13 +315,15 @@ def _intermittent(
                 active = b == len(flag)
                 end = len(rs.steps) if active else (b + k - 1) * w
                 span = np.arange(first, end)
-                slowdown, gpu_h = _impact(rs, t, step_cohort_med[:, col], int(col), span)
+                slowdown, gpu_h = _impact(rs, t_all, all_cohort_med[:, col], int(col), span)
+                detected_row = (fired_w + 1) * w - 1
+                paged = _paged_row(rs, t_all, all_cohort_med[:, col], int(col), detected_row, end, cfg)
                 f = float(frac[b - 1, col])
                 onset = int(rs.steps[first])
-                out.append(
+                episodes.append(
                     Finding(
                         kind="straggler_intermittent",
-                        severity=_severity(slowdown, cfg),
+                        severity=_severity(paged),
                         run=series.run,
                         subject_kind="rank",
                         subject=str(int(rs.ranks[col])),
@@ -246,12 +335,14 @@ def _intermittent(
                             f">{cfg.tail_ratio:g}x its pipeline stage {stage} "
                             f"(peers {base[b - 1]:.0%}) since "
                             f"step {onset}; job ~{slowdown:.1%} slower, {gpu_h:.1f} GPU-hours lost"
+                            f"{_page_note(rs, paged, cfg)}"
                         ),
                         active=active,
-                        detected_step=int(rs.steps[(fired_w + 1) * w - 1]),
+                        detected_step=int(rs.steps[detected_row]),
+                        paged_step=None if paged is None else int(rs.steps[paged]),
                     )
                 )
-                break
+            out += _pick(episodes)  # one finding per rank
     return out
 
 

@@ -12,6 +12,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 from trainvitals.service.detectors import detect
+from trainvitals.service.detectors.suppression import SuppressionConfig
 from trainvitals.testing.scenarios import (
     FAULT_FAMILIES,
     HEALTHY_FAMILIES,
@@ -21,6 +22,7 @@ from trainvitals.testing.scenarios import (
 )
 
 HEALTHY_SEEDS = range(100, 130)  # 30 seeds per healthy family
+LONG_SEEDS = range(100, 110)  # healthy_long runs 100,000 steps (~1.5 s each): 10 seeds here, 30 in the benchmark
 FAULT_SEEDS = range(100, 105)
 STRAGGLER_WINDOWS = 6  # "within a few windows" of 50 steps
 
@@ -32,7 +34,7 @@ def _outcome(job: tuple[str, int]) -> Outcome:
 
 @pytest.fixture(scope="module")
 def outcomes() -> dict[str, list[Outcome]]:
-    jobs = [(f, s) for f in HEALTHY_FAMILIES for s in HEALTHY_SEEDS]
+    jobs = [(f, s) for f in HEALTHY_FAMILIES for s in (LONG_SEEDS if f == "healthy_long" else HEALTHY_SEEDS)]
     jobs += [(f, s) for f in FAULT_FAMILIES for s in FAULT_SEEDS]
     with ProcessPoolExecutor(max_workers=2) as pool:  # the suite's 2-core budget
         results = list(pool.map(_outcome, jobs, chunksize=8))
@@ -45,7 +47,7 @@ def outcomes() -> dict[str, list[Outcome]]:
 @pytest.mark.parametrize("family", HEALTHY_FAMILIES)
 def test_no_pages_on_healthy_runs(outcomes: dict[str, list[Outcome]], family: str) -> None:
     runs = outcomes[family]
-    assert len(runs) == len(HEALTHY_SEEDS)
+    assert len(runs) == len(LONG_SEEDS if family == "healthy_long" else HEALTHY_SEEDS)
     paged = {o.scenario: o.pages for o in runs if o.pages}
     assert paged == {}
 
@@ -53,6 +55,9 @@ def test_no_pages_on_healthy_runs(outcomes: dict[str, list[Outcome]], family: st
 EXPECTED_TICKETS = {
     "healthy_end_rise": {"grad_norm_drift"},  # a real drift, benign only given the schedule
     "healthy_loss_bump": {"loss_divergence"},  # a bump is a ticket that closes itself
+    # Shared hosts: contention stretches are sporadic slowness below the page line (a ticket).
+    "healthy_shared_host": {"straggler_intermittent"},
+    "healthy_long": {"loss_divergence", "straggler_intermittent"},
 }
 
 
@@ -78,8 +83,11 @@ def test_every_fault_detected_before_the_loss_moves(outcomes: dict[str, list[Out
         assert o.onset_step <= o.detected_step
         if o.loss_move_step is not None:
             assert o.lead_steps is not None and o.lead_steps > 0, o
-        if family in ("straggler", "intermittent_straggler", "slow_stage"):
-            assert o.detected_step - o.injected_step <= STRAGGLER_WINDOWS * 50, o
+        if family in ("straggler", "intermittent_straggler", "slow_stage", "slow_stage_10pct",
+                      "shared_host_straggler"):
+            # Decisions wait for the warm-up (a rank slowed inside it is detected after it ends).
+            start = max(o.injected_step, SuppressionConfig().warmup_steps)
+            assert o.detected_step - start <= STRAGGLER_WINDOWS * 50, o
             assert abs(o.onset_step - o.injected_step) <= 100, o
 
 

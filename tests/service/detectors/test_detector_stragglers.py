@@ -93,3 +93,26 @@ def test_hiccups_on_every_rank_are_not_intermittent(series, ranks) -> None:
     rng = np.random.default_rng(2)
     c *= np.where(rng.random(c.shape) < 0.02, 1.5, 1.0)  # GC pauses everywhere alike
     assert _detect(series, ranks, c) == {}
+
+
+def test_onset_backdated_into_the_warm_up_and_paged_on_material_cost(series, ranks) -> None:
+    c = _compute()
+    c[40:, 3] *= 1.2  # slowed from step 40; warm-up ends at 300
+    (f,) = _detect(series, ranks, c)["straggler"]
+    assert f.subject == "3" and 40 <= f.onset_step <= 55
+    assert f.detected_step is not None and f.detected_step >= 300  # decisions still wait for warm-up
+    assert f.severity == "page" and f.paged_step == f.detected_step  # 1.2x: ~17% of step time
+    assert "GPU-hours lost" in f.summary and "paged at step" in f.summary
+
+
+def test_a_short_contention_stretch_is_a_ticket_not_a_page(series, ranks) -> None:
+    """Shared host: 300 steps where a third of one rank's steps take 1.5x. Its cost over 1,000
+    steps stays under 5% of step time: a ticket."""
+    c = _compute()
+    rng = np.random.default_rng(4)
+    c[800:1100, 6] *= np.where(rng.random(300) < 0.33, 1.5, 1.0)
+    found = _detect(series, ranks, c)
+    assert "straggler" not in found
+    (f,) = found["straggler_intermittent"]
+    assert f.subject == "6" and f.severity == "ticket" and f.paged_step is None
+    assert "ticket: costs the job < 5%" in f.summary
