@@ -66,7 +66,8 @@ def test_promtool_unit_tests_pass() -> None:
 def test_promtool_unit_tests_can_fail(tmp_path: Path) -> None:
     """The unit tests detect a broken rule: flip one alert's severity filter and they must fail."""
     broken = RULES.read_text().replace(
-        'kind=~"fp8_clipping", severity=~"page|ticket"', 'kind=~"fp8_clipping", severity=~"ticket"'
+        'kind=~"fp8_clipping|fp8_saturation_rate", severity=~"page|ticket"',
+        'kind=~"fp8_clipping|fp8_saturation_rate", severity=~"ticket"',
     )
     assert broken != RULES.read_text()
     (tmp_path / "trainvitals-alerts.yml").write_text(broken)
