@@ -36,6 +36,7 @@ from trainvitals.service.analysis.detector_inputs import DetectorInputs
 from trainvitals.service.detectors.run_all import DetectorConfig, detect
 from trainvitals.service.detectors.suppression import SuppressionConfig
 from trainvitals.service.store import db, queries
+from trainvitals.service.store.findings import store_findings
 
 RUN = "bench-16k"
 RAW_STEPS = 650
@@ -77,10 +78,11 @@ def build(engine: Engine, *, summary_steps: int, last_step: int, now: float) -> 
             "INSERT INTO step_summaries (run_id, step, ranks, ts, step_seconds_min, step_seconds_p50, "
             "step_seconds_p90, step_seconds_p99, step_seconds_max, slowest_rank, compute_seconds_p50, "
             "wait_seconds_p50, data_seconds_p50, loss, loss_nonfinite, grad_norm, agent_grad_norm, "
-            "grad_nonfinite, tokens, flops, mfu) "
+            "grad_nonfinite, tokens, flops, mfu, peak_flops_total) "
             f"SELECT '{RUN}', {last_step - summary_steps + 1} + s.x, {WORLD_SIZE}, "
             f"{now} - ({summary_steps} - s.x) * 1.05, 1.0, 1.02, 1.04, 1.05, 1.06, s.x % {WORLD_SIZE}, "
-            "0.8, 0.2, 0.01, 2.5 - s.x * 0.00005 + (s.x % 13) * 0.01, 0, 0.9, 0.9, 0, 1.3e8, 5.9e18, 0.41 FROM s"
+            "0.8, 0.2, 0.01, 2.5 - s.x * 0.00005 + (s.x % 13) * 0.01, 0, 0.9, 0.9, 0, 1.3e8, 5.9e18, 0.41, 1.3576e19 "
+            "FROM s"
         ),
         (
             f"WITH RECURSIVE {_series('s', summary_steps)}, {_series('t', TENSOR_KEYS)} "
@@ -154,7 +156,7 @@ def cycle(session_factory, *, now: float, config: pipeline.PipelineConfig, input
         cfg = DetectorConfig(suppression=SuppressionConfig(warmup_steps=config.detector_warmup_steps))
         findings = detect(series, config=cfg)
         t3 = time.perf_counter()
-        pipeline.store_findings(session, RUN, findings, now=now)
+        store_findings(session, run_id=RUN, findings=findings, now=now)
         t4 = time.perf_counter()
     out.update(reduced=reduced, reduce=t1 - t0, inputs=t2 - t1, detect=t3 - t2, store=t4 - t3, total=t4 - t0)
     return out

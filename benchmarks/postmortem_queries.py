@@ -58,9 +58,9 @@ def _tables_sql(*, tensor_steps: int, window_count: int, raw_steps: int, now: fl
             "INSERT INTO step_summaries (run_id, step, ranks, ts, step_seconds_min, step_seconds_p50, "
             "step_seconds_p90, step_seconds_p99, step_seconds_max, slowest_rank, compute_seconds_p50, "
             "wait_seconds_p50, data_seconds_p50, loss, loss_nonfinite, grad_norm, agent_grad_norm, "
-            "grad_nonfinite, tokens, flops, mfu) "
+            "grad_nonfinite, tokens, flops, mfu, peak_flops_total) "
             f"SELECT '{RUN}', s, {WORLD_SIZE}, {now} - ({last} - s) * 1.05, 1.0, 1.02, 1.04, 1.05, 1.06, "
-            f"s % {WORLD_SIZE}, 0.8, 0.2, 0.01, 2.5, 0, 0.9, 0.9, 0, 1.3e8, 5.9e18, 0.41 "
+            f"s % {WORLD_SIZE}, 0.8, 0.2, 0.01, 2.5, 0, 0.9, 0.9, 0, 1.3e8, 5.9e18, 0.41, 1.3576e19 "
             f"FROM generate_series(0, {last}) s"
         ),
         "tensor_summaries": (

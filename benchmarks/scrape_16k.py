@@ -73,10 +73,10 @@ def build(engine: Engine, *, raw_steps: int, last_step: int, now: float) -> None
             "INSERT INTO step_summaries (run_id, step, ranks, ts, step_seconds_min, step_seconds_p50, "
             "step_seconds_p90, step_seconds_p99, step_seconds_max, slowest_rank, compute_seconds_p50, "
             "wait_seconds_p50, data_seconds_p50, loss, loss_nonfinite, grad_norm, agent_grad_norm, "
-            "grad_nonfinite, tokens, flops, mfu) "
+            "grad_nonfinite, tokens, flops, mfu, peak_flops_total) "
             f"SELECT '{RUN}', {last_step - STEP_SUMMARIES + 1} + s.x, {WORLD_SIZE}, "
             f"{now} - ({STEP_SUMMARIES} - s.x) * 1.05, 1.0, 1.02, 1.04, 1.05, 1.06, s.x % {WORLD_SIZE}, "
-            "0.8, 0.2, 0.01, 2.5 + (s.x % 13) * 0.01, 0, 0.9, 0.9, 0, 1.3e8, 5.9e18, 0.41 FROM s"
+            "0.8, 0.2, 0.01, 2.5 + (s.x % 13) * 0.01, 0, 0.9, 0.9, 0, 1.3e8, 5.9e18, 0.41, 1.3576e19 FROM s"
         ),
         "tensor_summaries": (
             f"WITH RECURSIVE {_series('s', TENSOR_STEPS)}, {_series('t', TENSORS * ROLES)} "

@@ -12,10 +12,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from trainvitals.service.store.models import ApiToken
+from trainvitals.service.store import tokens
 
 SCOPES = ("ingest", "read")
 _PREFIX = "tv_"
@@ -46,18 +45,13 @@ def create_token(session: Session, *, project: str, scope: str, name: str | None
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
     token = _PREFIX + secrets.token_urlsafe(32)
-    session.add(ApiToken(digest=digest(token), project=project, scope=scope, name=name, created_at=time.time()))
-    session.commit()
+    tokens.add_token(session, digest=digest(token), project=project, scope=scope, name=name, now=time.time())
     return token
 
 
 def revoke_token(session: Session, *, token: str) -> bool:
-    row = session.scalar(select(ApiToken).where(ApiToken.digest == digest(token)))
-    if row is None:
-        return False
-    row.revoked = True
-    session.commit()
-    return True
+    """Revoke a token (effective within a verifier's cache_seconds); False when it is unknown."""
+    return tokens.revoke_token(session, digest=digest(token))
 
 
 class TokenVerifier:
@@ -86,7 +80,7 @@ class TokenVerifier:
         if found:
             return principal
         key = digest(token)
-        row = session.scalar(select(ApiToken).where(ApiToken.digest == key))
+        row = tokens.token_by_digest(session, digest=key)
         principal = None if row is None or row.revoked else Principal(project=row.project, scope=row.scope)
         with self._lock:
             if len(self._cache) > 10_000:

@@ -75,7 +75,7 @@ class TrainvitalsCollector(Collector):
             ]
             if self._checkpoint_advice is not None:
                 for sn, r in zip(snaps, runs, strict=True):
-                    sn.checkpoint_advice = self._advice_for(session, r, now)
+                    sn.checkpoints.advice = self._advice_for(session, r, now)
             counts = queries.ingest_counts(session, project=project)
         yield from _run_families(snaps)
         yield from _fp8_families(snaps)
@@ -171,17 +171,17 @@ def _run_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
         r = sn.run_id
         info.add_metric([r, sn.project, sn.status], 1.0)
         world.add_metric([r], sn.world_size)
-        if sn.latest_step is not None:
-            latest.add_metric([r], sn.latest_step)
-        if sn.seconds_since_last_step is not None:
-            since.add_metric([r], sn.seconds_since_last_step)
+        if sn.progress.latest_step is not None:
+            latest.add_metric([r], sn.progress.latest_step)
+        if sn.progress.seconds_since_last_step is not None:
+            since.add_metric([r], sn.progress.seconds_since_last_step)
         if sn.expected_mfu is not None:
             expected.add_metric([r], sn.expected_mfu)
-        if sn.mfu_window is not None:
-            mfu.add_metric([r], sn.mfu_window)
-        for g, norm in sorted(sn.grad_groups.items()):
+        if sn.complete.mfu_window is not None:
+            mfu.add_metric([r], sn.complete.mfu_window)
+        for g, norm in sorted(sn.complete.grad_groups.items()):
             groups.add_metric([r, g], norm)
-        s = sn.summary
+        s = sn.complete.summary
         if s is None:
             continue
         reporting.add_metric([r], s.ranks)
@@ -247,13 +247,14 @@ def _fp8_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
     )
     fp8_step = _gauge("trainvitals_fp8_step", "Newest step with FP8 statistics", ["run"])
     for sn in snaps:
-        if sn.fp8_step is None:
+        f = sn.fp8
+        if f.step is None:
             continue
-        fp8_step.add_metric([sn.run_id], sn.fp8_step)
-        saturated.add_metric([sn.run_id], sn.saturated_tensors)
-        for (lay, role), hr in sorted(sn.layer_min_headroom.items()):
+        fp8_step.add_metric([sn.run_id], f.step)
+        saturated.add_metric([sn.run_id], f.saturated_tensors)
+        for (lay, role), hr in sorted(f.layer_min_headroom.items()):
             layer.add_metric([sn.run_id, lay, role], hr)
-        for tensor, role, hr in sn.worst_tensors:
+        for tensor, role, hr in f.worst_tensors:
             worst.add_metric([sn.run_id, tensor, role], hr)
     yield from (layer, worst, saturated, fp8_step)
 
@@ -292,11 +293,11 @@ def _finding_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
         "trainvitals_findings", "Distinct findings raised for a live run", labels=["run", "kind", "severity"]
     )
     for sn in snaps:
-        for f in sn.findings:
+        for f in sn.findings.active:
             active.add_metric([sn.run_id, f.kind, f.severity, f.subject_kind, f.subject], 1.0)
             onset.add_metric([sn.run_id, f.kind, f.subject_kind, f.subject], f.onset_step)
             magnitude.add_metric([sn.run_id, f.kind, f.subject_kind, f.subject], f.magnitude)
-        for (kind, severity), n in sorted(sn.findings_by_kind.items()):
+        for (kind, severity), n in sorted(sn.findings.by_kind.items()):
             total.add_metric([sn.run_id, kind, severity], n)
     yield from (active, onset, magnitude, total)
 
@@ -326,12 +327,13 @@ def _checkpoint_families(snaps: list[snapshot.RunSnapshot], now: float) -> Itera
         ["run", "status"],
     )
     for sn in snaps:
-        if sn.checkpoint_last_persisted_step is not None:
-            step.add_metric([sn.run_id], sn.checkpoint_last_persisted_step)
-            age.add_metric([sn.run_id], max(0.0, now - (sn.checkpoint_last_persisted_ts or now)))
-        for status, n in sorted(sn.checkpoint_status_counts.items()):
+        c = sn.checkpoints
+        if c.last_persisted_step is not None:
+            step.add_metric([sn.run_id], c.last_persisted_step)
+            age.add_metric([sn.run_id], max(0.0, now - (c.last_persisted_ts or now)))
+        for status, n in sorted(c.status_counts.items()):
             records.add_metric([sn.run_id, status], n)
-        a = sn.checkpoint_advice
+        a = c.advice
         if a is not None:
             advised.add_metric([sn.run_id], a.recommended_interval_s)
             band.add_metric([sn.run_id, "low"], a.band_s[0])

@@ -1,5 +1,5 @@
 """The detectors' input for one run (`RunSeries`), read from the summary tables and kept between
-analysis cycles.
+analysis cycles (the reads themselves are service/store/detector_reads.py).
 
 A cycle re-reads only the steps its reduction (re)wrote. Everything older is unchanged in the
 store: late data re-dirties the steps it lands on and the reduction rewrites them, which lowers the
@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from trainvitals.service.analysis import expectations
@@ -28,52 +27,9 @@ from trainvitals.service.detectors.series import (
     RunSteps,
     TensorSeries,
 )
-from trainvitals.service.store.models import (
-    CheckpointRow,
-    EventRow,
-    GradSummary,
-    Run,
-    StepRow,
-    StepSummary,
-    TensorSummary,
-)
-from trainvitals.service.store.queries import GLOBAL_GROUP
-
-_I64, _F64 = np.int64, np.float64
-
-
-def _column(values: Sequence[Any], dtype: Any) -> np.ndarray:
-    if dtype is _F64:
-        return np.array([np.nan if v is None else v for v in values], dtype=_F64)
-    if dtype is object:
-        return np.array(values, dtype=object)
-    return np.array([0 if v is None else v for v in values], dtype=dtype)
-
-
-_CHUNK_ROWS = 50_000  # rows fetched and converted at a time by a streamed read
-_STREAM_STEPS = 64  # reads of more steps than this stream; a cycle's few new steps do not
-
-
-def _partitions(session: Session, stmt: Any, steps: int) -> Any:
-    """The rows in lists of at most _CHUNK_ROWS. Core execution on the session's connection: the
-    ORM's row loading cost more than the fetch. Only long step ranges stream: PostgreSQL plans a
-    cursor for its first rows, which for a cycle's few new steps meant walking a whole primary key."""
-    conn = session.connection()
-    if steps <= _STREAM_STEPS:
-        rows = conn.execute(stmt).all()
-        return [rows] if rows else []
-    return conn.execute(stmt.execution_options(yield_per=_CHUNK_ROWS)).partitions()
-
-
-def _read_columns(session: Session, stmt: Any, dtypes: Sequence[Any], steps: int) -> list[np.ndarray]:
-    """A query's rows as numpy columns, fetched and converted 50,000 rows at a time (a server-side
-    cursor on PostgreSQL). The first read of a 16,384-rank run is tens of millions of rows: held
-    as Python rows all at once they took ~8 GB."""
-    parts: list[list[np.ndarray]] = [[] for _ in dtypes]
-    for rows in _partitions(session, stmt, steps):
-        for part, values, dtype in zip(parts, zip(*rows, strict=True), dtypes, strict=True):
-            part.append(_column(values, dtype))
-    return [np.concatenate(p) if p else np.empty(0, dtype=d) for p, d in zip(parts, dtypes, strict=True)]
+from trainvitals.service.store import detector_reads
+from trainvitals.service.store.detector_reads import I64, STEP_DTYPES, TENSOR_DTYPES
+from trainvitals.service.store.models import Run
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -106,13 +62,13 @@ class _Columns:
 
 
 class _RankMatrix:
-    """Per-step x per-rank timing (newest incarnation wins), extended by the rows of new steps."""
+    """Per-step x per-rank timing, extended by the rows of new steps."""
 
     def __init__(self) -> None:
-        self.steps = np.empty(0, dtype=_I64)
-        self.ranks = np.empty(0, dtype=_I64)
+        self.steps = np.empty(0, dtype=I64)
+        self.ranks = np.empty(0, dtype=I64)
         self.mats = [np.empty((0, 0)) for _ in range(3)]  # step, compute, wait seconds
-        self.stage = np.empty(0, dtype=_I64)
+        self.stage = np.empty(0, dtype=I64)
 
     def cut(self, *, after: float, upto: float) -> None:
         lo = int(np.searchsorted(self.steps, after, side="right"))
@@ -136,13 +92,14 @@ class _RankMatrix:
             wide = np.full((m.shape[0], len(union)), np.nan)
             wide[:, at] = m
             mats.append(wide)
-        stage = np.full(len(union), -1, dtype=_I64)
+        stage = np.full(len(union), -1, dtype=I64)
         stage[at] = self.stage
         self.ranks, self.mats, self.stage = union, mats, stage
 
     def append(self, columns: Sequence[np.ndarray]) -> None:
-        """columns: step, rank, step_s, compute_s, wait_s, pp_stage (NaN: unknown) of steps newer
-        than every held step, rows ordered by incarnation (the newest is written last and wins)."""
+        """columns (detector_reads.RANK_DTYPES) of steps newer than every held step: one row per
+        (step, rank), the store having applied the newest-incarnation rule; ordered by step, so
+        a rank's stage is written last from its newest step."""
         step_a, rank_a, total, comp, wait, pp = columns
         if not len(step_a):
             return
@@ -150,19 +107,15 @@ class _RankMatrix:
         new_steps = np.unique(step_a)
         si = np.searchsorted(new_steps, step_a)
         ri = np.searchsorted(self.ranks, rank_a)
-        # Last row per (step, rank) cell: the newest incarnation (fancy assignment order is unspecified).
-        cell = si * len(self.ranks) + ri
-        _, last_rev = np.unique(cell[::-1], return_index=True)
-        last = len(cell) - 1 - last_rev
         block = []
         for values in (total, comp, wait):
             m = np.full((len(new_steps), len(self.ranks)), np.nan)
-            m[si[last], ri[last]] = values[last]
+            m[si, ri] = values
             block.append(m)
         self.steps = np.concatenate([self.steps, new_steps])
         self.mats = [_frozen(np.concatenate([old, new])) for old, new in zip(self.mats, block, strict=True)]
         known = ~np.isnan(pp)
-        self.stage[ri[known]] = pp[known].astype(_I64)
+        self.stage[ri[known]] = pp[known].astype(I64)
 
     def series(self) -> RankSteps | None:
         if not len(self.steps):
@@ -177,10 +130,6 @@ class _RankMatrix:
         )
 
 
-_STEP_DTYPES = (_I64, _F64, _F64, _I64, _F64, _F64, _F64, _F64, _I64)
-_TENSOR_DTYPES = (_I64, _F64, _F64, _F64, _F64, _F64, _F64)
-
-
 class DetectorInputs:
     """Usage::
 
@@ -193,8 +142,8 @@ class DetectorInputs:
 
     def __init__(self) -> None:
         self.loaded_upto: int | None = None  # newest step read (None: nothing read yet)
-        self._steps = _Columns(_STEP_DTYPES)
-        self._groups = _Columns((_I64, np.int32, _F64))  # step, group code, norm
+        self._steps = _Columns(STEP_DTYPES)
+        self._groups = _Columns((I64, np.int32, np.float64))  # step, group code, norm
         self._group_names: list[str] = []
         self._group_code: dict[str, int] = {}
         self._tensors: dict[tuple[str, str], tuple[str, bool, _Columns]] = {}
@@ -209,13 +158,10 @@ class DetectorInputs:
         now: float,
         lookback_steps: int,
         rank_lookback_steps: int,
-        peak_flops_total: float | None,
     ) -> RunSeries:
         rid = run.run_id
-        latest = session.scalar(
-            select(StepSummary.step).where(StepSummary.run_id == rid).order_by(StepSummary.step.desc()).limit(1)
-        )
-        latest = -1 if latest is None else int(latest)
+        newest = detector_reads.newest_summary(session, run_id=rid)
+        latest, peak_flops_total = (-1, None) if newest is None else newest
         since = -1 if self.loaded_upto is None else self.loaded_upto  # rows above this step are read
         if rewritten_from is not None:
             since = min(since, rewritten_from - 1)
@@ -238,24 +184,9 @@ class DetectorInputs:
     def _read(self, session: Session, rid: str, *, after: int, upto: int, rank_after: int) -> None:
         if upto <= after and upto <= rank_after:
             return
-        s = StepSummary
-        step_cols = (s.step, s.loss, s.grad_norm, s.grad_nonfinite, s.step_seconds_max, s.ts, s.tokens, s.flops,
-                     s.loss_nonfinite)  # fmt: skip
-        where = (s.run_id == rid, s.step > after, s.step <= upto)
-        steps = upto - after
-        self._steps.append(
-            _read_columns(session, select(*step_cols).where(*where).order_by(s.step), _STEP_DTYPES, steps)
-        )
+        self._steps.append(detector_reads.step_columns(session, run_id=rid, after=after, upto=upto))
 
-        g = GradSummary
-        gsteps, names, norms = _read_columns(
-            session,
-            select(g.step, g.group_name, g.norm)
-            .where(g.run_id == rid, g.step > after, g.step <= upto, g.group_name != GLOBAL_GROUP)
-            .order_by(g.step),
-            (_I64, object, _F64),
-            steps,
-        )
+        gsteps, names, norms = detector_reads.group_norm_columns(session, run_id=rid, after=after, upto=upto)
         code = self._group_code
         for name in sorted(set(names) - code.keys()):
             code[name] = len(self._group_names)
@@ -264,38 +195,19 @@ class DetectorInputs:
 
         self._read_tensors(session, rid, after=after, upto=upto)
 
-        self._ranks.append(
-            _read_columns(
-                session,
-                select(StepRow.step, StepRow.rank, StepRow.step_seconds, StepRow.compute_seconds,
-                       StepRow.wait_seconds, StepRow.pp_stage)  # fmt: skip
-                .where(StepRow.run_id == rid, StepRow.step > rank_after, StepRow.step <= upto)
-                .order_by(StepRow.incarnation),  # the newest incarnation is written last and wins
-                (_I64, _I64, _F64, _F64, _F64, _F64),
-                upto - rank_after,
-            )
-        )
+        self._ranks.append(detector_reads.rank_timing_columns(session, run_id=rid, after=rank_after, upto=upto))
 
     def _read_tensors(self, session: Session, rid: str, *, after: int, upto: int) -> None:
         """Tensor summaries, ordered by (tensor, role, step): each chunk is split where the key
         changes and its columns appended to that tensor's."""
-        t = TensorSummary
-        stmt = (
-            select(t.tensor, t.role, t.format, t.shadow, t.step, t.amax, t.headroom_bits, t.lag_bits, t.sat_frac,
-                   t.underflow_frac, t.nonfinite)  # fmt: skip
-            .where(t.run_id == rid, t.step > after, t.step <= upto)
-            .order_by(t.tensor, t.role, t.step)
-        )
-        for rows in _partitions(session, stmt, upto - after):
-            cols = list(zip(*rows, strict=True))
-            values = [_column(v, d) for v, d in zip(cols[4:], _TENSOR_DTYPES, strict=True)]
-            keys = list(zip(cols[0], cols[1], strict=True))
+        for chunk in detector_reads.tensor_chunks(session, run_id=rid, after=after, upto=upto):
+            keys = chunk.keys
             starts = [0] + [i for i in range(1, len(keys)) if keys[i] != keys[i - 1]]
             for lo, hi in zip(starts, [*starts[1:], len(keys)], strict=True):
                 key = keys[lo]
                 if key not in self._tensors:
-                    self._tensors[key] = (cols[2][lo], bool(cols[3][lo]), _Columns(_TENSOR_DTYPES))
-                self._tensors[key][2].append([v[lo:hi] for v in values])
+                    self._tensors[key] = (chunk.formats[lo], bool(chunk.shadows[lo]), _Columns(TENSOR_DTYPES))
+                self._tensors[key][2].append([v[lo:hi] for v in chunk.columns])
 
     def _series(self, session: Session, run: Run, *, now: float, peak_flops_total: float | None) -> RunSeries:
         c = self._steps.cols
@@ -353,13 +265,11 @@ class DetectorInputs:
                 stall_seconds=c.stall_seconds,
                 persist_seconds=c.persist_seconds,
             )
-            for c in session.scalars(
-                select(CheckpointRow).where(CheckpointRow.run_id == rid).order_by(CheckpointRow.ts)
-            )
+            for c in detector_reads.checkpoints(session, run_id=rid)
         ]
         events = [
             RunEvent(event=e.event, ts=e.ts, step=e.step, detail=e.detail, rank=e.rank)
-            for e in session.scalars(select(EventRow).where(EventRow.run_id == rid).order_by(EventRow.ts))
+            for e in detector_reads.events(session, run_id=rid)
         ]
         return RunSeries(
             run=rid,

@@ -2,11 +2,12 @@
 
 Rules (DESIGN.md "Shape"):
 - a (rank, step) reported by several incarnations (a restart that replayed steps) counts once,
-  from the newest incarnation;
+  from the newest incarnation (service/store/incarnations.py: the rule, in SQL and in memory);
 - step time: distribution over ranks; the job's pace is the slowest rank (synchronous training);
 - amax: max over ranks and TP shards; headroom: min; gradient norms: sqrt of the sum over ranks of
   owned sums of squares (each element counted once);
-- MFU: job FLOPs of the step / (slowest rank's step time x total peak FLOP/s).
+- MFU: job FLOPs of the step / (slowest rank's step time x total peak FLOP/s). Computed here
+  only; the summary stores it with its denominator (`peak_flops_total`) for every other reader.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from __future__ import annotations
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
+
+from trainvitals.service.store.incarnations import newest_incarnation
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,15 +42,24 @@ class StepIn:
     pp_stage: int | None
 
 
-def newest_incarnation(rows: Iterable[StepIn]) -> list[StepIn]:
-    """Keep, per (rank, step), the row of the newest incarnation."""
-    best: dict[tuple[int, int], StepIn] = {}
-    for r in rows:
-        key = (r.rank, r.step)
-        cur = best.get(key)
-        if cur is None or r.incarnation > cur.incarnation:
-            best[key] = r
-    return list(best.values())
+STEP_IN_COLUMNS = tuple(f.name for f in fields(StepIn))
+"""The raw step columns the reducer reads, in StepIn's order."""
+
+
+def peak_flops_total(registration: dict[str, Any]) -> float | None:
+    """The run's peak FLOP/s summed over its devices: the declared per-device peak, else the
+    advisors' table for its GPU type (bf16 dense), times the device count. None: no MFU."""
+    hw = registration.get("hardware") or {}
+    count = hw.get("gpu_count") or (registration.get("parallelism") or {}).get("world_size")
+    peak = hw.get("peak_flops")
+    if peak is None and hw.get("gpu_type"):
+        from trainvitals.service.advisors.hardware import gpu_spec
+
+        try:
+            peak = gpu_spec(str(hw["gpu_type"])).peak_bf16_tflops * 1e12
+        except ValueError:  # 'cpu' or an unknown type: no MFU without a declared peak
+            peak = None
+    return float(peak) * int(count) if peak and count else None
 
 
 def _col(rows: Sequence[StepIn], name: str) -> np.ndarray:
@@ -152,6 +164,7 @@ def summarize_steps(rows: Sequence[StepIn], *, peak_flops_total: float | None,
             "tokens": opt(tokens[i]),
             "flops": opt(flops[i]),
             "mfu": mfu,
+            "peak_flops_total": peak_flops_total,
             "stage_step_seconds_p50": stages,
         })
     return out
@@ -183,30 +196,25 @@ def summarize_rank_windows(rows: Sequence[StepIn], *, window: int) -> list[dict[
     return out
 
 
-def summarize_grads(
-    rows: Iterable[tuple[int, int, int, str, float, float, int]],
-    keep: set[tuple[int, int, int]] | None = None,
-) -> list[dict[str, Any]]:
-    """rows: (step, rank, incarnation, group, owned_sq, local_sq, nonfinite). `keep`: the
-    (rank, step, incarnation) triples to use when restarts left duplicates (None: use all)."""
+def summarize_grads(rows: Iterable[Sequence[Any]]) -> list[dict[str, Any]]:
+    """rows: (step, group, owned_sq, local_sq, nonfinite) of every rank, the newest incarnation's
+    only (the store reads them through the incarnation rule)."""
     acc: dict[tuple[int, str], list[float]] = {}
-    for step, rank, inc, group, owned, local, nonfinite in rows:
-        if keep is not None and (rank, step, inc) not in keep:
-            continue
+    for step, group, owned, local, nonfinite in rows:
         a = acc.setdefault((step, group), [0.0, 0.0, np.inf, 0.0])
         a[0] += owned
         a[1] += nonfinite
         a[2] = min(a[2], local)
         a[3] = max(a[3], local)
     out = []
-    for (step, group), (owned, nonfinite, lo, hi) in sorted(acc.items()):
+    for (step, group), (owned_sum, nonfinite_sum, lo, hi) in sorted(acc.items()):
         spread = hi / lo if lo > 0 and np.isfinite(lo) else None
         out.append(
             {
                 "step": step,
                 "group_name": group,
-                "norm": float(np.sqrt(owned)) if owned >= 0 else float("nan"),
-                "nonfinite": int(nonfinite),
+                "norm": float(np.sqrt(owned_sum)) if owned_sum >= 0 else float("nan"),
+                "nonfinite": int(nonfinite_sum),
                 "replica_spread": spread,
             }
         )

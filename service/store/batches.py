@@ -374,7 +374,7 @@ def _claim_keys(session: Session, batches: list[AnyBatch], now: float) -> set[tu
         raw = conn.connection.driver_connection
         with raw.cursor() as cur:  # type: ignore[union-attr]
             cur.execute(_PG_CLAIM, [list(col) for col in zip(*rows, strict=True)])
-            return {tuple(r) for r in cur.fetchall()}  # type: ignore[misc]
+            return {tuple(r) for r in cur.fetchall()}
     # SQLite: one writer at a time (the caller holds it), so a row-by-row rowcount is exact.
     cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
     new = set()
@@ -412,7 +412,9 @@ def _touch_runs(
     for run_id, low in sorted(low_by_run.items()):
         _mark_late_data(session, run_id, low)
     finished = {
-        b.run for b in batches if b.rank == 0 and any(r.kind == "event" and r.event == "stop" for r in b.records)
+        b.run
+        for b in batches
+        if b.rank == 0 and any(r.kind == "event" and getattr(r, "event", None) == "stop" for r in b.records)
     }
     for run_id in sorted({b.run for b in batches}):
         run = runs[run_id]

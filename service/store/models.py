@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, Boolean, ForeignKey, Index, Integer, String, Table, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from trainvitals.service.store.types import Real
@@ -152,13 +152,18 @@ class EventRow(Base):
     domains: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
 
 
+def table_of(model: type[Base]) -> Table:
+    """A model's Table (`Model.__table__` is typed as a FromClause, which Core DML does not take)."""
+    return Base.metadata.tables[model.__tablename__]
+
+
 # Which table each wire record kind lands in; the ingest path and replay share it.
 RECORD_TABLES = {
-    "step": StepRow.__table__,
-    "tensor": TensorStatRow.__table__,
-    "grad": GradStatRow.__table__,
-    "checkpoint": CheckpointRow.__table__,
-    "event": EventRow.__table__,
+    "step": table_of(StepRow),
+    "tensor": table_of(TensorStatRow),
+    "grad": table_of(GradStatRow),
+    "checkpoint": table_of(CheckpointRow),
+    "event": table_of(EventRow),
 }
 
 
@@ -195,6 +200,10 @@ class StepSummary(Base):
     tokens: Mapped[float | None] = mapped_column(Real)
     flops: Mapped[float | None] = mapped_column(Real)
     mfu: Mapped[float | None] = mapped_column(Real)
+    """flops / (step_seconds_max x peak_flops_total): computed once, by the reduction."""
+    peak_flops_total: Mapped[float | None] = mapped_column(Real)
+    """The run's peak FLOP/s summed over its devices (registration), the MFU's denominator; stored
+    so that readers (the window MFU of /metrics) divide by it instead of inverting `mfu` (0008)."""
     stage_step_seconds_p50: Mapped[dict[str, float] | None] = mapped_column(JSON)
     """Per pipeline stage (key: stage number) median step time, when stages are known."""
 

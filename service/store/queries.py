@@ -1,5 +1,11 @@
-"""Read queries: keyword-only functions over a Session. Route handlers, the CLI, the exposition
-collector and the demo call these; none of them writes SQL of its own."""
+"""The queries behind the read API, the CLI, the post-mortem tools and the demo, and the live-run
+list that the analysis worker and /metrics share (and the liveness ping): keyword-only functions
+over a Session. One write lives here too, `delete_run`.
+
+The rest of the collector's SQL sits beside this module, by what it serves: ingest writes
+(batches.py), the reduction (summaries.py), the detectors' input (detector_reads.py), findings
+(findings.py), /metrics (snapshot.py), API tokens (tokens.py), the analysis lease (lease.py).
+Reads of raw per-rank rows apply the newest-incarnation rule (incarnations.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from typing import Any, NamedTuple
 from sqlalchemy import case, delete, func, select
 from sqlalchemy.orm import Session
 
+from trainvitals.service.store.incarnations import newest_incarnation_only
 from trainvitals.service.store.models import (
     CheckpointRow,
     DeliveredBatch,
@@ -26,8 +33,7 @@ from trainvitals.service.store.models import (
     TensorStatRow,
     TensorSummary,
 )
-
-GLOBAL_GROUP = "__global__"
+from trainvitals.wire.conventions import GLOBAL_GROUP
 
 
 def list_runs(session: Session, *, project: str | None = None) -> list[Run]:
@@ -51,10 +57,15 @@ def live_runs(
 
 
 def global_grad_norm(session: Session, *, run_id: str, step: int) -> float | None:
-    """sqrt of the sum over ranks of owned sums of squares (shards once, replicas once)."""
+    """sqrt of the sum over ranks of owned sums of squares (shards once, replicas once; a replayed
+    step once, from the newest incarnation)."""
+    g = GradStatRow
     total = session.scalar(
-        select(func.sum(GradStatRow.owned_sq)).where(
-            GradStatRow.run_id == run_id, GradStatRow.step == step, GradStatRow.group_name == GLOBAL_GROUP
+        select(func.sum(g.owned_sq)).where(
+            g.run_id == run_id,
+            g.step == step,
+            g.group_name == GLOBAL_GROUP,
+            newest_incarnation_only(g, run_id=run_id, first=step, last=step),
         )
     )
     return None if total is None else math.sqrt(total)
@@ -120,7 +131,13 @@ def run_overview(session: Session, *, run_id: str) -> RunOverview | None:
     times = sorted(session.scalars(select(StepSummary.step_seconds_p50).where(StepSummary.run_id == run_id)).all())
     if not times:
         times = sorted(
-            session.scalars(select(StepRow.step_seconds).where(StepRow.run_id == run_id, StepRow.step > reduced_upto))
+            session.scalars(
+                select(StepRow.step_seconds).where(
+                    StepRow.run_id == run_id,
+                    StepRow.step > reduced_upto,
+                    newest_incarnation_only(StepRow, run_id=run_id, first=reduced_upto + 1),
+                )
+            )
         )
     per_rank = _recent_rank_means(session, run_id, reduced_upto)
     slowest = max(per_rank, key=lambda r: r[1]) if per_rank else None
@@ -157,7 +174,11 @@ def _recent_rank_means(session: Session, run_id: str, reduced_upto: int) -> list
             (int(r), float(m))
             for r, m in session.execute(
                 select(StepRow.rank, func.avg(StepRow.step_seconds))
-                .where(StepRow.run_id == run_id, StepRow.step > reduced_upto)
+                .where(
+                    StepRow.run_id == run_id,
+                    StepRow.step > reduced_upto,
+                    newest_incarnation_only(StepRow, run_id=run_id, first=reduced_upto + 1),
+                )
                 .group_by(StepRow.rank)
             )
         ]
@@ -219,9 +240,11 @@ def delete_run(session: Session, *, run_id: str) -> bool:
 
 
 def rank_step_seconds(session: Session, *, run_id: str) -> list[tuple[int, float, float, float]]:
-    """Per rank: (rank, mean, p50, p99) step seconds over the whole run."""
+    """Per rank: (rank, mean, p50, p99) step seconds over the whole run (a replayed step once)."""
     rows = session.execute(
-        select(StepRow.rank, StepRow.step_seconds).where(StepRow.run_id == run_id).order_by(StepRow.rank)
+        select(StepRow.rank, StepRow.step_seconds)
+        .where(StepRow.run_id == run_id, newest_incarnation_only(StepRow, run_id=run_id))
+        .order_by(StepRow.rank)
     ).all()
     by_rank: dict[int, list[float]] = {}
     for rank, seconds in rows:
@@ -296,14 +319,17 @@ def step_time_matrix(
     """Per-rank step seconds for a step range: {ranks, steps, seconds[step][rank] (None = missing)}.
     The newest incarnation wins where a restart repeated steps."""
     rows = session.execute(
-        select(StepRow.step, StepRow.rank, StepRow.incarnation, StepRow.step_seconds)
-        .where(StepRow.run_id == run_id, StepRow.step >= start, StepRow.step <= end)
-        .order_by(StepRow.step, StepRow.rank, StepRow.incarnation)
+        select(StepRow.step, StepRow.rank, StepRow.step_seconds)
+        .where(
+            StepRow.run_id == run_id,
+            StepRow.step >= start,
+            StepRow.step <= end,
+            newest_incarnation_only(StepRow, run_id=run_id, first=start, last=end),
+        )
+        .order_by(StepRow.step, StepRow.rank)
         .limit(max_cells)
     ).all()
-    cells: dict[tuple[int, int], float] = {}
-    for step, rank, _inc, seconds in rows:
-        cells[(step, rank)] = seconds  # ordered by incarnation: the newest overwrites
+    cells: dict[tuple[int, int], float] = {(step, rank): seconds for step, rank, seconds in rows}
     ranks = sorted({r for _, r in cells})
     steps = sorted({s for s, _ in cells})
     return {

@@ -1,8 +1,19 @@
-"""What /metrics shows of one live run, read from the summary tables (bounded work per scrape:
-one step summary, one step of tensor summaries, the top-k of one rank window, open findings)."""
+"""What /metrics shows of one live run, read from the summary tables with bounded work per scrape.
+
+One function per section of the exposition (service/exposition.py has one family group each):
+
+- `progress`: newest delivered step and its age (two index probes);
+- `complete_step`: the newest reduced step, the window MFU and the per-group gradient norms
+  (the newest `mfu_window_steps` step summaries, one step of group norms);
+- `fp8_headroom`: the newest step with FP8 statistics (one step of tensor summaries);
+- `slowest_ranks`: the top-k of the newest rank window;
+- `open_findings`: active findings and counts by kind;
+- `checkpoint_status`: the newest persisted checkpoint and record counts by status.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +31,7 @@ from trainvitals.service.store.models import (
     StepSummary,
     TensorSummary,
 )
-from trainvitals.service.store.queries import GLOBAL_GROUP
+from trainvitals.wire.conventions import GLOBAL_GROUP
 
 
 def layer_of(tensor: str) -> str:
@@ -33,31 +44,67 @@ def layer_of(tensor: str) -> str:
 
 
 @dataclass(kw_only=True, slots=True)
+class Progress:
+    latest_step: int | None = None
+    """Highest step delivered by any rank (raw rows: ahead of the reduction)."""
+    seconds_since_last_step: float | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class CompleteStep:
+    summary: StepSummary | None = None
+    """The newest reduced step (None before the first reduction)."""
+    mfu_window: float | None = None
+    """MFU over the newest reduced steps: total FLOPs / total (time x peak)."""
+    grad_groups: dict[str, float] = field(default_factory=dict)
+    """Gradient norm per parameter group at that step."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Fp8Headroom:
+    step: int | None = None
+    """Newest step with FP8 statistics (None: the run has none)."""
+    layer_min_headroom: dict[tuple[str, str], float] = field(default_factory=dict)
+    """(layer, role) -> least headroom over that layer's tensors."""
+    worst_tensors: list[tuple[str, str, float]] = field(default_factory=list)
+    """(tensor, role, headroom) of the top-k tensors with the least headroom."""
+    saturated_tensors: int = 0
+    """Tensors with headroom below 0 bits."""
+
+
+@dataclass(kw_only=True, slots=True)
+class OpenFindings:
+    active: list[FindingRow] = field(default_factory=list)
+    by_kind: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(kind, severity) -> findings ever raised, active or not."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointStatus:
+    last_persisted_step: int | None = None
+    last_persisted_ts: float | None = None
+    status_counts: dict[str, int] = field(default_factory=dict)
+    """Records by status (started, persisted, failed, verified)."""
+    advice: Any = None
+    """CadenceAdvice for the run's observed saves/failures, when there is enough to advise (set by
+    the exposition collector, which caches it: it is not read from the store)."""
+
+
+@dataclass(kw_only=True, slots=True)
 class RunSnapshot:
     run_id: str
     project: str
     status: str
     world_size: int
-    latest_step: int | None = None
-    seconds_since_last_step: float | None = None
-    summary: StepSummary | None = None
-    mfu_window: float | None = None
     expected_mfu: float | None = None
-    grad_groups: dict[str, float] = field(default_factory=dict)
-    layer_min_headroom: dict[tuple[str, str], float] = field(default_factory=dict)
-    worst_tensors: list[tuple[str, str, float]] = field(default_factory=list)
-    saturated_tensors: int = 0
-    fp8_step: int | None = None
+    progress: Progress = field(default_factory=Progress)
+    complete: CompleteStep = field(default_factory=CompleteStep)
+    fp8: Fp8Headroom = field(default_factory=Fp8Headroom)
     slowest_ranks: list[tuple[int, float, float]] = field(default_factory=list)
     """(rank, mean compute seconds -- step seconds when not measured --, ratio to its cohort's
-    median) in the newest rank window."""
-    findings: list[FindingRow] = field(default_factory=list)
-    findings_by_kind: dict[tuple[str, str], int] = field(default_factory=dict)
-    checkpoint_last_persisted_step: int | None = None
-    checkpoint_last_persisted_ts: float | None = None
-    checkpoint_status_counts: dict[str, int] = field(default_factory=dict)
-    checkpoint_advice: Any = None
-    """CadenceAdvice for the run's observed saves/failures, when there is enough to advise."""
+    median) in the newest rank window, slowest first."""
+    findings: OpenFindings = field(default_factory=OpenFindings)
+    checkpoints: CheckpointStatus = field(default_factory=CheckpointStatus)
 
 
 def run_snapshot(
@@ -71,103 +118,133 @@ def run_snapshot(
     expected_mfu: float | None = None,
 ) -> RunSnapshot:
     rid = run.run_id
-    snap = RunSnapshot(
+    return RunSnapshot(
         run_id=rid,
         project=run.project,
         status=run.status,
         world_size=run.world_size,
         expected_mfu=expected_mfu,
+        progress=progress(session, run_id=rid, now=now),
+        complete=complete_step(session, run_id=rid, mfu_window_steps=mfu_window_steps, max_groups=max_groups),
+        fp8=fp8_headroom(session, run_id=rid, top_k=top_k),
+        slowest_ranks=slowest_ranks(session, run_id=rid, top_k=top_k),
+        findings=open_findings(session, run_id=rid),
+        checkpoints=checkpoint_status(session, run_id=rid),
     )
+
+
+def progress(session: Session, *, run_id: str, now: float) -> Progress:
     # Raw steps grow by world_size rows per step: max(ts) over the whole run is a scan of millions
     # of rows at 16,384 ranks. The newest step comes off the (run_id, step, rank) index, and the
     # newest timestamp is taken among that step's rows (at most world_size of them): ranks finish
     # a step within one step time of each other, so this is the age of the newest work.
-    snap.latest_step = session.scalar(select(func.max(StepRow.step)).where(StepRow.run_id == rid))
-    if snap.latest_step is not None:
+    out = Progress(latest_step=session.scalar(select(func.max(StepRow.step)).where(StepRow.run_id == run_id)))
+    if out.latest_step is not None:
         last_ts = session.scalar(
-            select(func.max(StepRow.ts)).where(StepRow.run_id == rid, StepRow.step == snap.latest_step)
+            select(func.max(StepRow.ts)).where(StepRow.run_id == run_id, StepRow.step == out.latest_step)
         )
         if last_ts is not None:
-            snap.seconds_since_last_step = max(0.0, now - last_ts)
+            out.seconds_since_last_step = max(0.0, now - last_ts)
+    return out
 
+
+def window_mfu(recent: Iterable[StepSummary]) -> float | None:
+    """MFU of a window of step summaries: total FLOPs over total (time x peak), not a mean of
+    per-step ratios; the steps without a measured MFU are left out. Reads the peak the reduction
+    stored with each step."""
+    flops = time_x_peak = 0.0
+    for s in recent:
+        if s.flops and s.mfu and s.peak_flops_total:
+            flops += s.flops
+            time_x_peak += s.step_seconds_max * s.peak_flops_total
+    return flops / time_x_peak if time_x_peak else None
+
+
+def complete_step(session: Session, *, run_id: str, mfu_window_steps: int, max_groups: int) -> CompleteStep:
     recent = list(
         session.scalars(
             select(StepSummary)
-            .where(StepSummary.run_id == rid)
+            .where(StepSummary.run_id == run_id)
             .order_by(StepSummary.step.desc())
             .limit(mfu_window_steps)
         )
     )
-    if recent:
-        snap.summary = recent[0]
-        with_mfu = [s for s in recent if s.flops and s.mfu]
-        if with_mfu:
-            # Window MFU: total FLOPs over (total time x peak), not a mean of per-step ratios.
-            peak = with_mfu[0].flops / (with_mfu[0].mfu * with_mfu[0].step_seconds_max)
-            total_time = sum(s.step_seconds_max for s in with_mfu)
-            snap.mfu_window = sum(s.flops for s in with_mfu) / (total_time * peak)
-        step = snap.summary.step
-        groups = session.execute(
-            select(GradSummary.group_name, GradSummary.norm)
-            .where(
-                GradSummary.run_id == rid, GradSummary.step == step, GradSummary.group_name != GLOBAL_GROUP
-            )
-            .limit(max_groups)
-        ).all()
-        snap.grad_groups = {g: n for g, n in groups}
+    if not recent:
+        return CompleteStep()
+    groups = session.execute(
+        select(GradSummary.group_name, GradSummary.norm)
+        .where(GradSummary.run_id == run_id, GradSummary.step == recent[0].step, GradSummary.group_name != GLOBAL_GROUP)
+        .limit(max_groups)
+    ).all()
+    return CompleteStep(summary=recent[0], mfu_window=window_mfu(recent), grad_groups={g: n for g, n in groups})
 
-    fp8_step = session.scalar(select(func.max(TensorSummary.step)).where(TensorSummary.run_id == rid))
-    if fp8_step is not None:
-        snap.fp8_step = fp8_step
-        rows = session.execute(
+
+def fp8_headroom(session: Session, *, run_id: str, top_k: int) -> Fp8Headroom:
+    step = session.scalar(select(func.max(TensorSummary.step)).where(TensorSummary.run_id == run_id))
+    if step is None:
+        return Fp8Headroom()
+    out = Fp8Headroom(step=step)
+    rows = [
+        (tensor, role, hr)
+        for tensor, role, hr in session.execute(
             select(TensorSummary.tensor, TensorSummary.role, TensorSummary.headroom_bits).where(
-                TensorSummary.run_id == rid,
-                TensorSummary.step == fp8_step,
+                TensorSummary.run_id == run_id,
+                TensorSummary.step == step,
                 TensorSummary.headroom_bits.is_not(None),
             )
-        ).all()
-        for tensor, role, hr in rows:
-            key = (layer_of(tensor), role)
-            snap.layer_min_headroom[key] = min(hr, snap.layer_min_headroom.get(key, np.inf))
-            if hr < 0:
-                snap.saturated_tensors += 1
-        snap.worst_tensors = sorted(((t, r, h) for t, r, h in rows), key=lambda x: x[2])[:top_k]
+        )
+        if hr is not None  # for the type checker: the query asks for it already
+    ]
+    for tensor, role, hr in rows:
+        key = (layer_of(tensor), role)
+        out.layer_min_headroom[key] = min(hr, out.layer_min_headroom.get(key, np.inf))
+        if hr < 0:
+            out.saturated_tensors += 1
+    out.worst_tensors = sorted(rows, key=lambda x: x[2])[:top_k]
+    return out
 
+
+def slowest_ranks(session: Session, *, run_id: str, top_k: int) -> list[tuple[int, float, float]]:
     newest_window = session.scalar(
-        select(func.max(RankWindow.window_start)).where(RankWindow.run_id == rid, RankWindow.steps > 1)
+        select(func.max(RankWindow.window_start)).where(RankWindow.run_id == run_id, RankWindow.steps > 1)
     )
-    if newest_window is not None:
-        win = session.execute(
-            # Compute time (step minus collective wait) when measured: in synchronous training every
-            # rank's step lasts as long as the slowest one's, so step time cannot single it out.
-            select(
-                RankWindow.rank,
-                func.coalesce(RankWindow.compute_seconds_mean, RankWindow.step_seconds_mean),
-                RankWindow.pp_stage,
-            ).where(
-                RankWindow.run_id == rid, RankWindow.window_start == newest_window
-            )
-        ).all()
-        cohort: dict[int | None, list[float]] = {}
-        for _rank, mean, stage in win:
-            cohort.setdefault(stage, []).append(mean)
-        medians = {k: float(np.median(v)) for k, v in cohort.items()}
-        ranked = sorted(
-            ((r, m, m / medians[s] if medians[s] > 0 else 1.0) for r, m, s in win), key=lambda x: -x[2]
-        )
-        snap.slowest_ranks = ranked[:top_k]
+    if newest_window is None:
+        return []
+    win = session.execute(
+        # Compute time (step minus collective wait) when measured: in synchronous training every
+        # rank's step lasts as long as the slowest one's, so step time cannot single it out.
+        select(
+            RankWindow.rank,
+            func.coalesce(RankWindow.compute_seconds_mean, RankWindow.step_seconds_mean),
+            RankWindow.pp_stage,
+        ).where(RankWindow.run_id == run_id, RankWindow.window_start == newest_window)
+    ).all()
+    cohort: dict[int | None, list[float]] = {}
+    for _rank, mean, stage in win:
+        cohort.setdefault(stage, []).append(mean)
+    medians = {k: float(np.median(v)) for k, v in cohort.items()}
+    ranked = sorted(((r, m, m / medians[s] if medians[s] > 0 else 1.0) for r, m, s in win), key=lambda x: -x[2])
+    return ranked[:top_k]
 
-    snap.findings = list(
-        session.scalars(select(FindingRow).where(FindingRow.run_id == rid, FindingRow.active.is_(True)))
+
+def open_findings(session: Session, *, run_id: str) -> OpenFindings:
+    return OpenFindings(
+        active=list(
+            session.scalars(select(FindingRow).where(FindingRow.run_id == run_id, FindingRow.active.is_(True)))
+        ),
+        by_kind={
+            (k, s): n
+            for k, s, n in session.execute(
+                select(FindingRow.kind, FindingRow.severity, func.count())
+                .where(FindingRow.run_id == run_id)
+                .group_by(FindingRow.kind, FindingRow.severity)
+            )
+        },
     )
-    snap.findings_by_kind = {
-        (k, s): n
-        for k, s, n in session.execute(
-            select(FindingRow.kind, FindingRow.severity, func.count())
-            .where(FindingRow.run_id == rid)
-            .group_by(FindingRow.kind, FindingRow.severity)
-        )
-    }
+
+
+def checkpoint_status(session: Session, *, run_id: str) -> CheckpointStatus:
+    out = CheckpointStatus()
     # One ordered probe per status rather than `status IN (...) ORDER BY step DESC`: with the
     # (run_id, status, step) index each probe reads one index entry, whereas the IN form has to
     # sort every persisted row of every rank (world_size rows per generation).
@@ -177,7 +254,7 @@ def run_snapshot(
         if (
             row := session.execute(
                 select(CheckpointRow.step, CheckpointRow.ts)
-                .where(CheckpointRow.run_id == rid, CheckpointRow.status == status)
+                .where(CheckpointRow.run_id == run_id, CheckpointRow.status == status)
                 .order_by(CheckpointRow.step.desc())
                 .limit(1)
             ).first()
@@ -185,12 +262,12 @@ def run_snapshot(
         is not None
     ]
     if newest:
-        snap.checkpoint_last_persisted_step, snap.checkpoint_last_persisted_ts = max(newest, key=lambda r: r[0])
-    snap.checkpoint_status_counts = dict(
+        out.last_persisted_step, out.last_persisted_ts = max(newest, key=lambda r: r[0])
+    out.status_counts = dict(
         session.execute(
             select(CheckpointRow.status, func.count())
-            .where(CheckpointRow.run_id == rid)
+            .where(CheckpointRow.run_id == run_id)
             .group_by(CheckpointRow.status)
         ).all()
     )
-    return snap
+    return out

@@ -109,3 +109,25 @@ def test_exposition_passes_promtool(setup, promtool_check) -> None:
     _store(maker, "a", ranks=3, steps=4)
     result = promtool_check(generate_latest(registry).decode())
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mfu_is_total_flops_over_time_and_stored_peak_of_the_newest_20_steps(setup) -> None:
+    maker, _clock, registry = setup
+    with maker() as session:
+        registration = RunRegistration(
+            run="m", parallelism={"world_size": 2}, hardware={"gpu_count": 2, "peak_flops": 1e10}
+        )
+        batches.register_run(session, registration, now=1000.0)
+        for rank in range(2):
+            records = [
+                {"kind": "step", "step": s, "ts": 1.0, "step_seconds": 1.0 + rank + s, "flops": 1e9} for s in range(30)
+            ]
+            batches.store_batch(
+                session,
+                Batch.model_validate({"run": "m", "rank": rank, "incarnation": 1, "seq": 0, "records": records}),
+                now=1000.0,
+            )
+        pipeline.process_run(session, queries.get_run(session, run_id="m"), now=1000.0)
+    # Steps 10..29: job FLOPs 2e9 each, the slowest rank takes 2 + s seconds, peak 2 x 1e10 FLOP/s.
+    expected = 20 * 2e9 / (sum(2.0 + s for s in range(10, 30)) * 2e10)
+    assert registry.get_sample_value("trainvitals_run_mfu_ratio", {"run": "m"}) == pytest.approx(expected)

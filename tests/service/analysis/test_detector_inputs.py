@@ -8,9 +8,9 @@ import random
 import numpy as np
 import pytest
 
-from trainvitals.service.analysis import detector_inputs, pipeline
+from trainvitals.service.analysis import pipeline
 from trainvitals.service.analysis.detector_inputs import DetectorInputs
-from trainvitals.service.store import batches, queries
+from trainvitals.service.store import batches, detector_reads, queries
 from trainvitals.wire import Batch, RunRegistration
 
 WORLD = 4
@@ -55,8 +55,8 @@ def _assert_same(cached: object, fresh: object, path: str = "series") -> None:
 @pytest.mark.parametrize(("seed", "streamed"), [(1, False), (2, True)])
 def test_kept_inputs_equal_a_fresh_read_every_cycle(session, seed: int, streamed: bool, monkeypatch) -> None:
     if streamed:  # every read streams, in chunks small enough that tensors and steps span several
-        monkeypatch.setattr(detector_inputs, "_STREAM_STEPS", 0)
-        monkeypatch.setattr(detector_inputs, "_CHUNK_ROWS", 7)
+        monkeypatch.setattr(detector_reads, "_STREAM_STEPS", 0)
+        monkeypatch.setattr(detector_reads, "_CHUNK_ROWS", 7)
     rng = random.Random(seed)
     batches.register_run(session, RunRegistration(run="r", parallelism={"world_size": WORLD},
                                                  hardware={"gpu_count": WORLD, "peak_flops": 1e10}))  # fmt: skip
@@ -95,7 +95,7 @@ def test_kept_inputs_equal_a_fresh_read_every_cycle(session, seed: int, streamed
         fresh = pipeline.build_series(session, run, now=now, config=CONFIG)
         _assert_same(cached, fresh)
     if streamed:  # and chunked reads equal whole ones
-        monkeypatch.setattr(detector_inputs, "_STREAM_STEPS", 10**9)
+        monkeypatch.setattr(detector_reads, "_STREAM_STEPS", 10**9)
         _assert_same(fresh, pipeline.build_series(session, run, now=now, config=CONFIG))
     # The scenario reached what it is about: trimmed windows, a full timing matrix, both tensors.
     assert fresh.ranks is not None and list(fresh.ranks.ranks) == [0, 1, 2, 3]

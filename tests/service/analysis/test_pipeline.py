@@ -94,3 +94,29 @@ def test_nan_is_kept_on_both_backends(session) -> None:
     assert math.isnan(t.amax) and t.headroom_bits == 1.5
     g = session.scalars(select(GradSummary).where(GradSummary.group_name == "__global__")).one()
     assert math.isnan(g.norm) and g.nonfinite == 6
+
+
+def test_a_replayed_step_counts_the_newest_incarnations_tensor_records_once(session) -> None:
+    """A restart replays steps 5..11 of rank 0: both incarnations' FP8 records of those steps are
+    stored. The tensor summary sums non-finite counts over ranks, so it must take rank 0 once, from
+    its newest incarnation (and its amax, not the older, larger one)."""
+    _register(session)
+
+    def fp8(rank: int, inc: int, steps: range, *, nonfinite: int, amax: float) -> Batch:
+        recs: list[dict] = []
+        for s in steps:
+            recs.append({"kind": "step", "step": s, "ts": 100.0 + s, "step_seconds": 1.0})
+            recs.append({"kind": "tensor", "step": s, "tensor": "layers.0.fc", "role": "input", "format": "e4m3",
+                         "amax": amax, "headroom_bits": 1.0, "nonfinite": nonfinite})  # fmt: skip
+        return Batch.model_validate({"run": "r", "rank": rank, "incarnation": inc, "seq": 0, "records": recs})
+
+    batches.store_batch(session, fp8(1, 1, range(12), nonfinite=1, amax=1.0))
+    batches.store_batch(session, fp8(0, 1, range(10), nonfinite=3, amax=4.0))
+    assert _reduce(session) == 12
+    batches.store_batch(session, fp8(0, 2, range(5, 12), nonfinite=5, amax=2.0))  # resumed from step 5
+    assert _reduce(session) == 7
+    t = {s: (n, a) for s, n, a in session.execute(select(TensorSummary.step, TensorSummary.nonfinite,
+                                                              TensorSummary.amax))}  # fmt: skip
+    assert t[4] == (3 + 1, 4.0)  # not replayed: the first incarnation's
+    assert t[7] == (5 + 1, 2.0)  # replayed: the newest incarnation's only (not 3 + 5 + 1, nor amax 4.0)
+    assert t[11] == (5 + 1, 2.0)  # rank 0 reached it in its newest incarnation only

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 from sqlalchemy import inspect
 
 from trainvitals.service.store import db
@@ -87,3 +88,34 @@ def test_0006_counts_records_stored_before_it(tmp_path: Path, empty_pg_url: str)
     backfills them from the raw tables, on both backends."""
     _backfill_case(f"sqlite:///{tmp_path / 'b.db'}")
     _backfill_case(empty_pg_url)
+
+
+def _peak_backfill_case(url: str) -> None:
+    from sqlalchemy import text
+
+    db.upgrade(url, "0007")
+    engine = db.make_engine(url)
+    with engine.begin() as conn:
+        for step, flops, mfu in ((0, 1e9, 0.25), (1, None, None)):
+            conn.execute(
+                text("INSERT INTO step_summaries (run_id, step, ranks, ts, step_seconds_min, step_seconds_p50, "
+                     "step_seconds_p90, step_seconds_p99, step_seconds_max, slowest_rank, loss_nonfinite, "
+                     "grad_nonfinite, flops, mfu) VALUES ('old', :step, 1, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 0, 0, 0, "
+                     ":flops, :mfu)"),
+                {"step": step, "flops": flops, "mfu": mfu},
+            )  # fmt: skip
+    engine.dispose()
+    db.upgrade(url)  # 0008 recovers the peak each stored MFU was computed with
+    engine = db.make_engine(url)
+    with engine.connect() as conn:
+        peaks = conn.execute(text("SELECT peak_flops_total FROM step_summaries ORDER BY step")).scalars().all()
+    engine.dispose()
+    assert peaks[0] == pytest.approx(1e9 / (0.25 * 2.0)) and peaks[1] is None
+    db.downgrade(url, "0007")
+
+
+def test_0008_stores_the_peak_of_summaries_reduced_before_it(tmp_path: Path, empty_pg_url: str) -> None:
+    """/metrics divides by the peak stored with each step summary since 0008; the revision fills
+    it in for the summaries already stored, on both backends."""
+    _peak_backfill_case(f"sqlite:///{tmp_path / 'p.db'}")
+    _peak_backfill_case(empty_pg_url)
