@@ -348,6 +348,7 @@ class _Run:
                 ts=ts,
                 tokens=tokens,
                 flops=flops,
+                mfu=mfu,  # what the collector's reduction stores for these flops and step times
                 loss_nonfinite=self.loss_nonfinite.copy(),
             ),
             groups=GroupGradNorms(
@@ -1201,7 +1202,8 @@ def prefix(series: RunSeries, last_step: int) -> RunSeries:
 
     steps = RunSteps(steps=s.steps[:k], loss=s.loss[:k], grad_norm=s.grad_norm[:k],
                      grad_nonfinite=s.grad_nonfinite[:k], step_seconds=s.step_seconds[:k], ts=s.ts[:k],
-                     tokens=s.tokens[:k], flops=s.flops[:k], loss_nonfinite=cut(s.loss_nonfinite))
+                     tokens=s.tokens[:k], flops=s.flops[:k], mfu=cut(s.mfu),
+                     loss_nonfinite=cut(s.loss_nonfinite))
     end_ts = float(s.ts[k - 1]) if k else -math.inf
     groups = None
     if series.groups is not None:

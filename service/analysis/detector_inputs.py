@@ -221,6 +221,7 @@ class DetectorInputs:
             tokens=c[6],
             flops=c[7],
             loss_nonfinite=c[8],
+            mfu=c[9] if peak_flops_total else None,
         )
         groups = None
         if len(self._groups.steps):

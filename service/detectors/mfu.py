@@ -44,10 +44,9 @@ class MfuConfig:
 def detect_mfu_gap(series: RunSeries, sup: Suppression, cfg: MfuConfig) -> list[Finding]:
     """`mfu_gap` findings of one run (silent without expected MFU or peak FLOP/s)."""
     s = series.steps
-    if not series.expected_mfu or not series.peak_flops_total or len(s.steps) < cfg.window_steps:
+    if not series.expected_mfu or s.mfu is None or len(s.steps) < cfg.window_steps:
         return []
-    with np.errstate(divide="ignore", invalid="ignore"):
-        mfu = s.flops / (s.step_seconds * series.peak_flops_total)
+    mfu = np.array(s.mfu, dtype=float)  # as the reduction stored it: MFU is computed in one place
     mfu[sup.suppressed(s.steps) | ~np.isfinite(mfu)] = np.nan
     w = cfg.window_steps
     n_win = len(s.steps) // w

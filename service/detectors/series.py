@@ -32,6 +32,10 @@ class RunSteps:
     """float64 tokens processed by the whole job in the step (NaN where unknown)."""
     flops: np.ndarray
     """float64 model FLOPs of the whole job in the step (NaN where unknown)."""
+    mfu: np.ndarray | None = None
+    """float64 model FLOPs utilisation as the reduction computed and stored it (flops / (step_seconds
+    x peak_flops_total)); NaN where unknown, None when the run declares no peak. Detectors read it,
+    never recompute it."""
     loss_nonfinite: np.ndarray | None = None
     """int64 ranks that reported a non-finite loss (optional: `loss` is NaN both for 'unknown' and
     for a reported NaN, so this tells them apart; +-inf in `loss` counts without it)."""

@@ -18,6 +18,7 @@ def _run(series, step_seconds: np.ndarray, expected: float | None):
     s.steps.flops = np.full(n, 0.4 * PEAK * 1.0)  # MFU 0.40 at 1.0 s per step
     s.expected_mfu = expected
     s.peak_flops_total = PEAK
+    s.steps.mfu = s.steps.flops / (step_seconds * PEAK)  # the reduction's stored MFU
     return detect_mfu_gap(s, suppression_for(s, SuppressionConfig()), MfuConfig())
 
 
