@@ -271,8 +271,7 @@ def batch_template(run: str, rank: int, *, steps_per_batch: int, layers_per_rank
             f'{{"kind":"step","step":{st},"ts":{ts},"step_seconds":1.0{rank % 97:02d},'
             f'"compute_seconds":0.81,"wait_seconds":0.17,"data_seconds":0.01,"loss":2.7{rank % 89},'
             f'"tokens":8192,"flops":3.6e+14,"lr":0.0003,"grad_norm":0.93,"pp_stage":{stage},'
-            f'"tp_rank":{rank % TP},"dp_rank":@D@,'
-            f'"mem_allocated_bytes":61203283968,"mem_reserved_bytes":70866960384}}'
+            f'"tp_rank":{rank % TP},"dp_rank":@D@}}'
         )
         for layer in [*layers, None]:
             group = "__global__" if layer is None else f"layers.{layer}"
