@@ -31,16 +31,7 @@ from trainvitals.service.store.models import (
     StepSummary,
     TensorSummary,
 )
-from trainvitals.wire.conventions import GLOBAL_GROUP
-
-
-def layer_of(tensor: str) -> str:
-    """'layers.3.mlp.fc' -> 'layers.3': the label for per-layer aggregates (bounded by depth)."""
-    parts = tensor.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return parts[0]
+from trainvitals.wire.conventions import GLOBAL_GROUP, layer_of
 
 
 @dataclass(kw_only=True, slots=True)
