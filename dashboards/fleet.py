@@ -8,7 +8,6 @@ one database serve identical series, which must count once.
 
 from __future__ import annotations
 
-from grafana_foundation_sdk.builders import dashboard as dash_b
 from grafana_foundation_sdk.models import dashboard as dash_m
 
 from trainvitals.dashboards import panels as p
@@ -33,20 +32,13 @@ def _per_run(metric: str) -> str:
 
 
 def build() -> dash_m.Dashboard:
-    board = (
-        dash_b.Dashboard("trainvitals / Fleet")
-        .uid(p.FLEET_UID)
-        .description("Every live training run of a project: is it stepping, how fast, and is anything paging.")
-        .tags([p.TAG])
-        .editable()
-        .refresh("30s")
-        .time("now-6h", "now")
-        .timezone("browser")
-        .tooltip(dash_m.DashboardCursorSync.CROSSHAIR)
-        .with_variable(p.prometheus_variable())
-        .with_variable(p.project_variable())
-        .links(p.dashboard_links())
-        .annotations(
+    board = p.dashboard(
+        "trainvitals / Fleet",
+        uid=p.FLEET_UID,
+        description="Every live training run of a project: is it stepping, how fast, and is anything paging.",
+        time_from="now-6h",
+        variables=[p.prometheus_variable(), p.project_variable()],
+    ).annotations(
             [
                 p.builtin_annotation(),
                 p.prom_annotation(
@@ -57,7 +49,6 @@ def build() -> dash_m.Dashboard:
                     text="run {{run}}: {{severity}} {{subject_kind}} {{subject}}",
                 ),
             ]
-        )
     )
     board = board.with_row(p.row(100, "Fleet at a glance"))
     board = board.with_panel(

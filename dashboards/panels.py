@@ -73,7 +73,28 @@ TIMES = "suffix:x"
 DEFAULT_HEIGHT = 8
 
 
-# -- variables and links ---------------------------------------------------------------------
+# -- dashboards, variables and links ---------------------------------------------------------
+
+
+def dashboard(
+    title: str, *, uid: str, description: str, time_from: str, variables: Sequence[Any]
+) -> dash_b.Dashboard:
+    """The settings every trainvitals dashboard shares (tag, refresh, crosshair, links), with its
+    own title, uid, default time range and variables in the order given."""
+    board = (
+        dash_b.Dashboard(title)
+        .uid(uid)
+        .description(description)
+        .tags([TAG])
+        .editable()
+        .refresh("30s")
+        .time(time_from, "now")
+        .timezone("browser")
+        .tooltip(dash_m.DashboardCursorSync.CROSSHAIR)
+    )
+    for variable in variables:
+        board = board.with_variable(variable)
+    return board.links(dashboard_links())
 
 
 def prometheus_variable() -> dash_b.DatasourceVariable:

@@ -94,23 +94,13 @@ def _annotations() -> list[cog_builder.Builder[dash_m.AnnotationQuery]]:
 
 
 def build() -> dash_m.Dashboard:
-    board = (
-        dash_b.Dashboard("trainvitals / Run")
-        .uid(p.RUN_UID)
-        .description("One training run: health, throughput, convergence, stragglers, FP8, findings, checkpoints.")
-        .tags([p.TAG])
-        .editable()
-        .refresh("30s")
-        .time("now-3h", "now")
-        .timezone("browser")
-        .tooltip(dash_m.DashboardCursorSync.CROSSHAIR)
-        .with_variable(p.prometheus_variable())
-        .with_variable(p.postgres_variable())
-        .with_variable(p.project_variable())
-        .with_variable(p.run_variable())
-        .links(p.dashboard_links())
-        .annotations(_annotations())
-    )
+    board = p.dashboard(
+        "trainvitals / Run",
+        uid=p.RUN_UID,
+        description="One training run: health, throughput, convergence, stragglers, FP8, findings, checkpoints.",
+        time_from="now-3h",
+        variables=[p.prometheus_variable(), p.postgres_variable(), p.project_variable(), p.run_variable()],
+    ).annotations(_annotations())
     board = _health(board)
     board = _throughput(board)
     board = _convergence(board)
