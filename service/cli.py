@@ -355,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_query(
         qsub,
         "findings",
-        "detector findings with onset steps",
+        "detector findings with onset and detection steps",
         extra=lambda p: p.add_argument("--active", action="store_true"),
     )
     _add_query(qsub, "checkpoints", "checkpoint generations and their status")

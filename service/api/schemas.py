@@ -134,6 +134,10 @@ class FindingPublic(_Public):
     subject_kind: str
     subject: str
     onset_step: int
+    """First step of the evidence; while the finding stays open it only ever moves earlier."""
+    detected_step: int | None
+    """Step at which it was first raised (kept while it stays open); null: stored before this was
+    recorded (revision 0009)."""
     last_step: int
     magnitude: float
     summary: str

@@ -288,6 +288,9 @@ class FindingRow(Base):
     subject_kind: Mapped[str] = mapped_column(String(16))
     subject: Mapped[str] = mapped_column(String(256))
     onset_step: Mapped[int] = mapped_column(BigInteger)
+    # The step the finding was first raised at; None for findings stored before revision 0009.
+    # Both are kept while the finding stays open (store/findings.py: the onset only moves earlier).
+    detected_step: Mapped[int | None] = mapped_column(BigInteger)
     last_step: Mapped[int] = mapped_column(BigInteger)
     magnitude: Mapped[float] = mapped_column(Real)
     summary: Mapped[str] = mapped_column(Text)

@@ -137,7 +137,7 @@ def step_times(
 
 @router.get(
     "/{run_id}/findings",
-    summary="Detector findings with onset steps",
+    summary="Detector findings with onset and detection steps",
     response_model=list[FindingPublic],
     responses=_CSV,
 )

@@ -1,0 +1,90 @@
+"""Findings upsert: onsets are stable while a finding stays open, detected_step is kept, a reopened
+finding starts afresh; the findings API and CLI show both steps."""
+
+import dataclasses
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from trainvitals.service import cli
+from trainvitals.service.detectors.findings import Finding
+from trainvitals.service.main import create_app
+from trainvitals.service.settings import Settings
+from trainvitals.service.store import batches
+from trainvitals.service.store.findings import store_findings
+from trainvitals.service.store.models import FindingRow
+from trainvitals.wire import RunRegistration
+
+STRAGGLER = Finding(
+    kind="straggler", severity="page", run="r", subject_kind="rank", subject="3", onset_step=600,
+    last_step=700, magnitude=1.2, summary="rank 3 is 20% slower than its pipeline stage since step 600",
+    detected_step=650,
+)  # fmt: skip
+
+
+def _cycle(session, *findings: Finding, now: float) -> FindingRow:
+    """One analysis cycle's upsert; the stored straggler row."""
+    store_findings(session, run_id="r", findings=findings, now=now)
+    return session.query(FindingRow).filter_by(kind="straggler").one()
+
+
+def _later(f: Finding, **kw: object) -> Finding:
+    return dataclasses.replace(f, **kw)  # type: ignore[arg-type]
+
+
+def test_open_finding_keeps_its_first_onset_and_detected_step(session) -> None:
+    row = _cycle(session, STRAGGLER, now=1.0)
+    assert (row.onset_step, row.detected_step, row.active) == (600, 650, True)
+    # The lookback slid past step 600: the detector now computes onset 900, detected 950.
+    moved = _later(STRAGGLER, onset_step=900, detected_step=950, last_step=1500,
+                   summary="rank 3 is 20% slower than its pipeline stage since step 900")  # fmt: skip
+    row = _cycle(session, moved, now=2.0)
+    assert (row.onset_step, row.detected_step, row.last_step) == (600, 650, 1500)
+    assert row.summary.endswith("since step 600")  # the line beside onset_step agrees with it
+    # New evidence backdates it: earlier is allowed; detected_step stays.
+    row = _cycle(session, _later(moved, onset_step=450, detected_step=460), now=3.0)
+    assert (row.onset_step, row.detected_step) == (450, 650)
+
+
+def test_closed_then_reopened_finding_gets_a_new_onset_and_detected_step(session) -> None:
+    _cycle(session, STRAGGLER, now=1.0)
+    closed = _cycle(session, _later(STRAGGLER, active=False, onset_step=620, detected_step=660), now=2.0)
+    assert (closed.active, closed.onset_step, closed.detected_step) == (False, 600, 650)  # same episode
+    assert not _cycle(session, now=3.0).active  # not reported at all: stays closed
+    reopened = _cycle(session, _later(STRAGGLER, onset_step=2000, detected_step=2100, last_step=2200), now=4.0)
+    assert (reopened.active, reopened.onset_step, reopened.detected_step) == (True, 2000, 2100)
+    assert reopened.first_seen_at == 1.0  # one row per (run, kind, subject)
+
+
+def test_a_later_episode_seen_only_closed_is_new_too(session) -> None:
+    """Replay runs the detectors once per chunk: an episode can open and close between two
+    upserts. Raised after the stored one ended, it is another episode, not a move of the old onset."""
+    _cycle(session, _later(STRAGGLER, active=False), now=1.0)
+    later = _cycle(session, _later(STRAGGLER, active=False, onset_step=3000, detected_step=3050, last_step=3200),
+                   now=2.0)  # fmt: skip
+    assert (later.onset_step, later.detected_step) == (3000, 3050)
+
+
+def test_detected_step_without_a_step_based_detection_is_the_newest_step(session) -> None:
+    row = _cycle(session, _later(STRAGGLER, detected_step=None), now=1.0)
+    assert row.detected_step == STRAGGLER.last_step
+
+
+@pytest.fixture
+def stored(db_url: str, session) -> str:
+    batches.register_run(session, RunRegistration(run="r"))
+    _cycle(session, STRAGGLER, now=1.0)
+    _cycle(session, _later(STRAGGLER, onset_step=900, detected_step=950, last_step=1500), now=2.0)
+    return db_url
+
+
+def test_findings_api_and_cli_show_onset_and_detected_step(stored: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with TestClient(create_app(Settings(db=stored, auth=False, run_analysis=False))) as client:
+        (api,) = client.get("/v1/runs/r/findings").json()
+        header = client.get("/v1/runs/r/findings", params={"format": "csv"}).text.splitlines()[0]
+    assert (api["onset_step"], api["detected_step"], api["last_step"]) == (600, 650, 1500)
+    assert header.startswith("kind,severity,subject_kind,subject,onset_step,detected_step,last_step,")
+    assert cli.main(["query", "findings", "--db", stored, "--run", "r"]) == 0
+    (shown,) = json.loads(capsys.readouterr().out)
+    assert (shown["onset_step"], shown["detected_step"]) == (600, 650)
