@@ -93,7 +93,11 @@ class Agent:
         self._last_step_end = time.perf_counter()
         self._closed = False
         self._exporter.start()
-        self.event("start", detail=f"host={info.hostname} restart_count={info.restart_count}")
+        self.event(
+            "start",
+            detail=f"host={info.hostname} restart_count={info.restart_count}",
+            domains={"host": info.hostname},  # the collector labels the slowest ranks with it
+        )
         ref = weakref.ref(self)
 
         def close_at_exit() -> None:

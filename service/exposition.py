@@ -14,8 +14,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 from sqlalchemy.orm import Session
 
+from trainvitals.service.analysis.expectations import MfuExpectation
 from trainvitals.service.settings import Settings
-from trainvitals.service.store import queries, snapshot
+from trainvitals.service.store import analysis_status, queries, snapshot
+from trainvitals.service.store.models import AnalysisStatus
 
 ADVICE_TTL_SECONDS = 60.0
 
@@ -35,13 +37,13 @@ class TrainvitalsCollector(Collector):
         settings: Settings,
         *,
         clock: Callable[[], float] = time.time,
-        expected_mfu: Callable[[dict[str, object]], float | None] | None = None,
+        mfu_expectation: Callable[[dict[str, object]], MfuExpectation | None] | None = None,
         checkpoint_advice: Callable[..., object] | None = None,
     ) -> None:
         self._session_factory = session_factory
         self._settings = settings
         self._clock = clock
-        self._expected_mfu = expected_mfu or (lambda _reg: None)
+        self._mfu_expectation = mfu_expectation or (lambda _reg: None)
         self._checkpoint_advice = checkpoint_advice
         # Advice moves slowly (saves and failures are rare): recompute at most once a minute per run.
         self._advice_cache: dict[str, tuple[float, object]] = {}
@@ -62,27 +64,33 @@ class TrainvitalsCollector(Collector):
             )
             if project is not None:
                 runs = [r for r in runs if r.project == project]
-            snaps = [
-                snapshot.run_snapshot(
-                    session,
-                    run=r,
-                    now=now,
-                    top_k=s.top_k,
-                    max_groups=s.max_grad_groups,
-                    expected_mfu=self._expected_mfu(r.registration),
+            snaps = []
+            for r in runs:
+                e = self._mfu_expectation(r.registration)
+                snaps.append(
+                    snapshot.run_snapshot(
+                        session,
+                        run=r,
+                        now=now,
+                        top_k=s.top_k,
+                        max_groups=s.max_grad_groups,
+                        expected_mfu=e.predicted if e else None,
+                        expected_mfu_band=(e.low, e.high) if e and e.low is not None and e.high is not None else None,
+                    )
                 )
-                for r in runs
-            ]
             if self._checkpoint_advice is not None:
                 for sn, r in zip(snaps, runs, strict=True):
                     sn.checkpoints.advice = self._advice_for(session, r, now)
             counts = queries.ingest_counts(session, project=project)
+            analysis = analysis_status.read(session) if project is None else None
         yield from _run_families(snaps)
         yield from _fp8_families(snaps)
         yield from _rank_families(snaps)
         yield from _finding_families(snaps)
         yield from _checkpoint_families(snaps, now)
         yield from _ingest_families(counts, {r.run_id for r in snaps})
+        if project is None:  # the collector's own state is the operator's, not a project's
+            yield from _analysis_families(analysis, now)
 
     def _advice_for(self, session: Session, run: object, now: float) -> object:
         run_id = run.run_id  # type: ignore[attr-defined]
@@ -162,6 +170,27 @@ def _run_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
         "MFU the advisor's cost model predicts for the run's parallelism config (0-1)",
         ["run"],
     )
+    expected_band = _gauge(
+        "trainvitals_run_mfu_expected_band_ratio",
+        "The cost model's prediction interval for the run's MFU (bound: low, high)",
+        ["run", "bound"],
+    )
+    compute = _gauge(
+        "trainvitals_run_rank_compute_seconds",
+        "Median over ranks of compute time (step minus waits) at the complete step",
+        ["run"],
+    )
+    loss_nonfinite = _gauge(
+        "trainvitals_run_loss_nonfinite_ranks",
+        "Ranks that reported a NaN or infinite loss at the complete step",
+        ["run"],
+    )
+    events = CounterMetricFamily(
+        "trainvitals_run_events",
+        "Run events received by kind, with restart (a rank started again) and rank_lost (a rank "
+        "incarnation ended without a clean stop) derived by the collector",
+        labels=["run", "event"],
+    )
     groups = _gauge(
         "trainvitals_grad_group_norm",
         "L2 gradient norm per parameter group (layer) at the complete step",
@@ -177,6 +206,11 @@ def _run_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
             since.add_metric([r], sn.progress.seconds_since_last_step)
         if sn.expected_mfu is not None:
             expected.add_metric([r], sn.expected_mfu)
+        if sn.expected_mfu_band is not None:
+            expected_band.add_metric([r, "low"], sn.expected_mfu_band[0])
+            expected_band.add_metric([r, "high"], sn.expected_mfu_band[1])
+        for event, n in sorted(sn.events.items()):
+            events.add_metric([r, event], n)
         if sn.complete.mfu_window is not None:
             mfu.add_metric([r], sn.complete.mfu_window)
         for g, norm in sorted(sn.complete.grad_groups.items()):
@@ -191,6 +225,9 @@ def _run_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
         if s.grad_norm is not None:
             grad.add_metric([r], s.grad_norm)
         nonfinite.add_metric([r], s.grad_nonfinite or 0)
+        loss_nonfinite.add_metric([r], s.loss_nonfinite or 0)
+        if s.compute_seconds_p50 is not None:
+            compute.add_metric([r], s.compute_seconds_p50)
         for stat, value in (
             ("min", s.step_seconds_min),
             ("p50", s.step_seconds_p50),
@@ -225,6 +262,10 @@ def _run_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
         tokens,
         mfu,
         expected,
+        expected_band,
+        compute,
+        loss_nonfinite,
+        events,
         groups,
     )
 
@@ -263,18 +304,19 @@ def _rank_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
     slow = _gauge(
         "trainvitals_rank_slowest_compute_seconds",
         "Top-k slowest ranks: mean compute time (step minus collective wait; step time when not split),"
-        " newest rank window",
-        ["run", "rank"],
+        " newest rank window; host from the rank's start event (empty when unknown)",
+        ["run", "rank", "host"],
     )
     ratio = _gauge(
         "trainvitals_rank_slowest_cohort_ratio",
         "Top-k slowest ranks: mean compute time / median of their pipeline-stage cohort",
-        ["run", "rank"],
+        ["run", "rank", "host"],
     )
     for sn in snaps:
         for rank, mean, rel in sn.slowest_ranks:
-            slow.add_metric([sn.run_id, str(rank)], mean)
-            ratio.add_metric([sn.run_id, str(rank)], rel)
+            host = sn.rank_hosts.get(rank, "")
+            slow.add_metric([sn.run_id, str(rank), host], mean)
+            ratio.add_metric([sn.run_id, str(rank), host], rel)
     yield from (slow, ratio)
 
 
@@ -321,6 +363,16 @@ def _checkpoint_families(snaps: list[snapshot.RunSnapshot], now: float) -> Itera
         "Flat-basin band around the recommended interval (waste within 5%)",
         ["run", "bound"],
     )
+    stall = _gauge(
+        "trainvitals_checkpoint_last_stall_seconds",
+        "Training blocked by the save of the newest persisted checkpoint (slowest rank)",
+        ["run"],
+    )
+    persist = _gauge(
+        "trainvitals_checkpoint_last_persist_seconds",
+        "Time until the newest persisted checkpoint was durable (slowest rank)",
+        ["run"],
+    )
     records = _gauge(
         "trainvitals_checkpoint_records",
         "Checkpoint records by status (started, persisted, failed ...)",
@@ -331,6 +383,10 @@ def _checkpoint_families(snaps: list[snapshot.RunSnapshot], now: float) -> Itera
         if c.last_persisted_step is not None:
             step.add_metric([sn.run_id], c.last_persisted_step)
             age.add_metric([sn.run_id], max(0.0, now - (c.last_persisted_ts or now)))
+        if c.last_stall_seconds is not None:
+            stall.add_metric([sn.run_id], c.last_stall_seconds)
+        if c.last_persist_seconds is not None:
+            persist.add_metric([sn.run_id], c.last_persist_seconds)
         for status, n in sorted(c.status_counts.items()):
             records.add_metric([sn.run_id, status], n)
         a = c.advice
@@ -338,7 +394,7 @@ def _checkpoint_families(snaps: list[snapshot.RunSnapshot], now: float) -> Itera
             advised.add_metric([sn.run_id], a.recommended_interval_s)
             band.add_metric([sn.run_id, "low"], a.band_s[0])
             band.add_metric([sn.run_id, "high"], a.band_s[1])
-    yield from (step, age, records, advised, band)
+    yield from (step, age, stall, persist, records, advised, band)
 
 
 def make_registry(collector: TrainvitalsCollector) -> CollectorRegistry:
@@ -370,3 +426,32 @@ def _ingest_families(counts: list[queries.IngestCountRow], live: set[str]) -> It
         outcome.add_metric([name], n)
     yield records
     yield outcome
+
+
+def _analysis_families(status: AnalysisStatus | None, now: float) -> Iterator[Metric]:
+    cycles = CounterMetricFamily(
+        "trainvitals_analysis_cycles", "Analysis cycles run (reduce + detect over every live run)"
+    )
+    seconds = CounterMetricFamily(
+        "trainvitals_analysis_cycle_seconds",
+        "Seconds spent in analysis cycles (rate over the cycles' rate: the mean cycle time)",
+    )
+    errors = CounterMetricFamily(
+        "trainvitals_analysis_errors", "Runs whose analysis raised in a cycle (retried next cycle; logged)"
+    )
+    last = _gauge("trainvitals_analysis_last_cycle_seconds", "Duration of the newest analysis cycle", [])
+    since = _gauge(
+        "trainvitals_analysis_seconds_since_last_cycle",
+        "Seconds since the newest analysis cycle ended (grows when no process analyses)",
+        [],
+    )
+    # Zero before the first cycle: the counters exist from the start, so rate() and increase() work.
+    cycles.add_metric([], status.cycles if status else 0)
+    seconds.add_metric([], status.cycle_seconds_total if status else 0.0)
+    errors.add_metric([], status.errors if status else 0)
+    if status is not None:
+        if status.last_cycle_seconds is not None:
+            last.add_metric([], status.last_cycle_seconds)
+        if status.last_cycle_at is not None:
+            since.add_metric([], max(0.0, now - status.last_cycle_at))
+    yield from (cycles, seconds, errors, last, since)

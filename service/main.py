@@ -16,6 +16,7 @@ from trainvitals.service.api.routes import advisors, health, ingest, runs
 from trainvitals.service.auth import TokenVerifier
 from trainvitals.service.exposition import TrainvitalsCollector, make_registry
 from trainvitals.service.ingest.batch_writer import BatchWriter
+from trainvitals.service.self_metrics import ProcessMetrics, RequestMetrics
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import db
 from trainvitals.service.store.lease import AnalysisLease
@@ -58,10 +59,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.collector = TrainvitalsCollector(
         sessions,
         settings,
-        expected_mfu=expectations.expected_mfu,
+        mfu_expectation=expectations.mfu_expectation,
         checkpoint_advice=expectations.checkpoint_advice,
     )
+    app.state.process_metrics = ProcessMetrics(
+        queue_records=lambda: writer.pending_records, queue_limit=settings.max_pending_records
+    )
     app.state.registry = make_registry(app.state.collector)
+    app.state.registry.register(app.state.process_metrics)
     app.include_router(ingest.router)
     app.include_router(runs.router)
     app.include_router(advisors.router)
@@ -69,6 +74,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.exception_handler(RequestValidationError)(_validation_error)
 
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestMetrics, metrics=app.state.process_metrics)  # outermost: sees BodyLimit's 413
     return app
 
 

@@ -4,19 +4,27 @@ config (the MFU-gap detector's expectation) and checkpoint-cadence advice from w
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy.orm import Session
 
 from trainvitals.service.store import queries
 
 
-def expected_mfu(registration: dict[str, Any]) -> float | None:
-    """The cost model's prediction for the run's config; a `tags.expected_mfu` overrides it."""
+class MfuExpectation(NamedTuple):
+    predicted: float
+    low: float | None
+    """The prediction interval's ends (None for a `tags.expected_mfu`, which has no interval)."""
+    high: float | None
+
+
+def mfu_expectation(registration: dict[str, Any]) -> MfuExpectation | None:
+    """The cost model's prediction for the run's config, with its interval; a `tags.expected_mfu`
+    overrides it. None when the registration lacks what the model needs."""
     tag = (registration.get("tags") or {}).get("expected_mfu")
     if tag is not None:
         try:
-            return float(tag)
+            return MfuExpectation(float(tag), None, None)
         except ValueError:
             return None
     try:
@@ -25,8 +33,15 @@ def expected_mfu(registration: dict[str, Any]) -> float | None:
         pred = predict_mfu(registration)
     except Exception:  # noqa: BLE001 - an incomplete registration has no prediction
         return None
-    value = getattr(pred, "predicted", None)
-    return float(value) if value is not None and math.isfinite(value) else None
+    if not all(math.isfinite(v) for v in (pred.predicted, pred.low, pred.high)):
+        return None
+    return MfuExpectation(float(pred.predicted), float(pred.low), float(pred.high))
+
+
+def expected_mfu(registration: dict[str, Any]) -> float | None:
+    """The point prediction alone (the MFU-gap detector's expectation)."""
+    e = mfu_expectation(registration)
+    return e.predicted if e is not None else None
 
 
 def run_checkpoint_advice(session: Session, *, run_id: str, registration: dict[str, Any],

@@ -1,13 +1,15 @@
 """Background analysis: every few seconds, reduce and run the detectors for each live run.
 
 One daemon thread per collector process; with several processes on one database, only the holder
-of the analysis lease (service/leader.py) runs cycles. Each run is processed in its own session and its own
+of the analysis lease (store/lease.py) runs cycles. Each run is processed in its own session and its own
 try block, so one bad run cannot stop the others; errors are logged, rate-limited.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -17,7 +19,7 @@ from sqlalchemy.orm import Session
 from trainvitals.service.analysis import pipeline
 from trainvitals.service.analysis.detector_inputs import DetectorInputs
 from trainvitals.service.settings import Settings
-from trainvitals.service.store import queries
+from trainvitals.service.store import analysis_status, queries
 from trainvitals.service.store.lease import AnalysisLease
 
 logger = logging.getLogger("trainvitals.service")
@@ -54,10 +56,13 @@ class AnalysisWorker:
         self._last_log = 0.0
         self.cycles = 0
         self.errors = 0
+        self._holder = f"{socket.gethostname()}:{os.getpid()}"
 
     def run_once(self) -> int:
         """One pass over live runs; returns steps reduced."""
         now = self._clock()
+        started = time.perf_counter()
+        errors_before = self.errors
         total = 0
         with self._session_factory() as session:
             runs = queries.live_runs(
@@ -84,7 +89,18 @@ class AnalysisWorker:
                         self._last_log = now
                         logger.exception("analysis of run %s failed (%d errors so far): %r", run_id, self.errors, exc)
         self.cycles += 1
+        self._record_cycle(time.perf_counter() - started, self.errors - errors_before)
         return total
+
+    def _record_cycle(self, seconds: float, errors: int) -> None:
+        """The cycle's time and errors into the database, where every collector process exports them."""
+        try:
+            with self._session_factory() as session:
+                analysis_status.record_cycle(
+                    session, seconds=seconds, errors=errors, now=self._clock(), holder=self._holder
+                )
+        except Exception:  # noqa: BLE001 - bookkeeping must never stop the analysis
+            logger.debug("recording the analysis cycle failed", exc_info=True)
 
     def _loop(self) -> None:
         try:

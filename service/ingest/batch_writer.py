@@ -100,6 +100,11 @@ class BatchWriter:
         for thread in workers:
             thread.join(timeout)
 
+    @property
+    def pending_records(self) -> int:
+        """Records accepted and not yet committed (the /metrics queue depth)."""
+        return self._pending_records
+
     def submit(self, batch: AnyBatch, *, project: str | None) -> Future[batches.BatchOutcome]:
         """Queue a validated batch; the future resolves after the commit that stores it."""
         if not self._workers:

@@ -334,3 +334,22 @@ class IngestCount(Base):
     grad_records: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     checkpoint_records: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     event_records: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+
+
+class AnalysisStatus(Base):
+    """The analysis worker's own counters, one row, written after every cycle by the process that
+    holds the analysis lease (often not the one that serves /metrics: `serve` analyses in a child
+    process). Cumulative across processes and restarts, so they export as counters (0010)."""
+
+    __tablename__ = "analysis_status"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)  # always 1
+    cycles: Mapped[int] = mapped_column(BigInteger, default=0)
+    cycle_seconds_total: Mapped[float] = mapped_column(Real, default=0.0)
+    errors: Mapped[int] = mapped_column(BigInteger, default=0)
+    """Runs whose analysis raised (each is retried in the next cycle)."""
+    last_cycle_seconds: Mapped[float | None] = mapped_column(Real)
+    last_cycle_at: Mapped[float | None] = mapped_column(Real)
+    """Unix seconds at the end of the newest cycle."""
+    holder: Mapped[str | None] = mapped_column(String(256))
+    """host:pid of the process that ran the newest cycle."""

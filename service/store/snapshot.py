@@ -8,7 +8,10 @@ One function per section of the exposition (service/exposition.py has one family
 - `fp8_headroom`: the newest step with FP8 statistics (one step of tensor summaries);
 - `slowest_ranks`: the top-k of the newest rank window;
 - `open_findings`: active findings and counts by kind;
-- `checkpoint_status`: the newest persisted checkpoint and record counts by status.
+- `checkpoint_status`: the newest persisted checkpoint (its step, time, stall and persist
+  seconds) and record counts by status;
+- `run_events`: events received by kind, restarts and ranks lost (the events table);
+- `rank_hosts`: the host of each of the top-k slowest ranks (their start events).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from sqlalchemy.orm import Session
 
 from trainvitals.service.store.models import (
     CheckpointRow,
+    EventRow,
     FindingRow,
     GradSummary,
     RankWindow,
@@ -74,6 +78,10 @@ class OpenFindings:
 class CheckpointStatus:
     last_persisted_step: int | None = None
     last_persisted_ts: float | None = None
+    last_stall_seconds: float | None = None
+    """Training blocked by the save of the newest persisted generation (slowest rank)."""
+    last_persist_seconds: float | None = None
+    """Until that generation was durable (slowest rank; async saves persist after the stall)."""
     status_counts: dict[str, int] = field(default_factory=dict)
     """Records by status (started, persisted, failed, verified)."""
     advice: Any = None
@@ -88,12 +96,18 @@ class RunSnapshot:
     status: str
     world_size: int
     expected_mfu: float | None = None
+    expected_mfu_band: tuple[float, float] | None = None
+    """The prediction interval of `expected_mfu` (low, high), when the model gives one."""
     progress: Progress = field(default_factory=Progress)
     complete: CompleteStep = field(default_factory=CompleteStep)
     fp8: Fp8Headroom = field(default_factory=Fp8Headroom)
     slowest_ranks: list[tuple[int, float, float]] = field(default_factory=list)
     """(rank, mean compute seconds -- step seconds when not measured --, ratio to its cohort's
     median) in the newest rank window, slowest first."""
+    rank_hosts: dict[int, str] = field(default_factory=dict)
+    """Host of each of the slowest ranks (from its newest start event), where known."""
+    events: dict[str, int] = field(default_factory=dict)
+    """Run events by kind (see `run_events`)."""
     findings: OpenFindings = field(default_factory=OpenFindings)
     checkpoints: CheckpointStatus = field(default_factory=CheckpointStatus)
 
@@ -107,18 +121,23 @@ def run_snapshot(
     max_groups: int,
     mfu_window_steps: int = 20,
     expected_mfu: float | None = None,
+    expected_mfu_band: tuple[float, float] | None = None,
 ) -> RunSnapshot:
     rid = run.run_id
+    slowest = slowest_ranks(session, run_id=rid, top_k=top_k)
     return RunSnapshot(
         run_id=rid,
         project=run.project,
         status=run.status,
         world_size=run.world_size,
         expected_mfu=expected_mfu,
+        expected_mfu_band=expected_mfu_band,
         progress=progress(session, run_id=rid, now=now),
         complete=complete_step(session, run_id=rid, mfu_window_steps=mfu_window_steps, max_groups=max_groups),
         fp8=fp8_headroom(session, run_id=rid, top_k=top_k),
-        slowest_ranks=slowest_ranks(session, run_id=rid, top_k=top_k),
+        slowest_ranks=slowest,
+        rank_hosts=rank_hosts(session, run_id=rid, ranks=[r for r, _, _ in slowest]),
+        events=run_events(session, run_id=rid),
         findings=open_findings(session, run_id=rid),
         checkpoints=checkpoint_status(session, run_id=rid),
     )
@@ -254,6 +273,15 @@ def checkpoint_status(session: Session, *, run_id: str) -> CheckpointStatus:
     ]
     if newest:
         out.last_persisted_step, out.last_persisted_ts = max(newest, key=lambda r: r[0])
+        # That generation's rows (one per rank, found by the (run_id, status, step) index): the
+        # job waits for its slowest rank, so the stall and persist times are the maxima.
+        out.last_stall_seconds, out.last_persist_seconds = session.execute(
+            select(func.max(CheckpointRow.stall_seconds), func.max(CheckpointRow.persist_seconds)).where(
+                CheckpointRow.run_id == run_id,
+                CheckpointRow.status.in_(("persisted", "verified")),
+                CheckpointRow.step == out.last_persisted_step,
+            )
+        ).one()
     out.status_counts = dict(
         session.execute(
             select(CheckpointRow.status, func.count())
@@ -261,4 +289,59 @@ def checkpoint_status(session: Session, *, run_id: str) -> CheckpointStatus:
             .group_by(CheckpointRow.status)
         ).all()
     )
+    return out
+
+
+def run_events(session: Session, *, run_id: str) -> dict[str, int]:
+    """Events received by kind, with two the collector derives (every value only grows):
+
+    - `restart`: a start from a rank that had started before (a new incarnation: the job or the rank
+      was relaunched), plus any `restart` event sent as such; `start` then counts ranks, once each;
+    - `rank_lost`: rank incarnations that ended without a clean `stop` (a newer incarnation of the
+      rank started since): a crash, a kill, or a relaunch that took healthy ranks down with it.
+      A rank that is silent now but not yet relaunched shows as ranks missing from the complete
+      step instead (it may still come back).
+
+    Cost: one grouped count, and the start/stop rows (a few per rank and incarnation).
+    """
+    out = {
+        event: int(n)
+        for event, n in session.execute(
+            select(EventRow.event, func.count()).where(EventRow.run_id == run_id).group_by(EventRow.event)
+        )
+    }
+    incarnations: dict[int, dict[int, bool]] = {}  # rank -> incarnation -> stopped cleanly
+    for rank, incarnation, event in session.execute(
+        select(EventRow.rank, EventRow.incarnation, EventRow.event).where(
+            EventRow.run_id == run_id, EventRow.event.in_(("start", "stop"))
+        )
+    ):
+        seen = incarnations.setdefault(rank, {})
+        seen[incarnation] = seen.get(incarnation, False) or event == "stop"
+    starts = out.pop("start", 0)
+    if starts:
+        out["start"] = len(incarnations)
+        out["restart"] = out.get("restart", 0) + starts - len(incarnations)
+    out["rank_lost"] = sum(
+        not stopped for seen in incarnations.values() for inc, stopped in seen.items() if inc < max(seen)
+    )
+    return out
+
+
+def rank_hosts(session: Session, *, run_id: str, ranks: list[int]) -> dict[int, str]:
+    """Host of each rank in `ranks`, from its newest start event: `domains["host"]` (agents since
+    the host label), else the `host=...` word of the start event's detail (older agents)."""
+    if not ranks:
+        return {}
+    out: dict[int, str] = {}
+    for rank, domains, detail in session.execute(
+        select(EventRow.rank, EventRow.domains, EventRow.detail)
+        .where(EventRow.run_id == run_id, EventRow.event == "start", EventRow.rank.in_(ranks))
+        .order_by(EventRow.incarnation)
+    ):
+        host = (domains or {}).get("host") or next(
+            (w[5:] for w in (detail or "").split() if w.startswith("host=")), None
+        )
+        if host:
+            out[rank] = host  # ordered by incarnation: the newest start wins
     return out

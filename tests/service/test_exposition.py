@@ -44,6 +44,7 @@ def _store(maker, run: str, ranks: int, steps: int, *, stop: bool = False, now: 
                 }
                 for s in range(steps)
             ]
+            records.append({"kind": "event", "event": "start", "ts": 0.5, "domains": {"host": f"node{rank // 2}"}})
             if stop:
                 records.append({"kind": "event", "event": "stop", "ts": 2.0})
             batches.store_batch(
@@ -67,14 +68,16 @@ def test_values_reduce_across_ranks(setup) -> None:
     assert sample("trainvitals_run_rank_step_seconds", {"run": "a", "stat": "p50"}) == 2.5
     assert sample("trainvitals_run_rank_step_seconds", {"run": "a", "stat": "p90"}) == pytest.approx(3.7)
     # Top-k slowest ranks, relative to the cohort median (no pipeline stages: one cohort).
-    assert sample("trainvitals_rank_slowest_compute_seconds", {"run": "a", "rank": "3"}) == 4.0
-    assert sample("trainvitals_rank_slowest_cohort_ratio", {"run": "a", "rank": "3"}) == pytest.approx(
-        4.0 / 2.5
-    )
+    # The host comes from the rank's start event (ranks 2 and 3 on node1).
+    slowest = {"run": "a", "rank": "3", "host": "node1"}
+    assert sample("trainvitals_rank_slowest_compute_seconds", slowest) == 4.0
+    assert sample("trainvitals_rank_slowest_cohort_ratio", slowest) == pytest.approx(4.0 / 2.5)
+    assert sample("trainvitals_run_events_total", {"run": "a", "event": "start"}) == 4
+    assert sample("trainvitals_run_events_total", {"run": "a", "event": "rank_lost"}) == 0
     assert sample("trainvitals_run_loss", {"run": "a"}) == pytest.approx(3.5)
     assert sample("trainvitals_run_tokens_per_second", {"run": "a"}) == pytest.approx(400 / 4.0)
-    # counted by the ingest transactions themselves (ingest_counts): 4 batches of 3 records
-    assert sample("trainvitals_ingest_records_total", {"run": "a"}) == 12
+    # counted by the ingest transactions themselves (ingest_counts): 4 batches of 3 steps + 1 event
+    assert sample("trainvitals_ingest_records_total", {"run": "a"}) == 16
     assert sample("trainvitals_ingest_batches_total", {"outcome": "stored"}) == 4
 
 
@@ -131,3 +134,77 @@ def test_mfu_is_total_flops_over_time_and_stored_peak_of_the_newest_20_steps(set
     # Steps 10..29: job FLOPs 2e9 each, the slowest rank takes 2 + s seconds, peak 2 x 1e10 FLOP/s.
     expected = 20 * 2e9 / (sum(2.0 + s for s in range(10, 30)) * 2e10)
     assert registry.get_sample_value("trainvitals_run_mfu_ratio", {"run": "m"}) == pytest.approx(expected)
+
+
+def _batch(maker, run: str, rank: int, incarnation: int, records: list[dict], seq: int = 0) -> None:
+    with maker() as session:
+        batches.store_batch(
+            session,
+            Batch.model_validate(
+                {"run": run, "rank": rank, "incarnation": incarnation, "seq": seq, "records": records}
+            ),
+            now=1000.0,
+        )
+
+
+def test_run_events_count_restarts_and_ranks_lost_and_checkpoints_show_stall_and_persist(setup) -> None:
+    maker, _clock, registry = setup
+    with maker() as session:
+        batches.register_run(session, RunRegistration(run="r", parallelism={"world_size": 2}), now=1000.0)
+    start = {"kind": "event", "event": "start", "ts": 1.0}
+    step = {"kind": "step", "ts": 1.0, "step_seconds": 1.0, "compute_seconds": 0.75, "loss": float("nan")}
+    for rank in range(2):
+        # incarnation 1 dies (no stop); 2 is the relaunch, which resumes and stops cleanly on rank 0
+        _batch(maker, "r", rank, 1, [start, {**step, "step": 0}])
+        tail = [{"kind": "event", "event": "stop", "ts": 3.0}] if rank == 0 else []
+        _batch(maker, "r", rank, 2, [start, {"kind": "event", "event": "resume", "ts": 2.0, "step": 0},
+                                     {**step, "step": 1}, *tail])  # fmt: skip
+        _batch(maker, "r", rank, 2, [
+            {"kind": "checkpoint", "step": 1, "generation": 1, "status": "persisted", "ts": 2.5,
+             "stall_seconds": 0.5 + rank, "persist_seconds": 4.0 - rank},
+        ], seq=1)  # fmt: skip
+    with maker() as session:
+        pipeline.process_run(session, queries.get_run(session, run_id="r"), now=1000.0)
+    events = {e: registry.get_sample_value("trainvitals_run_events_total", {"run": "r", "event": e})
+              for e in ("start", "restart", "resume", "stop", "rank_lost")}  # fmt: skip
+    # 4 start events: 2 ranks (start) started again once each (restart); both first incarnations
+    # ended without a stop (rank_lost); a stop of the newest incarnation is a clean end, not a loss.
+    assert events == {"start": 2, "restart": 2, "resume": 2, "stop": 1, "rank_lost": 2}
+    sample = registry.get_sample_value
+    assert sample("trainvitals_checkpoint_last_stall_seconds", {"run": "r"}) == 1.5  # the slowest rank's
+    assert sample("trainvitals_checkpoint_last_persist_seconds", {"run": "r"}) == 4.0
+    assert sample("trainvitals_run_loss_nonfinite_ranks", {"run": "r"}) == 2
+    assert sample("trainvitals_run_rank_compute_seconds", {"run": "r"}) == 0.75
+
+
+def test_mfu_prediction_interval_is_exported_as_a_band(db_url: str) -> None:
+    from trainvitals.service.analysis.expectations import MfuExpectation
+
+    engine = db.make_engine(db_url)
+    maker = db.make_sessionmaker(engine)
+    collector = TrainvitalsCollector(
+        maker, Settings(db=db_url), clock=Clock(1000.0), mfu_expectation=lambda _r: MfuExpectation(0.4, 0.35, 0.46)
+    )
+    registry = make_registry(collector)
+    _store(maker, "b", ranks=1, steps=2)
+    assert registry.get_sample_value("trainvitals_run_mfu_expected_ratio", {"run": "b"}) == 0.4
+    assert registry.get_sample_value("trainvitals_run_mfu_expected_band_ratio", {"run": "b", "bound": "low"}) == 0.35
+    assert registry.get_sample_value("trainvitals_run_mfu_expected_band_ratio", {"run": "b", "bound": "high"}) == 0.46
+    engine.dispose()
+
+
+def test_analysis_cycles_are_counted_in_the_database_and_exported_by_any_process(setup, db_url: str) -> None:
+    from trainvitals.service.analysis.worker import AnalysisWorker
+
+    maker, clock, registry = setup
+    _store(maker, "w", ranks=1, steps=2)
+    assert registry.get_sample_value("trainvitals_analysis_cycles_total") == 0  # no cycle yet
+    worker = AnalysisWorker(maker, Settings(db=db_url), clock=clock)  # another "process"'s worker
+    worker.run_once()
+    worker.run_once()
+    clock.now += 5
+    sample = registry.get_sample_value
+    assert sample("trainvitals_analysis_cycles_total") == 2
+    assert sample("trainvitals_analysis_errors_total") == 0
+    assert sample("trainvitals_analysis_cycle_seconds_total") > 0
+    assert sample("trainvitals_analysis_seconds_since_last_cycle") == 5

@@ -15,6 +15,7 @@ from trainvitals.service.api.deps import PrincipalDep, SessionDep, authenticate,
 from trainvitals.service.api.schemas import RunRegisteredPublic
 from trainvitals.service.ingest.batch_writer import WriterBusyError
 from trainvitals.service.ingest.decode import decode_batch
+from trainvitals.service.self_metrics import refuse
 from trainvitals.service.store import batches
 from trainvitals.service.store.batches import AnyBatch
 from trainvitals.wire import Batch, BatchAck, RunRegistration
@@ -129,14 +130,17 @@ async def post_batch(request: Request) -> Response:
     try:
         outcome = await asyncio.wrap_future(future)
     except Exception as exc:  # the database refused or is unreachable: nothing of this batch was stored
+        refuse(request, "storage_error")
         raise HTTPException(
             status.HTTP_503_SERVICE_UNAVAILABLE, f"storage failed, nothing stored, retry: {exc}"[:500]
         ) from exc
     # Counted in the database by the transaction that decided the outcome (ingest_counts).
     if isinstance(outcome, batches.UnknownRunError):
+        refuse(request, "unknown_run")
         raise HTTPException(status.HTTP_409_CONFLICT, str(outcome))
     if isinstance(outcome, batches.WrongProjectError):
         raise HTTPException(status.HTTP_403_FORBIDDEN, str(outcome))
     if isinstance(outcome, batches.UnstorableBatchError):
+        refuse(request, "unstorable")
         raise HTTPException(422, f"nothing stored: {outcome}")
     return Response(outcome.model_dump_json(), media_type="application/json")

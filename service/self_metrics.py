@@ -1,0 +1,145 @@
+"""The collector's metrics about itself, per process: request latency, refusals by reason, and the
+batch writer's queue. (The analysis worker's cycle times and errors come from the database instead,
+`store/analysis_status.py`: it usually runs in a process of its own.)
+
+Prometheus scrapes each collector process (`instance`): sum these over instances, whereas the
+families read from the database are the same in every process and are taken with `max`.
+
+`RequestMetrics` is plain ASGI, outermost, so it also times and counts what is refused before a
+route runs (413 from BodyLimit, 401, 422 from validation).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+# Routes that take data from agents: their refusals are counted by reason.
+INGEST_ROUTES = frozenset({("POST", "/v1/batches"), ("POST", "/v1/runs")})
+
+# Status -> reason, unless the route said more precisely (`refuse(request, reason)`).
+_REASON_BY_STATUS = {
+    401: "unauthenticated",
+    403: "forbidden",
+    409: "conflict",
+    413: "too_large",
+    422: "invalid",
+    503: "busy",
+}
+REFUSAL_REASONS = (
+    "unauthenticated", "forbidden", "unknown_run", "conflict", "too_large", "invalid", "unstorable", "busy",
+    "storage_error", "other",
+)  # fmt: skip
+_REASON_KEY = "trainvitals_refusal"
+
+# Seconds: a small batch is answered in milliseconds; a group commit under load takes up to seconds.
+_BUCKETS = (0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+def refuse(request: Request, reason: str) -> None:
+    """Name the reason of the refusal a route is about to raise (where the status alone is ambiguous:
+    409 unknown run vs conflicting registration, 422 invalid vs unstorable, 503 busy vs storage)."""
+    assert reason in REFUSAL_REASONS, reason
+    request.scope.setdefault("state", {})[_REASON_KEY] = reason
+
+
+class ProcessMetrics(Collector):
+    """The per-process families, yielded by the exposition collector with the database's."""
+
+    def __init__(self, *, queue_records: Callable[[], int] | None = None, queue_limit: int | None = None) -> None:
+        self._queue_records = queue_records
+        self._queue_limit = queue_limit
+        self.request_seconds = Histogram(
+            "trainvitals_http_request_duration_seconds",
+            "Time to answer an HTTP request (until the response is sent), per route template",
+            ["route", "method"],
+            buckets=_BUCKETS,
+            registry=None,
+        )
+        self.requests = Counter(
+            "trainvitals_http_requests",
+            "HTTP requests answered, per route template and status code",
+            ["route", "method", "code"],
+            registry=None,
+        )
+        self.refused = Counter(
+            "trainvitals_ingest_refused",
+            "Agent requests (POST /v1/batches, /v1/runs) refused, by reason; nothing of them was stored",
+            ["reason"],
+            registry=None,
+        )
+        for reason in REFUSAL_REASONS:  # every reason exists from the start: rate() needs a zero
+            self.refused.labels(reason)
+
+    def observe(self, *, route: str, method: str, status: int, seconds: float, reason: str | None) -> None:
+        self.request_seconds.labels(route, method).observe(seconds)
+        self.requests.labels(route, method, str(status)).inc()
+        if status >= 400 and (method, route) in INGEST_ROUTES:
+            self.refused.labels(reason or _REASON_BY_STATUS.get(status, "other")).inc()
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.request_seconds.collect()
+        yield from self.requests.collect()
+        yield from self.refused.collect()
+        if self._queue_records is not None:
+            depth = GaugeMetricFamily(
+                "trainvitals_ingest_queue_records",
+                "Records accepted by this process and not yet committed (the group-commit writer's queue)",
+            )
+            depth.add_metric([], self._queue_records())
+            yield depth
+        if self._queue_limit is not None:
+            limit = GaugeMetricFamily(
+                "trainvitals_ingest_queue_limit_records",
+                "Queue size beyond which this process answers 503 busy (settings.max_pending_records)",
+            )
+            limit.add_metric([], self._queue_limit)
+            yield limit
+
+
+class RequestMetrics:
+    """ASGI middleware timing every HTTP request into `ProcessMetrics`."""
+
+    def __init__(self, app: ASGIApp, *, metrics: ProcessMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500  # an exception that escapes every handler is answered 500 by the server
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            state = scope.get("state") or {}
+            self.metrics.observe(
+                route=_route_label(scope),
+                method=scope["method"],
+                status=status,
+                seconds=time.perf_counter() - start,
+                reason=state.get(_REASON_KEY),
+            )
+
+
+def _route_label(scope: Scope) -> str:
+    """The matched route's template (bounded: never a run id from the path). A request refused
+    before routing (413 from BodyLimit) keeps its path when that is an ingest route."""
+    template = getattr(scope.get("route"), "path", None)
+    if template:
+        return str(template)
+    return scope["path"] if (scope["method"], scope["path"]) in INGEST_ROUTES else "unmatched"

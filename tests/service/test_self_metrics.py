@@ -1,0 +1,74 @@
+"""The collector's metrics about itself, through the real app: every request is timed per route
+template, and every refused agent request is counted once under the reason that refused it."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from trainvitals.service.main import create_app
+from trainvitals.service.settings import Settings
+
+
+@pytest.fixture
+def client(db_url: str):
+    settings = Settings(db=db_url, max_body_bytes=20_000, run_analysis=False, auth=False)
+    with TestClient(create_app(settings)) as c:
+        yield c
+
+
+def _samples(client: TestClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = client.get("/metrics").text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _refused(samples: dict, reason: str) -> float:
+    return samples[("trainvitals_ingest_refused_total", (("reason", reason),))]
+
+
+def _batch(run: str, seq: int = 0, **step: object) -> dict:
+    record = {"kind": "step", "step": 0, "ts": 1.0, "step_seconds": 1.0, **step}
+    return {"run": run, "rank": 0, "incarnation": 1, "seq": seq, "records": [record]}
+
+
+def test_refusals_are_counted_by_reason_and_requests_timed_per_route(client: TestClient) -> None:
+    before = _samples(client)
+    assert all(_refused(before, r) == 0 for r in ("invalid", "unknown_run", "too_large", "unstorable", "conflict"))
+    assert client.post("/v1/runs", json={"run": "r1"}).status_code == 201
+    assert client.post("/v1/batches", json=_batch("r1")).status_code == 200
+    assert client.post("/v1/batches", json=_batch("r1", seq=1, step_seconds=-1)).status_code == 422
+    assert client.post("/v1/batches", json=_batch("nope")).status_code == 409
+    big = b'{"run": "r1", "pad": "' + b"x" * 30_000 + b'"}'
+    assert client.post("/v1/batches", content=big, headers={"content-type": "application/json"}).status_code == 413
+    # Beyond any 64-bit column: passes the schema, refused by the database (unstorable, not invalid).
+    assert client.post("/v1/batches", json=_batch("r1", seq=2, tokens=2**63)).status_code == 422
+    assert client.post("/v1/runs", json={"run": "r1", "project": "other"}).status_code == 409
+    after = _samples(client)
+    reasons = ("invalid", "unknown_run", "too_large", "unstorable", "conflict", "busy", "storage_error")
+    assert {r: _refused(after, r) for r in reasons} == {
+        "invalid": 1, "unknown_run": 1, "too_large": 1, "unstorable": 1, "conflict": 1, "busy": 0, "storage_error": 0,
+    }  # fmt: skip
+    # Per route template (never the run id of a path), with the status code.
+    for code in ("200", "413"):
+        labels = (("code", code), ("method", "POST"), ("route", "/v1/batches"))
+        assert after[("trainvitals_http_requests_total", labels)] == 1
+    client.get("/v1/runs/r1")
+    text = client.get("/metrics").text
+    assert 'route="/v1/runs/{run_id}"' in text and 'route="/v1/runs/r1"' not in text
+    count = after[("trainvitals_http_request_duration_seconds_count", (("method", "POST"), ("route", "/v1/batches")))]
+    assert count == 5  # 200, 422, 409, 413, 422
+    assert after[("trainvitals_ingest_queue_records", ())] == 0
+    assert after[("trainvitals_ingest_queue_limit_records", ())] > 0
+
+
+def test_unauthenticated_agents_are_counted_as_such(db_url: str) -> None:
+    with TestClient(create_app(Settings(db=db_url, run_analysis=False, auth=True))) as client:
+        assert client.post("/v1/batches", json=_batch("r1")).status_code == 401
+        # The operator's scrape of the collector's own families needs a token that is not a project's.
+        registry = client.app.state.registry  # type: ignore[attr-defined]
+        assert registry.get_sample_value("trainvitals_ingest_refused_total", {"reason": "unauthenticated"}) == 1
