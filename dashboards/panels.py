@@ -68,6 +68,8 @@ TOKENS_PER_SECOND = "suffix: tok/s"
 STEPS_PER_SECOND = "suffix: steps/s"
 RECORDS_PER_SECOND = "suffix: records/s"
 BATCHES_PER_SECOND = "suffix: batches/s"
+REQUESTS_PER_SECOND = "reqps"
+RECORDS = "suffix: records"
 TIMES = "suffix:x"
 
 DEFAULT_HEIGHT = 8
@@ -168,6 +170,31 @@ def run_dashboard_url(run: str) -> str:
 def run_data_link(run: str) -> cog_builder.Builder[dash_m.DashboardLink]:
     """A data link to the Run dashboard; `run` is the data-link expression naming the run."""
     return dash_b.DashboardLink(f"Open run {run}").type(dash_m.DashboardLinkType.LINK).url(run_dashboard_url(run))
+
+
+NODE_DASHBOARD_VARIABLE = "node_dashboard_url"
+# NVIDIA's DCGM exporter dashboard (grafana.com 12239) as imported, filtered by its Hostname label;
+# a site with another node dashboard sets the variable (provisioning, or ?var-node_dashboard_url=).
+DEFAULT_NODE_DASHBOARD_URL = "/d/Oxed_c6Wz/nvidia-dcgm-exporter-dashboard?var-Hostname="
+
+
+def node_dashboard_variable() -> dash_b.TextBoxVariable:
+    return (
+        dash_b.TextBoxVariable(NODE_DASHBOARD_VARIABLE)
+        .label("Node dashboard URL (host appended)")
+        .default_value(DEFAULT_NODE_DASHBOARD_URL)
+        .current(dash_m.VariableOption(text=DEFAULT_NODE_DASHBOARD_URL, value=DEFAULT_NODE_DASHBOARD_URL))
+        .hide(dash_m.VariableHide.HIDE_VARIABLE)
+    )
+
+
+def node_dashboard_link() -> cog_builder.Builder[dash_m.DashboardLink]:
+    """A data link from a `host` field to the node's hardware dashboard (the variable's URL + host)."""
+    return (
+        dash_b.DashboardLink("Open node ${__data.fields.host}")
+        .type(dash_m.DashboardLinkType.LINK)
+        .url(f"${{{NODE_DASHBOARD_VARIABLE}}}${{__data.fields.host}}&${{__url_time_range}}")
+    )
 
 
 # -- queries ---------------------------------------------------------------------------------

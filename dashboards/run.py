@@ -9,8 +9,8 @@ Queries select `{run="$run"}` and aggregate with `max`/`max by`: collector repli
 database serve identical series, which must count once (and a label-free result joins with
 another one without `on (...)` clauses).
 
-Panels the issue asks for whose metrics the collector does not export yet are not drawn; they
-are listed in docs/dashboards.md ("Still missing").
+Per-process families of the collector (request latency, refusals, write queue) are summed over
+instances instead: each process counts its own requests.
 """
 
 from __future__ import annotations
@@ -84,6 +84,21 @@ def _annotations() -> list[cog_builder.Builder[dash_m.AnnotationQuery]]:
             text="a newer checkpoint generation was persisted",
         ),
         p.prom_annotation(
+            "Restarts, resumes and rollbacks",
+            f'max by (event) (increase(trainvitals_run_events_total{{{R}, event=~"restart|resume|rollback"}}'
+            "[$__rate_interval])) > 0",
+            color="blue",
+            title="{{event}}",
+            text="a rank started again, resumed from a checkpoint or rolled back",
+        ),
+        p.prom_annotation(
+            "Ranks lost",
+            f'max(increase(trainvitals_run_events_total{{{R}, event="rank_lost"}}[$__rate_interval])) > 0',
+            color="dark-red",
+            title="ranks lost",
+            text="rank incarnations ended without a clean stop (a crash, a kill, or a relaunch that took them down)",
+        ),
+        p.prom_annotation(
             "Ranks missing from the complete step",
             f"{_m('trainvitals_run_ranks_reporting')} < {_m('trainvitals_run_world_size_ranks')}",
             color="purple",
@@ -99,7 +114,13 @@ def build() -> dash_m.Dashboard:
         uid=p.RUN_UID,
         description="One training run: health, throughput, convergence, stragglers, FP8, findings, checkpoints.",
         time_from="now-3h",
-        variables=[p.prometheus_variable(), p.postgres_variable(), p.project_variable(), p.run_variable()],
+        variables=[
+            p.prometheus_variable(),
+            p.postgres_variable(),
+            p.project_variable(),
+            p.run_variable(),
+            p.node_dashboard_variable(),
+        ],
     ).annotations(_annotations())
     board = _health(board)
     board = _throughput(board)
@@ -247,10 +268,14 @@ def _throughput(board: dash_b.Dashboard) -> dash_b.Dashboard:
             "MFU: measured vs predicted",
             unit=p.RATIO,
             description="Measured MFU over the last 20 reduced steps against the cost model's prediction for the "
-            "run's parallelism config. (The prediction's band is not exported yet: docs/dashboards.md.)",
+            "run's parallelism config, with the prediction interval (predicted low / high; absent when the run "
+            "declares tags.expected_mfu). Measured below the band's low end is a real gap, not model error.",
             targets=[
                 p.prom(_m("trainvitals_run_mfu_ratio"), legend="measured", ref="A"),
                 p.prom(_m("trainvitals_run_mfu_expected_ratio"), legend="predicted", ref="B"),
+                p.prom(
+                    _m("trainvitals_run_mfu_expected_band_ratio", by="bound"), legend="predicted {{bound}}", ref="C"
+                ),
             ],
             min_value=0,
         )
@@ -300,9 +325,12 @@ def _convergence(board: dash_b.Dashboard) -> dash_b.Dashboard:
             303,
             "Parameters with non-finite gradients",
             unit=p.COUNT,
-            description="Parameters whose gradient held a NaN or inf at the complete step; any non-zero bar is a "
-            "problem (TrainvitalsNonFiniteGradients).",
-            targets=[p.prom(_m("trainvitals_run_grad_nonfinite_params"), legend="non-finite params")],
+            description="Parameters whose gradient held a NaN or inf, and ranks whose loss was NaN or inf, at the "
+            "complete step; any non-zero bar is a problem (TrainvitalsNonFiniteGradients pages on both).",
+            targets=[
+                p.prom(_m("trainvitals_run_grad_nonfinite_params"), legend="non-finite params", ref="A"),
+                p.prom(_m("trainvitals_run_loss_nonfinite_ranks"), legend="ranks with non-finite loss", ref="B"),
+            ],
             min_value=0,
             bars=True,
         )
@@ -350,11 +378,11 @@ def _stragglers(board: dash_b.Dashboard) -> dash_b.Dashboard:
             403,
             "Step time vs collective wait vs data wait (median rank)",
             unit=p.SECONDS,
-            description="Median over ranks of step time, of time blocked in gradient collectives and of time "
-            "waiting for input: victims of a straggler wait, the straggler computes. (Median compute time is not "
-            "exported yet: docs/dashboards.md.)",
+            description="Median over ranks of step time, of compute time, of time blocked in gradient collectives "
+            "and of time waiting for input: victims of a straggler wait, the straggler computes.",
             targets=[
                 p.prom(STEP_P50, legend="step (p50)", ref="A"),
+                p.prom(_m("trainvitals_run_rank_compute_seconds"), legend="compute (p50)", ref="D"),
                 p.prom(_m("trainvitals_run_rank_wait_seconds"), legend="collective wait (p50)", ref="B"),
                 p.prom(_m("trainvitals_run_rank_data_seconds"), legend="data wait (p50)", ref="C"),
             ],
@@ -378,12 +406,13 @@ def _stragglers(board: dash_b.Dashboard) -> dash_b.Dashboard:
             "Slowest ranks now",
             unit=p.COUNT,
             description="The top-k slowest ranks of the newest rank window: mean compute time in seconds (step minus "
-            "collective wait) and its ratio to the median of the rank's pipeline-stage cohort. (The rank's host "
-            "is not exported yet: docs/dashboards.md.)",
+            "collective wait), its ratio to the median of the rank's pipeline-stage cohort, and the rank's host "
+            "(a click opens the node's hardware dashboard, variable node_dashboard_url).",
             targets=[
-                p.prom(_m("trainvitals_rank_slowest_compute_seconds", by="rank"), ref="A", instant=True, table=True),
-                p.prom(_m("trainvitals_rank_slowest_cohort_ratio", by="rank"), ref="B", instant=True, table=True),
+                p.prom(_m(f"trainvitals_rank_slowest_{family}", by="rank, host"), ref=ref, instant=True, table=True)
+                for family, ref in (("compute_seconds", "A"), ("cohort_ratio", "B"))
             ],
+            links=[p.node_dashboard_link()],
             transformations=[
                 p.transformation("merge"),
                 p.organize({"Value #A": "compute s", "Value #B": "x cohort median"}, exclude=("Time",)),
@@ -398,7 +427,9 @@ def _stragglers(board: dash_b.Dashboard) -> dash_b.Dashboard:
             unit=p.TIMES,
             description="Compute time of each top-k slowest rank over its cohort median, over time: a straggler "
             "stays above the pack (the detector flags r > 1.10 with a robust z > 4 for several windows).",
-            targets=[p.prom(_m("trainvitals_rank_slowest_cohort_ratio", by="rank"), legend="rank {{rank}}")],
+            targets=[
+                p.prom(_m("trainvitals_rank_slowest_cohort_ratio", by="rank, host"), legend="rank {{rank}} ({{host}})")
+            ],
             threshold=("green", 1.1, "orange"),
         )
     )
@@ -492,30 +523,32 @@ def _findings(board: dash_b.Dashboard) -> dash_b.Dashboard:
             mappings=p.value_text({"1": ("open", "red")}),
         )
     )
-    onset_with_severity = (
-        f"{_m('trainvitals_finding_onset_step', by='kind, subject_kind, subject')}"
-        " * on (kind, subject_kind, subject) group_left (severity) "
-        f"{_m('trainvitals_finding_active', by='kind, severity, subject_kind, subject')}"
-    )
-    magnitude_with_severity = (
-        f"{_m('trainvitals_finding_magnitude', by='kind, subject_kind, subject')}"
-        " * on (kind, subject_kind, subject) group_left (severity) "
-        f"{_m('trainvitals_finding_active', by='kind, severity, subject_kind, subject')}"
-    )
+    def with_severity(family: str) -> str:
+        """A per-finding family joined with the severity label of trainvitals_finding_active (x 1)."""
+        return (
+            f"{_m(family, by='kind, subject_kind, subject')}"
+            " * on (kind, subject_kind, subject) group_left (severity) "
+            f"{_m('trainvitals_finding_active', by='kind, severity, subject_kind, subject')}"
+        )
+
     board = board.with_panel(
         p.table(
             602,
             "Open findings: onset and magnitude",
             unit=p.COUNT,
-            description="Each open finding with the first step of its evidence and its magnitude (unit per kind, "
-            "docs/detectors.md).",
+            description="Each open finding with the first step of its evidence (kept while the finding stays "
+            "open), the step it was first raised at, and its magnitude (unit per kind, docs/detectors.md).",
             targets=[
-                p.prom(onset_with_severity, ref="A", instant=True, table=True),
-                p.prom(magnitude_with_severity, ref="B", instant=True, table=True),
+                p.prom(with_severity("trainvitals_finding_onset_step"), ref="A", instant=True, table=True),
+                p.prom(with_severity("trainvitals_finding_detected_step"), ref="C", instant=True, table=True),
+                p.prom(with_severity("trainvitals_finding_magnitude"), ref="B", instant=True, table=True),
             ],
             transformations=[
                 p.transformation("merge"),
-                p.organize({"Value #A": "onset step", "Value #B": "magnitude"}, exclude=("Time",)),
+                p.organize(
+                    {"Value #A": "onset step", "Value #C": "detected at step", "Value #B": "magnitude"},
+                    exclude=("Time",),
+                ),
             ],
             w=16,
             sort_by=("onset step", False),
@@ -593,6 +626,21 @@ def _checkpoints(board: dash_b.Dashboard) -> dash_b.Dashboard:
             w=6,
         )
     )
+    board = board.with_panel(
+        p.timeseries(
+            704,
+            "Checkpoint stall and persist time",
+            unit=p.SECONDS,
+            description="Of the newest persisted generation, on its slowest rank: how long training was blocked by "
+            "the save (stall) and how long until it was durable (persist; async saves persist after the stall). "
+            "A growing stall is throughput lost at every save; the cadence advisor weighs it against the risk.",
+            targets=[
+                p.prom(_m("trainvitals_checkpoint_last_stall_seconds"), legend="stall", ref="A"),
+                p.prom(_m("trainvitals_checkpoint_last_persist_seconds"), legend="persist", ref="B"),
+            ],
+            min_value=0,
+        )
+    )
     return board
 
 
@@ -621,8 +669,7 @@ def _collector(board: dash_b.Dashboard) -> dash_b.Dashboard:
             unit=p.BATCHES_PER_SECOND,
             description="Batches decided per second by outcome, over all runs the scrape token sees: stored, "
             "duplicate (a retry of a stored batch) and rejected (unknown run, another project's run, or a value "
-            "the database cannot store). Refusals before the database (auth, size, validation, busy) are not "
-            "counted yet: docs/dashboards.md.",
+            "the database cannot store). Refusals before the database are in \"Agent requests refused\".",
             targets=[
                 p.prom(
                     "max by (outcome) (rate(trainvitals_ingest_batches_total[$__rate_interval]))",
@@ -659,6 +706,89 @@ def _collector(board: dash_b.Dashboard) -> dash_b.Dashboard:
                     f' and on (instance) up{{job="{p.SCRAPE_JOB}"}} == 1',
                     legend="{{instance}}",
                 )
+            ],
+            min_value=0,
+            w=6,
+        )
+    )
+    return _collector_process(board)
+
+
+def _collector_process(board: dash_b.Dashboard) -> dash_b.Dashboard:
+    """The collector processes themselves (per-process families summed over instances; the analysis
+    counters come from the database, the same in every process: max)."""
+    board = board.with_panel(
+        p.timeseries(
+            805,
+            "Agent requests refused, by reason",
+            unit=p.REQUESTS_PER_SECOND,
+            description="Agent requests (batches, registrations) refused per second, nothing stored, by reason: "
+            "unauthenticated, forbidden, unknown_run, conflict, too_large, invalid, unstorable, busy (write queue "
+            "full: the agent retries) and storage_error (the database failed). Any but busy needs a fix on the "
+            "agent's side or the collector's; the agent's log names it.",
+            targets=[
+                p.prom(
+                    "sum by (reason) (rate(trainvitals_ingest_refused_total[$__rate_interval]))",
+                    legend="{{reason}}",
+                )
+            ],
+            min_value=0,
+            w=6,
+        )
+    )
+    board = board.with_panel(
+        p.timeseries(
+            806,
+            "Request latency",
+            unit=p.SECONDS,
+            description="Time to answer agent batches (POST /v1/batches), p50 and p99 over every collector process, "
+            "from the request-duration histogram: a batch is answered after the commit that stores it, so this is "
+            "ingest latency including the database.",
+            targets=[
+                p.prom(
+                    f"histogram_quantile({q}, sum by (le) (rate(trainvitals_http_request_duration_seconds_bucket"
+                    '{route="/v1/batches", method="POST"}[$__rate_interval])))',
+                    legend=f"p{round(q * 100)}",
+                    ref=ref,
+                )
+                for q, ref in ((0.5, "A"), (0.99, "B"))
+            ],
+            min_value=0,
+            w=6,
+        )
+    )
+    board = board.with_panel(
+        p.timeseries(
+            807,
+            "Write queue",
+            unit=p.RECORDS,
+            description="Records accepted and not yet committed, per collector process, against the limit past which "
+            "it answers 503 busy: a queue that stays near the limit means the database cannot keep up.",
+            targets=[
+                p.prom("max by (instance) (trainvitals_ingest_queue_records)", legend="queued {{instance}}", ref="A"),
+                p.prom("max(trainvitals_ingest_queue_limit_records)", legend="limit", ref="B"),
+            ],
+            min_value=0,
+            w=6,
+        )
+    )
+    board = board.with_panel(
+        p.timeseries(
+            808,
+            "Analysis cycle time and errors",
+            unit=p.SECONDS,
+            description="Mean time of an analysis cycle (reduce + detect over every live run) and of the newest one; "
+            "errors per second are runs whose analysis raised (logged by the analysing process, retried next "
+            "cycle). Cycles longer than the analysis interval make the lag above grow.",
+            targets=[
+                p.prom(
+                    "max(rate(trainvitals_analysis_cycle_seconds_total[$__rate_interval]))"
+                    " / max(rate(trainvitals_analysis_cycles_total[$__rate_interval]))",
+                    legend="mean cycle",
+                    ref="A",
+                ),
+                p.prom("max(trainvitals_analysis_last_cycle_seconds)", legend="newest cycle", ref="B"),
+                p.prom("max(rate(trainvitals_analysis_errors_total[$__rate_interval]))", legend="errors/s", ref="C"),
             ],
             min_value=0,
             w=6,

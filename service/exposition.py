@@ -328,6 +328,11 @@ def _finding_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
         ["run", "kind", "severity", "subject_kind", "subject"],
     )
     onset = _gauge("trainvitals_finding_onset_step", "First step of the evidence of an open finding", labels)
+    detected = _gauge(
+        "trainvitals_finding_detected_step",
+        "Complete step at which an open finding was first raised (onset_step is where its evidence starts)",
+        labels,
+    )
     magnitude = _gauge(
         "trainvitals_finding_magnitude", "Size of an open finding (unit per kind: docs/detectors.md)", labels
     )
@@ -338,10 +343,12 @@ def _finding_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
         for f in sn.findings.active:
             active.add_metric([sn.run_id, f.kind, f.severity, f.subject_kind, f.subject], 1.0)
             onset.add_metric([sn.run_id, f.kind, f.subject_kind, f.subject], f.onset_step)
+            if f.detected_step is not None:  # None: stored before revision 0009
+                detected.add_metric([sn.run_id, f.kind, f.subject_kind, f.subject], f.detected_step)
             magnitude.add_metric([sn.run_id, f.kind, f.subject_kind, f.subject], f.magnitude)
         for (kind, severity), n in sorted(sn.findings.by_kind.items()):
             total.add_metric([sn.run_id, kind, severity], n)
-    yield from (active, onset, magnitude, total)
+    yield from (active, onset, detected, magnitude, total)
 
 
 def _checkpoint_families(snaps: list[snapshot.RunSnapshot], now: float) -> Iterator[Metric]:

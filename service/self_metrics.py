@@ -36,7 +36,7 @@ REFUSAL_REASONS = (
     "unauthenticated", "forbidden", "unknown_run", "conflict", "too_large", "invalid", "unstorable", "busy",
     "storage_error", "other",
 )  # fmt: skip
-_REASON_KEY = "trainvitals_refusal"
+_REASON_KEY = "refusal_reason"  # in the ASGI scope state, set by refuse()
 
 # Seconds: a small batch is answered in milliseconds; a group commit under load takes up to seconds.
 _BUCKETS = (0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

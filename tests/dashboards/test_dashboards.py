@@ -334,6 +334,9 @@ def test_every_metric_is_one_the_collector_exports(name: str) -> None:
     for where, expr in _exprs(_boards()[name]):
         names = _metric_names(expr)
         assert names, f"{where}: no metric in {expr}"
+        # A histogram's series: its documented family plus _bucket, _sum or _count.
+        names = {re.sub(r"_(bucket|sum|count)$", "", n) if re.sub(r"_(bucket|sum|count)$", "", n) in documented
+                 else n for n in names}  # fmt: skip
         unknown = names - documented - PROMETHEUS_SERIES
         assert not unknown, f"{where} uses {sorted(unknown)}, not in docs/metrics.md"
         used |= names
@@ -347,7 +350,9 @@ def test_variables_and_links_between_the_dashboards() -> None:
     fleet = _boards()[f"{panels.FLEET_UID}.json"]
     run_board = _boards()[f"{panels.RUN_UID}.json"]
     assert [v["name"] for v in fleet["templating"]["list"]] == ["datasource", "project"]
-    assert [v["name"] for v in run_board["templating"]["list"]] == ["datasource", "sql_datasource", "project", "run"]
+    assert [v["name"] for v in run_board["templating"]["list"]] == [
+        "datasource", "sql_datasource", "project", "run", "node_dashboard_url",
+    ]  # fmt: skip
     run_var = run_board["templating"]["list"][3]
     assert run_var["query"].startswith("label_values(trainvitals_run_info{")
     for board in (fleet, run_board):
@@ -361,6 +366,12 @@ def test_variables_and_links_between_the_dashboards() -> None:
     for pn in linked:
         (link,) = pn["fieldConfig"]["defaults"]["links"]
         assert link["url"].startswith(f"/d/{panels.RUN_UID}/") and "var-run=${__" in link["url"], link
+    # The slowest-ranks table links each host to the node's hardware dashboard (a hidden variable).
+    (slowest,) = [pn for pn in _panels(run_board) if pn["id"] == 405]
+    (node_link,) = slowest["fieldConfig"]["defaults"]["links"]
+    assert node_link["url"].startswith("${node_dashboard_url}${__data.fields.host}")
+    node_var = run_board["templating"]["list"][4]
+    assert node_var["type"] == "textbox" and node_var["hide"] == 2 and node_var["query"].startswith("/d/")
 
 
 # -- promtool ------------------------------------------------------------------------------

@@ -208,3 +208,23 @@ def test_analysis_cycles_are_counted_in_the_database_and_exported_by_any_process
     assert sample("trainvitals_analysis_errors_total") == 0
     assert sample("trainvitals_analysis_cycle_seconds_total") > 0
     assert sample("trainvitals_analysis_seconds_since_last_cycle") == 5
+
+
+def test_open_findings_export_their_kept_onset_and_detected_step(setup) -> None:
+    from trainvitals.service.detectors.findings import Finding
+    from trainvitals.service.store import findings
+
+    maker, _clock, registry = setup
+    _store(maker, "f", ranks=2, steps=2)
+    straggler = {"run": "f", "kind": "straggler", "severity": "page", "subject_kind": "rank", "subject": "1",
+                 "magnitude": 1.3, "summary": "rank 1 slow since step 600", "active": True}  # fmt: skip
+    with maker() as session:
+        findings.store_findings(session, run_id="f", findings=[Finding(**straggler, onset_step=600, last_step=700)],
+                                now=1000.0)  # fmt: skip
+        # The next cycle's lookback has slid past step 600: the recomputed onset is later.
+        findings.store_findings(session, run_id="f", findings=[Finding(**straggler, onset_step=900, last_step=1000)],
+                                now=1001.0)  # fmt: skip
+    labels = {"run": "f", "kind": "straggler", "subject_kind": "rank", "subject": "1"}
+    assert registry.get_sample_value("trainvitals_finding_onset_step", labels) == 600
+    assert registry.get_sample_value("trainvitals_finding_detected_step", labels) == 700
+    assert registry.get_sample_value("trainvitals_finding_active", {**labels, "severity": "page"}) == 1
