@@ -58,6 +58,9 @@ def test_metrics_need_a_read_token_and_show_only_its_project(app_and_tokens) -> 
     assert client.get("/metrics").status_code == 401
     text = client.get("/metrics", headers=_h(tok["a", "read"])).text
     assert 'run="ra"' in text and 'run="rb"' not in text
+    # The collector's own families name no run or project: a project's scrape gets them too.
+    assert 'trainvitals_http_requests_total{code="401",method="GET",route="/metrics"} 1.0' in text
+    assert "trainvitals_analysis_cycles_total" in text and "trainvitals_http_request_duration_seconds_bucket" in text
     assert client.get("/metrics", headers=_h(tok["a", "ingest"])).status_code == 403
 
 

@@ -11,6 +11,7 @@ from prometheus_client.core import Metric
 from trainvitals.service.api.deps import PrincipalDep, SessionDep, require
 from trainvitals.service.api.schemas import HealthPublic
 from trainvitals.service.exposition import TrainvitalsCollector
+from trainvitals.service.self_metrics import ProcessMetrics
 from trainvitals.service.store import queries
 
 router = APIRouter(tags=["ops"])
@@ -32,18 +33,22 @@ def metrics(request: Request, principal: PrincipalDep) -> Response:
         return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
     if principal.scope != "read":
         require(principal, "read", principal.project)
+    state = request.app.state
     return Response(
-        generate_latest(_ProjectView(request.app.state.collector, principal.project)),
+        generate_latest(_ProjectView(state.collector, state.process_metrics, principal.project)),
         media_type=CONTENT_TYPE_LATEST,
     )
 
 
 class _ProjectView:
-    """A registry-like view of the collector limited to one project (generate_latest needs collect())."""
+    """A registry-like view limited to one project's runs (generate_latest needs collect()); the
+    collector's own families, which name no run or project, are in every view."""
 
-    def __init__(self, collector: TrainvitalsCollector, project: str) -> None:
+    def __init__(self, collector: TrainvitalsCollector, process: ProcessMetrics, project: str) -> None:
         self._collector = collector
+        self._process = process
         self._project = project
 
     def collect(self) -> Iterator[Metric]:
-        return self._collector.collect(project=self._project)
+        yield from self._collector.collect(project=self._project)
+        yield from self._process.collect()  # the collector's own, as in the unscoped scrape
