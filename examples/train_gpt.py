@@ -8,16 +8,23 @@ Fault-injection flags (for the detectors and the demo):
   --spike-steps 50,51 --spike-scale 30            loss (so every gradient) scaled at those steps
   --crash-rank R --crash-at S                     rank R exits with an error at step S unless the job
                                                   resumed from --ckpt-dir (relaunch it to see the restart)
+
+--plan FILE merges a JSON object into the run registration: the plan of the job this example stands
+in for, e.g. {"parallelism": {"pp": 2}, "hardware": {"gpu_type": "H100-SXM"}, "tags": {"mtbf_s": "3600"}}.
+The example still trains plain DDP; what the collector sees (pipeline stages, the MFU its cost
+model predicts, the MTBF the checkpoint advisor uses) follows the declaration.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -95,14 +102,19 @@ def synthetic_batch(gen: torch.Generator, args: argparse.Namespace) -> tuple[tor
     return seq[:, :-1], seq[:, 1:]
 
 
-def save_generation(agent: tv.TrainingAgent, ckpt_dir: Path, step: int, model: nn.Module,
-                    optimizer: torch.optim.Optimizer, keep: int = 3) -> None:
+def save_generation(
+    agent: tv.TrainingAgent,
+    ckpt_dir: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    keep: int = 3,
+) -> None:
     """One generation per save (recorded by the agent: stall, size, checksum), a `latest` pointer
     written after the file is complete, and the oldest generations pruned beyond `keep`."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     path = ckpt_dir / f"step-{step:08d}.pt"
-    agent.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, str(path),
-               step=step)
+    agent.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, str(path), step=step)
     tmp = ckpt_dir / "latest.tmp"
     tmp.write_text(path.name)
     os.replace(tmp, ckpt_dir / "latest")
@@ -113,9 +125,7 @@ def save_generation(agent: tv.TrainingAgent, ckpt_dir: Path, step: int, model: n
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-name", default=os.environ.get("TRAINVITALS_RUN", "example-gpt"))
-    p.add_argument(
-        "--collector", default=None, help="default $TRAINVITALS_COLLECTOR or http://127.0.0.1:8000"
-    )
+    p.add_argument("--collector", default=None, help="default $TRAINVITALS_COLLECTOR or http://127.0.0.1:8000")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--max-seconds", type=float, default=None, help="stop after this long (all ranks agree)")
     p.add_argument("--vocab", type=int, default=256)
@@ -152,7 +162,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--spike-scale", type=float, default=30.0)
     p.add_argument("--crash-rank", type=int, default=None)
     p.add_argument("--crash-at", type=int, default=None)
+    p.add_argument("--plan", type=Path, default=None, help="JSON merged into the run registration (see above)")
     return p.parse_args(argv)
+
+
+def merged(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `overlay` merged in, nested objects key by key."""
+    out = dict(base)
+    for key, value in overlay.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,24 +206,27 @@ def main(argv: list[str] | None = None) -> int:
         start_step = int(state["step"]) + 1
 
     tokens_per_step = args.batch * args.seq
+    registration: dict[str, Any] = {
+        "model": dims,
+        "parallelism": {
+            "world_size": world,
+            "dp": world,
+            "micro_batch": args.batch,
+            "global_batch": args.batch * world,
+        },
+        "hardware": {"gpu_type": "cpu", "gpu_count": world, "peak_flops": args.peak_flops},
+        "fp8": {"enabled": args.fp8, "history_len": args.fp8_history if args.fp8 else 1024},
+        "flops_convention": "6N+12LHQT per token (PaLM), no recompute",
+    }
+    if args.plan is not None:
+        registration = merged(registration, json.loads(args.plan.read_text()))
     agent = tv.attach(
         ddp,
         optimizer,
         run=args.run_name,
         collector=args.collector,
         config=tv.AgentConfig(collector=args.collector, send_interval_s=args.send_interval),
-        registration={
-            "model": dims,
-            "parallelism": {
-                "world_size": world,
-                "dp": world,
-                "micro_batch": args.batch,
-                "global_batch": args.batch * world,
-            },
-            "hardware": {"gpu_type": "cpu", "gpu_count": world, "peak_flops": args.peak_flops},
-            "fp8": {"enabled": args.fp8, "history_len": args.fp8_history if args.fp8 else 1024},
-            "flops_convention": "6N+12LHQT per token (PaLM), no recompute",
-        },
+        registration=registration,
     )
     if resumed_from is not None:
         agent.loaded(step=start_step - 1, path=str(resumed_from))

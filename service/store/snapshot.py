@@ -298,11 +298,12 @@ def run_events(session: Session, *, run_id: str) -> dict[str, int]:
     - `restart`: a start from a rank that had started before (a new incarnation: the job or the rank
       was relaunched), plus any `restart` event sent as such; `start` then counts ranks, once each;
     - `rank_lost`: rank incarnations that ended without a clean `stop` (a newer incarnation of the
-      rank started since): a crash, a kill, or a relaunch that took healthy ranks down with it.
+      rank started since): a crash, a kill, or a relaunch that took healthy ranks down with it. An
+      incarnation that sent a `failure` is lost even if its agent then closed (and sent `stop`).
       A rank that is silent now but not yet relaunched shows as ranks missing from the complete
       step instead (it may still come back).
 
-    Cost: one grouped count, and the start/stop rows (a few per rank and incarnation).
+    Cost: one grouped count, and the start/stop/failure rows (a few per rank and incarnation).
     """
     out = {
         event: int(n)
@@ -310,14 +311,21 @@ def run_events(session: Session, *, run_id: str) -> dict[str, int]:
             select(EventRow.event, func.count()).where(EventRow.run_id == run_id).group_by(EventRow.event)
         )
     }
-    incarnations: dict[int, dict[int, bool]] = {}  # rank -> incarnation -> stopped cleanly
+    stops: dict[int, dict[int, bool]] = {}  # rank -> incarnation -> stopped cleanly
+    failed: set[tuple[int, int]] = set()  # a failure event, even if the agent then closed (stop)
     for rank, incarnation, event in session.execute(
         select(EventRow.rank, EventRow.incarnation, EventRow.event).where(
-            EventRow.run_id == run_id, EventRow.event.in_(("start", "stop"))
+            EventRow.run_id == run_id, EventRow.event.in_(("start", "stop", "failure"))
         )
     ):
-        seen = incarnations.setdefault(rank, {})
+        seen = stops.setdefault(rank, {})
         seen[incarnation] = seen.get(incarnation, False) or event == "stop"
+        if event == "failure":
+            failed.add((rank, incarnation))
+    incarnations = {
+        rank: {inc: stopped and (rank, inc) not in failed for inc, stopped in seen.items()}
+        for rank, seen in stops.items()
+    }
     starts = out.pop("start", 0)
     if starts:
         out["start"] = len(incarnations)

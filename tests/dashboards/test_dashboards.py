@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import uuid
 import warnings
-from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from sqlalchemy import text
 
 from trainvitals.service.cli import main as cli_main
 from trainvitals.service.store import batches, db, queries
+from trainvitals.testing import grafana
 from trainvitals.wire import Batch, RunRegistration
 
 with warnings.catch_warnings():
@@ -59,19 +59,12 @@ def _boards() -> dict[str, dict[str, Any]]:
     return {f.name: json.loads(f.read_text()) for f in files}
 
 
-def _all_panels(board: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Every panel, rows included, and the panels held inside collapsed rows."""
-    for panel in board["panels"]:
-        yield panel
-        yield from panel.get("panels", [])
-
-
 def _panels(board: dict[str, Any]) -> list[dict[str, Any]]:
-    return [pn for pn in _all_panels(board) if pn["type"] != "row"]
+    return grafana.panels(board)
 
 
 def _annotations(board: dict[str, Any]) -> list[dict[str, Any]]:
-    return [a for a in board["annotations"]["list"] if not a.get("builtIn")]
+    return grafana.annotations(board)
 
 
 def _exprs(board: dict[str, Any]) -> list[tuple[str, str]]:
@@ -93,10 +86,7 @@ def _exprs(board: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _substitute(expr: str) -> str:
-    for var in sorted(SUBSTITUTIONS, key=len, reverse=True):
-        expr = expr.replace(var, SUBSTITUTIONS[var])
-    assert "$" not in expr, f"unsubstituted variable in {expr}"
-    return expr
+    return grafana.substitute(expr, SUBSTITUTIONS)
 
 
 def _ids() -> list[str]:
@@ -257,11 +247,11 @@ def test_every_range_is_the_rate_interval(name: str) -> None:
 @pytest.mark.parametrize("name", _ids())
 def test_panel_ids_are_unique_and_the_grid_has_no_overlap(name: str) -> None:
     board = _boards()[name]
-    ids = [pn["id"] for pn in _all_panels(board)]
+    ids = [pn["id"] for pn in grafana.all_panels(board)]
     assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
     assert all(isinstance(i, int) and i > 0 for i in ids), ids
     cells: dict[tuple[int, int], int] = {}
-    for pn in _all_panels(board):
+    for pn in grafana.all_panels(board):
         g = pn["gridPos"]
         assert g["w"] >= 1 and g["h"] >= 1 and g["x"] >= 0 and g["y"] >= 0, (pn["id"], g)
         assert g["x"] + g["w"] <= 24, f"panel {pn['id']} leaves the 24-column grid: {g}"
@@ -408,16 +398,6 @@ def test_promtool_check_rejects_a_broken_expression(tmp_path: Path) -> None:
 # -- the rank x step heatmap's SQL, on the real PostgreSQL -----------------------------------
 
 
-def _expand_grafana_sql(sql: str, *, run_id: str, start: float, end: float, interval_s: int) -> str:
-    """Expand the Grafana PostgreSQL macros the heatmap uses, as Grafana documents them."""
-    out = sql.replace("${run:sqlstring}", "'" + run_id.replace("'", "''") + "'")
-    out = out.replace("$__interval", f"{interval_s}s")
-    out = re.sub(r"\$__unixEpochFilter\((\w+)\)", rf"\1 >= {start} AND \1 <= {end}", out)
-    out = re.sub(r"\$__unixEpochGroupAlias\((\w+), (\d+)s\)", r'floor(\1/\2)*\2 AS "time"', out)
-    assert "$" not in out, out
-    return out
-
-
 def _steps_batch(run_id: str, rank: int, incarnation: int, steps: range, *, ts0: float, seconds: float) -> Batch:
     records = [
         {"kind": "step", "step": s, "ts": ts0 + s, "step_seconds": seconds, "loss": 2.0, "tokens": 64} for s in steps
@@ -440,7 +420,7 @@ def test_rank_step_heatmap_sql_returns_rows_for_a_stored_run(pg_url: str) -> Non
             # Rank 0 crashed after step 5 and its relaunch (incarnation 2) repeated steps 6-9 later and slower.
             batches.store_batch(session, _steps_batch(run_id, 0, 2, range(6, 10), ts0=1100.0, seconds=0.3))
             session.commit()
-        sql = _expand_grafana_sql(run.RANK_STEP_HEATMAP_SQL, run_id=run_id, start=0, end=2e9, interval_s=1)
+        sql = grafana.expand_sql(run.RANK_STEP_HEATMAP_SQL, run_id=run_id, start=0, end=2e9, interval_s=1)
         with engine.connect() as conn:
             rows = conn.execute(text(sql)).all()
     finally:

@@ -155,7 +155,9 @@ def test_run_events_count_restarts_and_ranks_lost_and_checkpoints_show_stall_and
     step = {"kind": "step", "ts": 1.0, "step_seconds": 1.0, "compute_seconds": 0.75, "loss": float("nan")}
     for rank in range(2):
         # incarnation 1 dies (no stop); 2 is the relaunch, which resumes and stops cleanly on rank 0
-        _batch(maker, "r", rank, 1, [start, {**step, "step": 0}])
+        # rank 1 reports its failure and closes its agent (which sends stop): still lost
+        crash = [{"kind": "event", "event": e, "ts": 1.5} for e in ("failure", "stop")] if rank == 1 else []
+        _batch(maker, "r", rank, 1, [start, {**step, "step": 0}, *crash])
         tail = [{"kind": "event", "event": "stop", "ts": 3.0}] if rank == 0 else []
         _batch(maker, "r", rank, 2, [start, {"kind": "event", "event": "resume", "ts": 2.0, "step": 0},
                                      {**step, "step": 1}, *tail])  # fmt: skip
@@ -166,10 +168,10 @@ def test_run_events_count_restarts_and_ranks_lost_and_checkpoints_show_stall_and
     with maker() as session:
         pipeline.process_run(session, queries.get_run(session, run_id="r"), now=1000.0)
     events = {e: registry.get_sample_value("trainvitals_run_events_total", {"run": "r", "event": e})
-              for e in ("start", "restart", "resume", "stop", "rank_lost")}  # fmt: skip
+              for e in ("start", "restart", "resume", "stop", "failure", "rank_lost")}  # fmt: skip
     # 4 start events: 2 ranks (start) started again once each (restart); both first incarnations
     # ended without a stop (rank_lost); a stop of the newest incarnation is a clean end, not a loss.
-    assert events == {"start": 2, "restart": 2, "resume": 2, "stop": 1, "rank_lost": 2}
+    assert events == {"start": 2, "restart": 2, "resume": 2, "stop": 2, "failure": 1, "rank_lost": 2}
     sample = registry.get_sample_value
     assert sample("trainvitals_checkpoint_last_stall_seconds", {"run": "r"}) == 1.5  # the slowest rank's
     assert sample("trainvitals_checkpoint_last_persist_seconds", {"run": "r"}) == 4.0
