@@ -194,9 +194,19 @@ def _query(args: argparse.Namespace) -> int:
                 for r in queries.list_runs(session)
                 if (o := queries.run_overview(session, run_id=r.run_id)) is not None
             ]
-        elif queries.get_run(session, run_id=args.run) is None:
+        elif (run := queries.get_run(session, run_id=args.run)) is None:
             print(f"no run {args.run!r} in {args.db}", file=sys.stderr)
             return 1
+        elif args.query_command == "analysis":
+            from trainvitals.service.analysis.on_request import UnknownBaselineError, analyse_run
+
+            try:
+                found = analyse_run(session, run, baseline=args.baseline)
+            except UnknownBaselineError as exc:
+                print(f"trainvitals: {exc}", file=sys.stderr)
+                return 1
+            # The HTTP route's columns: the finding without its run.
+            data = [{k: v for k, v in dataclasses.asdict(f).items() if k != "run"} for f in found]
         elif args.query_command == "timeline":
             data = queries.tensor_timeline(
                 session, run_id=args.run, tensor=args.tensor, role=args.role, start=args.start, end=args.end
@@ -357,6 +367,14 @@ def build_parser() -> argparse.ArgumentParser:
         "findings",
         "detector findings with onset and detection steps",
         extra=lambda p: p.add_argument("--active", action="store_true"),
+    )
+    _add_query(
+        qsub,
+        "analysis",
+        "run the detectors now over the stored run (not stored), against a baseline run if named",
+        extra=lambda p: p.add_argument(
+            "--baseline", help="run of the same project to compare with (default: the registered baseline_run)"
+        ),
     )
     _add_query(qsub, "checkpoints", "checkpoint generations and their status")
     _add_query(

@@ -146,11 +146,27 @@ class Scenario:
 # --------------------------------------------------------------------------- the base run
 
 
+class _Recipe(np.random.Generator):
+    """A family's generator (its recipe: where and how big the bumps, spikes and faults are) with a
+    second one for the base run's per-step noise (`make_scenario(noise_seed=...)`)."""
+
+    def __init__(self, seed: list[int], noise_seed: int) -> None:
+        super().__init__(np.random.PCG64(seed))
+        self.noise = np.random.default_rng([noise_seed, *seed])
+
+
 class _Run:
     """Mutable arrays of one run while a family shapes it (private to this module)."""
 
     def __init__(self, rng: np.random.Generator, n: int, layout: Layout, *, heavy_tail: bool = False) -> None:
         self.rng, self.n, self.layout = rng, n, layout
+        # make_scenario(noise_seed=...): the base run's noise comes from a generator of its own, and
+        # the recipe's generator is advanced exactly as drawing that noise would have, so every later
+        # draw (where and how big the bumps, spikes and faults are) matches the run of the same seed.
+        self.noise = rng.noise if isinstance(rng, _Recipe) else rng
+        if self.noise is not rng:
+            _Run(np.random.Generator(rng.bit_generator), n, layout, heavy_tail=heavy_tail)
+        rng = self.noise
         t = np.arange(n, dtype=float)
         self.steps = np.arange(n, dtype=np.int64)
         # Loss: power-law decay, ~1.5% multiplicative noise (Student-t df 3 when heavy-tailed).
@@ -208,8 +224,8 @@ class _Run:
 
     def _noise(self, scale: float, heavy_tail: bool) -> np.ndarray:
         if heavy_tail:
-            return scale * self.rng.standard_t(3, self.n)
-        return self.rng.normal(0, scale, self.n)
+            return scale * self.noise.standard_t(3, self.n)
+        return self.noise.normal(0, scale, self.n)
 
     def add_loss_bump(self, step: int, nats: float, rise_steps: int, decay_steps: float) -> None:
         """A benign loss bump (BLOOM / OPT logbooks): +`nats` reached over `rise_steps`, then an
@@ -266,7 +282,7 @@ class _Run:
             lag = x - hist
             sat = np.where(headroom < 0, 1e-7 * (2.0 ** (-6 * headroom) - 1), 0.0)
             base_uf = 2e-4 if fmt == "e4m3" else 1e-4
-            uf = base_uf * 2.0 ** np.maximum(headroom, 0) * np.exp(self.rng.normal(0, 0.1, self.n))
+            uf = base_uf * 2.0 ** np.maximum(headroom, 0) * np.exp(self.noise.normal(0, 0.1, self.n))
             amax = 2.0**x
             nonfinite = self.tensor_nonfinite[k].copy()
             amax = np.where(nonfinite > 0, np.inf, amax)
@@ -309,7 +325,7 @@ class _Run:
         # Gradient groups: the global norm is the root sum of squares of the groups.
         gn = np.exp(self.log_gn)
         w = np.sqrt(self.group_weights)
-        g_noise = np.exp(self.rng.normal(0, 0.05, (n, lay.groups)))
+        g_noise = np.exp(self.noise.normal(0, 0.05, (n, lay.groups)))
         groups = gn[:, None] * w[None, :] * g_noise
         sp = np.flatnonzero(self.spike_group >= 0)
         base = np.exp(self.log_gn.copy())
@@ -405,14 +421,19 @@ def _ramp(n: int, start: int, end: int) -> np.ndarray:
     return np.clip((t - start) / max(end - start, 1), 0.0, 1.0)
 
 
-def make_scenario(family: str, seed: int, *, layout: Layout | None = None) -> Scenario:
-    """Build one run of `family` (see HEALTHY_FAMILIES and FAULT_FAMILIES)."""
+def make_scenario(family: str, seed: int, *, layout: Layout | None = None, noise_seed: int | None = None) -> Scenario:
+    """Build one run of `family` (see HEALTHY_FAMILIES and FAULT_FAMILIES).
+
+    noise_seed: the same recipe as `seed` (every bump, spike, fault and end-of-training rise at the
+    same step and of the same size) with per-step noise of its own: what a previous run of the same
+    job looks like, i.e. a baseline run for the scenario of `seed`."""
     lay = layout or Layout()
     # Odd seeds use a long 'max' history (TE default), even seeds a short one: both must stay quiet.
     if family.startswith("healthy") and seed % 2 == 1:
         lay = dataclasses.replace(lay, history_len=1024)
-    rng = np.random.default_rng([seed, _family_salt(family)])
-    name = f"synthetic-{family}-s{seed}"
+    recipe = [seed, _family_salt(family)]
+    rng = np.random.default_rng(recipe) if noise_seed is None else _Recipe(recipe, noise_seed)
+    name = f"synthetic-{family}-s{seed}" + ("" if noise_seed is None else f"-n{noise_seed}")
     builder = _FAMILIES.get(family)
     if builder is None:
         raise ValueError(f"unknown scenario family {family!r}")
@@ -937,13 +958,14 @@ def _opt(x: float) -> float | None:
     return None if math.isnan(x) else float(x)
 
 
-def registration_for(sc: Scenario) -> RunRegistration:
-    """The run registration the synthetic job would send."""
+def registration_for(sc: Scenario, *, baseline_run: str | None = None) -> RunRegistration:
+    """The run registration the synthetic job would send (naming `baseline_run`, if given)."""
     lay = sc.layout
     s = sc.series
     return RunRegistration(
         run=s.run,
         project="synthetic",
+        baseline_run=baseline_run,
         started_at=T0,
         model=ModelDims(layers=lay.layers, params=lay.params, non_embedding_params=lay.params),
         parallelism=Parallelism(world_size=lay.world, pp=lay.pp, dp=lay.dp),
@@ -1066,13 +1088,13 @@ def _incarnation(sc: Scenario, step: int) -> int:
     return inc
 
 
-def to_wire_lines(sc: Scenario, *, steps_per_batch: int = 100) -> Iterator[str]:
-    """The scenario as wire-format v1 JSON lines: the RunRegistration, then per rank a Batch every
-    `steps_per_batch` steps, (rank, incarnation, seq) numbered as the agent does (a resume starts a
-    new incarnation with seq 0). Checkpoint and event records travel with rank 0. This is what
-    `trainvitals replay FILE` ingests; write the lines to a file yourself."""
+def to_wire_lines(sc: Scenario, *, steps_per_batch: int = 100, baseline_run: str | None = None) -> Iterator[str]:
+    """The scenario as wire-format v1 JSON lines: the RunRegistration (naming `baseline_run`, if
+    given), then per rank a Batch every `steps_per_batch` steps, (rank, incarnation, seq) numbered as
+    the agent does (a resume starts a new incarnation with seq 0). Checkpoint and event records
+    travel with rank 0. This is what `trainvitals replay FILE` ingests; write the lines to a file."""
     s = sc.series
-    yield registration_for(sc).model_dump_json()
+    yield registration_for(sc, baseline_run=baseline_run).model_dump_json()
     n = len(s.steps.steps)
     ts = s.steps.ts
     ckpts = sorted(s.checkpoints, key=lambda c: c.ts)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainvitals.wire.conventions import (
     GLOBAL_GROUP,
@@ -29,7 +29,8 @@ from trainvitals.wire.conventions import (
 )
 
 _Name = Annotated[str, Field(min_length=1, max_length=256)]
-_RunId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")]
+_RUN_ID_PATTERN = r"^[A-Za-z0-9._:\-]+$"
+_RunId = Annotated[str, Field(min_length=1, max_length=128, pattern=_RUN_ID_PATTERN)]
 _NonNeg = Annotated[float, Field(ge=0)]
 _Count = Annotated[int, Field(ge=0)]
 _Step = Annotated[int, Field(ge=0)]
@@ -99,6 +100,15 @@ class RunRegistration(_Strict):
     wire_version: Literal[1] = 1
     run: _RunId = Field(description="run id shared by all ranks: letters, digits, . _ : -")
     project: _Name = Field("default", description="tokens are scoped to a project")
+    baseline_run: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        pattern=_RUN_ID_PATTERN,  # a run id (constraints inline: the docs table then reads `str | None`)
+        description="an earlier run of the same project to compare with: loss and gradient norm at equal steps, "
+        "so the shapes both share (warm-up, data order, end of training) cancel; a name that is not a run of "
+        "the project is ignored (the run is judged against itself)",
+    )
     started_at: float | None = Field(None, description="Unix seconds")
     model: ModelDims = ModelDims()
     parallelism: Parallelism = Parallelism()
@@ -109,6 +119,12 @@ class RunRegistration(_Strict):
         None, max_length=128, description="how flops_per_step is counted, e.g. '6N+12LHQT, no recompute'"
     )
     tags: dict[str, str] = Field(default_factory=dict, max_length=64)
+
+    @model_validator(mode="after")
+    def _baseline_is_another_run(self) -> RunRegistration:
+        if self.baseline_run == self.run:
+            raise ValueError("baseline_run names the run itself: name an earlier run of the same project")
+        return self
 
 
 # --------------------------------------------------------------------------- records

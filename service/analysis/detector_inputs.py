@@ -7,10 +7,16 @@ step this cache reloads from. So a 16,384-rank run costs the rows of its new ste
 its whole lookback again (600 steps x 16,384 ranks of timing and 20,000 steps of every monitored
 tensor: tens of millions of rows, minutes per cycle). A fresh instance loads the whole lookback,
 which is what replay and the first cycle after a start or a lease takeover do, through this code.
+
+A run that names a baseline run (registration `baseline_run`) gets that run's loss and gradient
+norm over the same steps as `RunSeries.baseline` (service/detectors/baseline.py compares them),
+read the same incremental way. Only a run of the same project serves: a run never reads another
+project's data; an unknown one is logged once and the run is judged against itself.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +36,8 @@ from trainvitals.service.detectors.series import (
 from trainvitals.service.store import detector_reads
 from trainvitals.service.store.detector_reads import I64, STEP_DTYPES, TENSOR_DTYPES
 from trainvitals.service.store.models import Run
+
+log = logging.getLogger(__name__)
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -138,9 +146,11 @@ class DetectorInputs:
 
     `rewritten_from`: the lowest step whose summaries (or raw timing rows) changed since the last
     build (None: nothing changed). Rows below it are kept, rows from it on are read again.
+    `baseline_run`: compare with this run instead of the one the registration names (a
+    post-mortem's choice; the caller checked that it is in the run's project).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, baseline_run: str | None = None) -> None:
         self.loaded_upto: int | None = None  # newest step read (None: nothing read yet)
         self._steps = _Columns(STEP_DTYPES)
         self._groups = _Columns((I64, np.int32, np.float64))  # step, group code, norm
@@ -148,6 +158,10 @@ class DetectorInputs:
         self._group_code: dict[str, int] = {}
         self._tensors: dict[tuple[str, str], tuple[str, bool, _Columns]] = {}
         self._ranks = _RankMatrix()
+        self._baseline_run = baseline_run
+        self._baseline_ok: dict[str, bool] = {}  # baseline run id -> usable (checked once)
+        self._baseline = _Columns(STEP_DTYPES)
+        self._baseline_upto = -1  # newest baseline step read
 
     def build(
         self,
@@ -170,7 +184,36 @@ class DetectorInputs:
         self._cut(after=lo, upto=since, rank_after=latest - rank_lookback_steps)
         self._read(session, rid, after=max(since, lo), upto=latest, rank_after=max(since, latest - rank_lookback_steps))
         self.loaded_upto = latest
-        return self._series(session, run, now=now, peak_flops_total=peak_flops_total)
+        series = self._series(session, run, now=now, peak_flops_total=peak_flops_total)
+        series.baseline = self._baseline_series(session, run, after=lo, upto=latest)
+        return series
+
+    def _baseline_series(self, session: Session, run: Run, *, after: int, upto: int) -> RunSeries | None:
+        """The baseline's steps after < step <= upto (the run's lookback), or None without a usable one.
+
+        A baseline is normally a finished run whose summaries no longer change: each build reads
+        only the steps it had not reduced at the previous one (the run's late data does not concern
+        it; late data of a baseline still running is not re-read)."""
+        name = self._baseline_run or (run.registration or {}).get("baseline_run")
+        if not name:
+            return None
+        if name not in self._baseline_ok:
+            ok = name != run.run_id and detector_reads.run_in_project(session, run_id=name, project=run.project)
+            self._baseline_ok[name] = ok
+            if not ok:
+                log.warning(
+                    "run %s names baseline run %s, which is not a run of project %s: judged against itself",
+                    run.run_id, name, run.project,
+                )  # fmt: skip
+        if not self._baseline_ok[name]:
+            return None
+        newest = detector_reads.newest_summary(session, run_id=name)
+        have = self._baseline_upto
+        self._baseline.cut(after=after, upto=have)
+        reach = min(upto, -1 if newest is None else newest[0])
+        self._baseline.append(detector_reads.step_columns(session, run_id=name, after=max(have, after), upto=reach))
+        self._baseline_upto = max(have, reach)
+        return RunSeries(run=name, steps=_run_steps(self._baseline.cols, with_mfu=False))
 
     def _cut(self, *, after: int, upto: int, rank_after: int) -> None:
         self._steps.cut(after=after, upto=upto)
@@ -210,19 +253,7 @@ class DetectorInputs:
                 self._tensors[key][2].append([v[lo:hi] for v in chunk.columns])
 
     def _series(self, session: Session, run: Run, *, now: float, peak_flops_total: float | None) -> RunSeries:
-        c = self._steps.cols
-        steps = RunSteps(
-            steps=c[0],
-            loss=c[1],
-            grad_norm=c[2],
-            grad_nonfinite=c[3],
-            step_seconds=c[4],
-            ts=c[5],
-            tokens=c[6],
-            flops=c[7],
-            loss_nonfinite=c[8],
-            mfu=c[9] if peak_flops_total else None,
-        )
+        steps = _run_steps(self._steps.cols, with_mfu=bool(peak_flops_total))
         groups = None
         if len(self._groups.steps):
             gsteps, codes, norms = self._groups.cols
@@ -285,3 +316,19 @@ class DetectorInputs:
             checkpoint_interval_seconds=(reg.get("checkpoint") or {}).get("interval_seconds"),
             now=now,
         )
+
+
+def _run_steps(c: list[np.ndarray], *, with_mfu: bool) -> RunSteps:
+    """RunSteps from step_columns (STEP_DTYPES)."""
+    return RunSteps(
+        steps=c[0],
+        loss=c[1],
+        grad_norm=c[2],
+        grad_nonfinite=c[3],
+        step_seconds=c[4],
+        ts=c[5],
+        tokens=c[6],
+        flops=c[7],
+        loss_nonfinite=c[8],
+        mfu=c[9] if with_mfu else None,
+    )

@@ -146,6 +146,26 @@ class FindingPublic(_Public):
     updated_at: float
 
 
+class AnalysisFindingPublic(_Public):
+    """A finding of an analysis on request (`GET /v1/runs/{run}/analysis`): what the detectors report
+    now, not stored (service/detectors/findings.py `Finding`, in its field order, without the run)."""
+
+    kind: str
+    severity: str
+    """page | ticket | info"""
+    subject_kind: str
+    subject: str
+    onset_step: int
+    last_step: int
+    magnitude: float
+    summary: str
+    active: bool
+    detected_step: int | None
+    """First step at which a live collector would have raised it."""
+    paged_step: int | None
+    """First step at which it was a page (null: never paged)."""
+
+
 class CheckpointGenerationPublic(_Public):
     """One checkpoint generation (and incarnation) across ranks."""
 

@@ -15,6 +15,13 @@ MAD_TO_SIGMA = 1.4826
 """1 / Phi^-1(3/4): MAD of a normal sample times this estimates its standard deviation."""
 
 
+def log_positive(values: np.ndarray) -> np.ndarray:
+    """Natural log, NaN where the value is not finite and positive (losses and norms are
+    multiplicative: the detectors work in log space)."""
+    ok = np.isfinite(values) & (values > 0)
+    return np.log(np.where(ok, values, 1.0)) + np.where(ok, 0.0, np.nan)
+
+
 def _window_rows(x: np.ndarray, window: int, ends: np.ndarray) -> np.ndarray:
     """Row k holds x[ends[k] - window : ends[k]] (NaN where that reaches before the start)."""
     idx = ends[:, None] - window + np.arange(window)[None, :]

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats
 
-from ._stats import fmt_int, segment_apply, trailing_median, trailing_median_scale
+from ._stats import fmt_int, log_positive, segment_apply, trailing_median, trailing_median_scale
+from .baseline import aligned_log
 from .findings import Finding, SubjectKind
 from .series import RunSeries
 from .suppression import Suppression
@@ -79,15 +80,10 @@ class GradNormConfig:
             raise ValueError("min_episodes must be >= 2: one episode is not a recurrence")
 
 
-def _log_norm(values: np.ndarray) -> np.ndarray:
-    ok = np.isfinite(values) & (values > 0)
-    return np.log(np.where(ok, values, 1.0)) + np.where(ok, 0.0, np.nan)
-
-
 def spike_mask(series: RunSeries, sup: Suppression, cfg: GradNormConfig) -> tuple[np.ndarray, np.ndarray]:
     """(spike per step, log residual vs the trailing median) over `series.steps`."""
     s = series.steps
-    x = _log_norm(s.grad_norm)
+    x = log_positive(s.grad_norm)
     seg = sup.segment_ids(s.steps)
     med, scale = segment_apply(
         seg, lambda xs: trailing_median_scale(xs, cfg.baseline_steps, min_count=cfg.min_history), x
@@ -119,7 +115,7 @@ def _blame_group(series: RunSeries, at_steps: np.ndarray, cfg: GradNormConfig) -
         return None
     excess = np.full((len(idx), len(g.groups)), -np.inf)
     for j in range(len(g.groups)):
-        lg = _log_norm(g.norms[:, j])
+        lg = log_positive(g.norms[:, j])
         med = trailing_median(
             lg, cfg.baseline_steps, min_count=cfg.min_history, stride=max(cfg.baseline_steps // 20, 1)
         )
@@ -222,12 +218,22 @@ def detect_spikes(series: RunSeries, sup: Suppression, cfg: GradNormConfig) -> l
     return out
 
 
-def detect_drift(series: RunSeries, sup: Suppression, cfg: GradNormConfig) -> list[Finding]:
-    """`grad_norm_drift` (ticket): CUSUM over block medians of log norm against a lagged reference."""
+def detect_drift(
+    series: RunSeries, sup: Suppression, cfg: GradNormConfig, *, baseline: RunSeries | None = None
+) -> list[Finding]:
+    """`grad_norm_drift` (ticket): CUSUM over block medians of log norm against a lagged reference;
+    with a baseline run, of the log ratio to the baseline's norm at equal steps (detectors/baseline.py),
+    so an end-of-training rise both runs share cancels."""
     s = series.steps
     if len(s.steps) == 0:
         return []
-    x = _log_norm(s.grad_norm)
+    x = log_positive(s.grad_norm)
+    what, note = "gradient norm", "benign near the end of training"
+    # The reference needs half its blocks, as below; fewer aligned steps: judged against itself.
+    xb = aligned_log(series, baseline, "grad_norm", min_steps=cfg.drift_ref_blocks // 2 * cfg.drift_block_steps)
+    if xb is not None and baseline is not None:
+        x = x - xb
+        what, note = f"gradient norm relative to baseline run {baseline.run}", "a rise the baseline did not have"
     x[sup.suppressed(s.steps)] = np.nan
     seg = sup.segment_ids(s.steps)
     bsz = cfg.drift_block_steps
@@ -284,10 +290,10 @@ def detect_drift(series: RunSeries, sup: Suppression, cfg: GradNormConfig) -> li
             last_step=last_block_end if active else detected,
             magnitude=mag,
             summary=(
-                f"gradient norm drifting up: block median {mag:.2f}x its level "
+                f"{what} drifting up: block median {mag:.2f}x its level "
                 f"{(cfg.drift_gap_blocks + cfg.drift_ref_blocks // 2) * cfg.drift_block_steps} "
                 "steps earlier, "
-                f"since step {onset} (benign near the end of training; worrying with recurring spikes)"
+                f"since step {onset} ({note}; worrying with recurring spikes)"
             ),
             active=active,
             detected_step=detected,
@@ -345,6 +351,13 @@ def _reported_nan(series: RunSeries) -> np.ndarray:
     return out
 
 
-def detect_grad_norm(series: RunSeries, sup: Suppression, cfg: GradNormConfig) -> list[Finding]:
-    """All gradient-norm findings of one run."""
-    return detect_nonfinite(series, cfg) + detect_spikes(series, sup, cfg) + detect_drift(series, sup, cfg)
+def detect_grad_norm(
+    series: RunSeries, sup: Suppression, cfg: GradNormConfig, *, baseline: RunSeries | None = None
+) -> list[Finding]:
+    """All gradient-norm findings of one run. A baseline run changes only the drift test: spikes are
+    judged against the run's own recent norm, which a baseline would not sharpen."""
+    return (
+        detect_nonfinite(series, cfg)
+        + detect_spikes(series, sup, cfg)
+        + detect_drift(series, sup, cfg, baseline=baseline)
+    )

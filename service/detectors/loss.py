@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._stats import runs_of_true, segment_apply, trailing_median, trailing_median_scale
+from ._stats import log_positive, runs_of_true, segment_apply, trailing_median, trailing_median_scale
+from .baseline import aligned_log
 from .findings import Finding
 from .series import RunSeries
 from .suppression import Suppression
@@ -86,22 +87,6 @@ class LossConfig:
             raise ValueError("page_persist_steps, page_rising_steps, recur_min_episodes must be >= 1")
 
 
-def _log(values: np.ndarray) -> np.ndarray:
-    ok = np.isfinite(values) & (values > 0)
-    return np.log(np.where(ok, values, 1.0)) + np.where(ok, 0.0, np.nan)
-
-
-def _aligned_baseline(series: RunSeries, baseline: RunSeries) -> np.ndarray:
-    """Baseline log loss at the run's steps (NaN where the baseline has no such step)."""
-    b = baseline.steps
-    out = np.full(len(series.steps.steps), np.nan)
-    rows = np.searchsorted(b.steps, series.steps.steps)
-    ok = rows < len(b.steps)
-    ok[ok] = b.steps[rows[ok]] == series.steps.steps[ok]
-    out[ok] = _log(b.loss[rows[ok]])
-    return out
-
-
 def detect_divergence(
     series: RunSeries, sup: Suppression, cfg: LossConfig, *, baseline: RunSeries | None = None
 ) -> list[Finding]:
@@ -109,13 +94,12 @@ def detect_divergence(
     s = series.steps
     if len(s.steps) == 0:
         return []
-    y = _log(s.loss)
+    y = log_positive(s.loss)
     against = "its own level"
-    if baseline is not None and len(baseline.steps.steps):
-        yb = _aligned_baseline(series, baseline)
-        if np.isfinite(yb).sum() >= cfg.min_history:
-            y = y - yb
-            against = f"baseline run {baseline.run}"
+    yb = aligned_log(series, baseline, "loss", min_steps=cfg.min_history)
+    if yb is not None and baseline is not None:
+        y = y - yb
+        against = f"baseline run {baseline.run}"
     quiet = sup.suppressed(s.steps)
     y_ref = np.where(quiet, np.nan, y)
     seg = sup.segment_ids(s.steps)
@@ -337,7 +321,7 @@ def detect_trend(series: RunSeries, sup: Suppression, cfg: LossConfig) -> list[F
     bsz = cfg.trend_block_steps
     if len(s.steps) < bsz * (cfg.trend_ref_blocks + cfg.trend_blocks):
         return []
-    y = np.where(sup.suppressed(s.steps), np.nan, _log(s.loss))
+    y = np.where(sup.suppressed(s.steps), np.nan, log_positive(s.loss))
     seg = sup.segment_ids(s.steps)
     block = s.steps // bsz
     starts = np.concatenate([[0], np.flatnonzero(np.diff(block)) + 1])

@@ -2,8 +2,8 @@
 
 Usage::
 
-    findings = detect(series)                       # the run against itself
-    findings = detect(series, baseline=other_run)   # loss compared with a named baseline run
+    findings = detect(series)                       # the run against itself, or its series.baseline
+    findings = detect(series, baseline=other_run)   # loss and grad-norm drift against another run
     open_now = [f for f in findings if f.active]    # what the collector exports
 """
 
@@ -53,11 +53,15 @@ def detect(
     series: RunSeries, *, baseline: RunSeries | None = None, config: DetectorConfig | None = None
 ) -> list[Finding]:
     """All findings of one run, resolved ones included (`active` says which are open), ordered
-    page, ticket, info, then by onset step. Pure and deterministic."""
+    page, ticket, info, then by onset step. Pure and deterministic.
+
+    baseline: the run to compare with (detectors/baseline.py); None: the one the series carries
+    (`series.baseline`, the run's registered baseline when the collector built it), if any."""
     cfg = config or DetectorConfig()
     sup = suppression_for(series, cfg.suppression)
+    baseline = baseline if baseline is not None else series.baseline
     found: list[Finding] = []
-    found += detect_grad_norm(series, sup, cfg.grad_norm)
+    found += detect_grad_norm(series, sup, cfg.grad_norm, baseline=baseline)
     found += detect_loss(series, sup, cfg.loss, baseline=baseline)
     found += detect_fp8(series.tensors, series.run, sup, cfg.fp8)
     found += detect_stragglers(series, sup, cfg.stragglers)

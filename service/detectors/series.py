@@ -130,3 +130,6 @@ class RunSeries:
     """Configured or recommended; None: overdue checks stay silent."""
     now: float | None = None
     """The time the detectors evaluate at (for 'stalled' and 'overdue'); passed in, never read."""
+    baseline: RunSeries | None = None
+    """The run's named baseline run (registration `baseline_run`) over the same steps, which
+    `detect()` compares loss and gradient norm with (detectors/baseline.py); None: none named."""

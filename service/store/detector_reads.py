@@ -16,7 +16,15 @@ from sqlalchemy import Select, select
 from sqlalchemy.orm import Session
 
 from trainvitals.service.store.incarnations import newest_incarnation_only
-from trainvitals.service.store.models import CheckpointRow, EventRow, GradSummary, StepRow, StepSummary, TensorSummary
+from trainvitals.service.store.models import (
+    CheckpointRow,
+    EventRow,
+    GradSummary,
+    Run,
+    StepRow,
+    StepSummary,
+    TensorSummary,
+)
 from trainvitals.wire.conventions import GLOBAL_GROUP
 
 I64, F64 = np.int64, np.float64
@@ -66,6 +74,11 @@ def _read_columns(session: Session, stmt: AnySelect, dtypes: Sequence[Any], step
         for part, values, dtype in zip(parts, zip(*rows, strict=True), dtypes, strict=True):
             part.append(_column(values, dtype))
     return [np.concatenate(p) if p else np.empty(0, dtype=d) for p, d in zip(parts, dtypes, strict=True)]
+
+
+def run_in_project(session: Session, *, run_id: str, project: str) -> bool:
+    """Is `run_id` a run of `project`? (A baseline must be: a run never reads another project's.)"""
+    return session.scalar(select(Run.run_id).where(Run.run_id == run_id, Run.project == project)) is not None
 
 
 def newest_summary(session: Session, *, run_id: str) -> tuple[int, float | None] | None:

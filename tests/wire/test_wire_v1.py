@@ -65,3 +65,10 @@ def test_registration_defaults_and_strictness() -> None:
     with pytest.raises(ValidationError):
         RunRegistration.model_validate({"run": "has space"})
     assert json.loads(reg.model_dump_json())["run"] == "r1"
+
+
+def test_a_baseline_run_is_another_run_id() -> None:
+    assert RunRegistration(run="r2", baseline_run="r1").baseline_run == "r1"
+    for bad, message in (("has space", "pattern"), ("r2", "names the run itself")):
+        with pytest.raises(ValidationError, match=message):
+            RunRegistration.model_validate({"run": "r2", "baseline_run": bad})

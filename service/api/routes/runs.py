@@ -1,5 +1,6 @@
-"""Post-mortem read routes: runs, tensor timelines, worst tensors, step-time matrix, findings,
-checkpoint generations, rollback target. JSON by default, `?format=csv` for CSV."""
+"""Post-mortem read routes: runs, tensor timelines, worst tensors, step-time matrix, findings, an
+analysis on request (against a baseline run), checkpoint generations, rollback target. JSON by
+default, `?format=csv` for CSV."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from typing import Any, Literal, TypeVar
 from fastapi import APIRouter, HTTPException, Query, Response, status
 from pydantic import BaseModel
 
+from trainvitals.service.analysis import on_request
 from trainvitals.service.api.deps import ReadableProject, ReadableRun, SessionDep, WritableRun
 from trainvitals.service.api.schemas import (
+    AnalysisFindingPublic,
     CheckpointGenerationPublic,
     FindingPublic,
     RollbackPublic,
@@ -146,6 +149,27 @@ def findings(
 ) -> list[FindingPublic] | Response:
     rows = queries.findings(session, run_id=run.run_id, active_only=active)
     return _reply(_rows(FindingPublic, rows), format)
+
+
+@router.get(
+    "/{run_id}/analysis",
+    summary="The detectors run now over the stored run, against a baseline run if one is named (not stored)",
+    response_model=list[AnalysisFindingPublic],
+    responses={**_CSV, 404: {"description": "no such run, or the baseline is not a run of the same project"}},
+)
+def analysis(
+    run: ReadableRun,
+    session: SessionDep,
+    baseline: str | None = Query(
+        None, max_length=128, description="run to compare with (same project); default: the registered baseline_run"
+    ),
+    format: Format = "json",
+) -> list[AnalysisFindingPublic] | Response:
+    try:
+        found = on_request.analyse_run(session, run, baseline=baseline)
+    except on_request.UnknownBaselineError as exc:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from None
+    return _reply(_rows(AnalysisFindingPublic, found), format)
 
 
 @router.get(

@@ -120,3 +120,38 @@ def test_kept_arrays_are_read_only(session) -> None:
         series.steps.loss[0] = 0.0
     with pytest.raises(ValueError, match="read-only"):
         series.ranks.step_seconds[0, 0] = 0.0
+
+
+def _store_steps(session, run: str, steps: range, seq: int, rng: random.Random) -> None:
+    recs = [r for s in steps for r in _records(0, s, 1, rng)]
+    batches.store_batch(session, Batch.model_validate({"run": run, "rank": 0, "incarnation": 1, "seq": seq,
+                                                      "records": recs}))  # fmt: skip
+
+
+def test_the_registered_baseline_is_read_like_the_run_and_only_from_its_project(session, caplog) -> None:
+    """The baseline's steps over the run's lookback, kept between cycles like the run's own (equal
+    to a fresh read, also while the baseline is still running behind it); a run of another project
+    is never read."""
+    rng = random.Random(3)
+    for run, project, baseline in (("b", "p", None), ("x", "q", None), ("r", "p", "b"), ("r2", "p", "x")):
+        batches.register_run(session, RunRegistration(run=run, project=project, baseline_run=baseline))
+    _store_steps(session, "x", range(60), 0, rng)
+    inputs = DetectorInputs()
+    for cycle in range(8):
+        _store_steps(session, "r", range(5 * cycle, 5 * cycle + 5), cycle, rng)
+        _store_steps(session, "b", range(4 * cycle, 4 * cycle + 4), cycle, rng)  # behind the run
+        for name in ("b", "r"):
+            pipeline.reduce_steps(session, queries.get_run(session, run_id=name), now=1e9, config=CONFIG)
+        run = queries.get_run(session, run_id="r")
+        cached = pipeline.build_series(session, run, now=1e9, config=CONFIG, inputs=inputs, rewritten_from=None)
+        fresh = pipeline.build_series(session, run, now=1e9, config=CONFIG)
+        _assert_same(cached, fresh)
+        assert fresh.baseline is not None and fresh.baseline.run == "b"
+        # The run's lookback, as far as the baseline has been reduced.
+        assert list(fresh.baseline.steps.steps) == [s for s in fresh.steps.steps if s < 4 * cycle + 4]
+    other = queries.get_run(session, run_id="r2")
+    _store_steps(session, "r2", range(20), 0, rng)
+    pipeline.reduce_steps(session, other, now=1e9, config=CONFIG)
+    with caplog.at_level("WARNING"):
+        assert pipeline.build_series(session, other, now=1e9, config=CONFIG).baseline is None
+    assert "names baseline run x, which is not a run of project p" in caplog.text

@@ -12,6 +12,7 @@ from trainvitals.service.store import db
 READ_ROUTES = [
     "/v1/runs/{run}",
     "/v1/runs/{run}/findings",
+    "/v1/runs/{run}/analysis",
     "/v1/runs/{run}/checkpoints",
     "/v1/runs/{run}/rollback",
     "/v1/runs/{run}/tensors/worst",

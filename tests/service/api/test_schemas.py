@@ -18,6 +18,7 @@ from trainvitals.service.advisors.model_config import (
 )
 from trainvitals.service.advisors.recommend import recommend_from_config
 from trainvitals.service.api import schemas
+from trainvitals.service.detectors.findings import Finding
 from trainvitals.service.main import create_app
 from trainvitals.service.settings import Settings
 from trainvitals.service.store.models import FindingRow, TensorSummary
@@ -43,6 +44,7 @@ def test_read_models_follow_the_stores_rows_in_order() -> None:
     assert _fields(schemas.RunOverviewPublic) == [f.name for f in dataclasses.fields(RunOverview)]
     assert _fields(schemas.TensorStepPublic) == _columns(TensorSummary, exclude=("run_id",))
     assert _fields(schemas.FindingPublic) == _columns(FindingRow, exclude=("id", "run_id"))
+    assert _fields(schemas.AnalysisFindingPublic) == [f.name for f in dataclasses.fields(Finding) if f.name != "run"]
 
 
 def test_advisor_models_follow_as_dict() -> None:
@@ -107,7 +109,7 @@ def test_openapi_documents_every_read_route(tmp_path: Path) -> None:
     with TestClient(app) as client:
         spec = client.get("/openapi.json").json()
     gets = {path: ops["get"] for path, ops in spec["paths"].items() if path.startswith("/v1") and "get" in ops}
-    assert len(gets) == 9
+    assert len(gets) == 10
     for path, op in gets.items():
         content = op["responses"]["200"]["content"]
         schema = content["application/json"]["schema"]
