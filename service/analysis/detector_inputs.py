@@ -11,7 +11,7 @@ which is what replay and the first cycle after a start or a lease takeover do, t
 A run that names a baseline run (registration `baseline_run`) gets that run's loss and gradient
 norm over the same steps as `RunSeries.baseline` (service/detectors/baseline.py compares them),
 read the same incremental way. Only a run of the same project serves: a run never reads another
-project's data; an unknown one is logged once and the run is judged against itself.
+project's data; while it names none, that is logged once and the run is judged against itself.
 """
 
 from __future__ import annotations
@@ -159,7 +159,8 @@ class DetectorInputs:
         self._tensors: dict[tuple[str, str], tuple[str, bool, _Columns]] = {}
         self._ranks = _RankMatrix()
         self._baseline_run = baseline_run
-        self._baseline_ok: dict[str, bool] = {}  # baseline run id -> usable (checked once)
+        self._baseline_ok: set[str] = set()  # baseline runs found in the project (a miss is checked again)
+        self._baseline_warned: set[str] = set()
         self._baseline = _Columns(STEP_DTYPES)
         self._baseline_upto = -1  # newest baseline step read
 
@@ -198,15 +199,16 @@ class DetectorInputs:
         if not name:
             return None
         if name not in self._baseline_ok:
-            ok = name != run.run_id and detector_reads.run_in_project(session, run_id=name, project=run.project)
-            self._baseline_ok[name] = ok
-            if not ok:
-                log.warning(
-                    "run %s names baseline run %s, which is not a run of project %s: judged against itself",
-                    run.run_id, name, run.project,
-                )  # fmt: skip
-        if not self._baseline_ok[name]:
-            return None
+            # Checked again each cycle until found (one key lookup): a baseline may be registered later.
+            if name == run.run_id or not detector_reads.run_in_project(session, run_id=name, project=run.project):
+                if name not in self._baseline_warned:
+                    self._baseline_warned.add(name)
+                    log.warning(
+                        "run %s names baseline run %s, which is not a run of project %s: judged against itself",
+                        run.run_id, name, run.project,
+                    )  # fmt: skip
+                return None
+            self._baseline_ok.add(name)
         newest = detector_reads.newest_summary(session, run_id=name)
         have = self._baseline_upto
         self._baseline.cut(after=after, upto=have)

@@ -155,3 +155,15 @@ def test_the_registered_baseline_is_read_like_the_run_and_only_from_its_project(
     with caplog.at_level("WARNING"):
         assert pipeline.build_series(session, other, now=1e9, config=CONFIG).baseline is None
     assert "names baseline run x, which is not a run of project p" in caplog.text
+    # A baseline registered after the run's first cycle is picked up by the next one.
+    batches.register_run(session, RunRegistration(run="r3", project="p", baseline_run="late"))
+    _store_steps(session, "r3", range(20), 0, rng)
+    late = queries.get_run(session, run_id="r3")
+    pipeline.reduce_steps(session, late, now=1e9, config=CONFIG)
+    kept = DetectorInputs()
+    assert pipeline.build_series(session, late, now=1e9, config=CONFIG, inputs=kept).baseline is None
+    batches.register_run(session, RunRegistration(run="late", project="p"))
+    _store_steps(session, "late", range(20), 0, rng)
+    pipeline.reduce_steps(session, queries.get_run(session, run_id="late"), now=1e9, config=CONFIG)
+    found = pipeline.build_series(session, late, now=1e9, config=CONFIG, inputs=kept, rewritten_from=None).baseline
+    assert found is not None and len(found.steps.steps) == CONFIG.detector_lookback_steps
