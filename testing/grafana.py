@@ -22,7 +22,7 @@ def panels(board: dict[str, Any]) -> list[dict[str, Any]]:
     return [pn for pn in all_panels(board) if pn["type"] != "row"]
 
 
-def annotations(board: dict[str, Any]) -> list[dict[str, Any]]:
+def query_annotations(board: dict[str, Any]) -> list[dict[str, Any]]:
     """The dashboard's query annotations (not Grafana's built-in one)."""
     return [a for a in board["annotations"]["list"] if not a.get("builtIn")]
 

@@ -64,7 +64,7 @@ def _panels(board: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _annotations(board: dict[str, Any]) -> list[dict[str, Any]]:
-    return grafana.annotations(board)
+    return grafana.query_annotations(board)
 
 
 def _exprs(board: dict[str, Any]) -> list[tuple[str, str]]:
