@@ -126,6 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-name", default=os.environ.get("TRAINVITALS_RUN", "example-gpt"))
     p.add_argument("--collector", default=None, help="default $TRAINVITALS_COLLECTOR or http://127.0.0.1:8000")
+    p.add_argument("--project", default=None, help="the run's project (the tokens'); default: the agent's")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--max-seconds", type=float, default=None, help="stop after this long (all ranks agree)")
     p.add_argument("--vocab", type=int, default=256)
@@ -225,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         optimizer,
         run=args.run_name,
         collector=args.collector,
+        **({"project": args.project} if args.project else {}),
         config=tv.AgentConfig(collector=args.collector, send_interval_s=args.send_interval),
         registration=registration,
     )
