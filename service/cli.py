@@ -12,17 +12,28 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from trainvitals.service import db_url
 from trainvitals.service.store.db import DEFAULT_SQLITE_URL
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+_LOG_LEVELS = ("debug", "info", "warning", "error")  # service/logs.py LEVELS (not imported: it loads SQLAlchemy)
 
 
 @contextmanager
 def _session(url: str, *, migrate: bool = False) -> Iterator[Any]:
+    """A session on the database; migrate=True creates it (and its tables) when missing, which only
+    commands that write may do: a reading command on a missing database says so instead."""
     from trainvitals.service.store import db
 
     if migrate:
         db.upgrade(url)
+    else:
+        db_url.check_exists(url)
+        if db.current_revision(url) is None:
+            raise db_url.DbUrlError(
+                f"{db_url.describe(url)} has no trainvitals tables: point --db / {db_url.ENV} at the collector's "
+                f"database, or create them with `trainvitals db upgrade --db URL`"
+            )
     engine = db.make_engine(url)
     try:
         with db.make_sessionmaker(engine)() as session:
@@ -32,22 +43,34 @@ def _session(url: str, *, migrate: bool = False) -> Iterator[Any]:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from trainvitals.service import logs
     from trainvitals.service.settings import Settings
 
-    overrides = {
-        k: v for k, v in {"db": args.db, "host": args.host, "port": args.port}.items() if v is not None
-    }
+    flags = {"db": args.db, "host": args.host, "port": args.port, "log_level": args.log_level}
+    overrides = {k: v for k, v in flags.items() if v is not None}
     if args.insecure_no_auth:
         overrides["auth"] = False
     settings = Settings(**overrides)
+    logs.configure(settings.log_level)
+    log = logging.getLogger("trainvitals.serve")
+    analysis = "off" if not settings.run_analysis else "thread" if args.analysis_thread else "process"
+    # What an operator checks first: where, which database (password hidden), auth, who analyses.
+    logs.log_event(
+        log, "serve", listen=f"http://{settings.host}:{settings.port}", db=db_url.describe(settings.db),
+        auth="on" if settings.auth else "off", workers=args.workers, analysis=analysis,
+        log_level=settings.log_level, summary_every_s=settings.log_summary_seconds,
+    )  # fmt: skip
     if not settings.auth:
-        print(
-            "trainvitals: WARNING: authentication is OFF (--insecure-no-auth): anyone who can reach "
-            f"{settings.host}:{settings.port} can write and read every run. Local demos only.",
-            file=sys.stderr,
-        )
+        logs.log_event(
+            log, "auth_off", level=logging.WARNING,
+            msg=f"authentication is OFF (--insecure-no-auth): anyone who can reach {settings.host}:{settings.port} "
+            "can write and read every run. Local demos only.",
+        )  # fmt: skip
     if settings.host not in _LOOPBACK:
-        print(f"trainvitals: listening on {settings.host}: reachable beyond this machine", file=sys.stderr)
+        reachable = f"listening on {settings.host}: reachable beyond this machine"
+        logs.log_event(log, "not_loopback", level=logging.WARNING, msg=reachable)
     if args.analysis_thread or not settings.run_analysis:
         return _run_uvicorn(args, settings)
     with _analysis_process(settings):
@@ -96,7 +119,12 @@ def _analysis_process(settings: Any) -> Iterator[None]:
 def _run_uvicorn(args: argparse.Namespace, settings: Any) -> int:
     import uvicorn
 
+    from trainvitals.service.logs import log_config
     from trainvitals.service.main import create_app
+
+    # Uvicorn applies the config itself, in every process of --workers too; log_level=None so that
+    # it keeps our levels (it would set uvicorn.access to the same level as everything else).
+    log_kwargs: dict[str, Any] = {"log_config": log_config(settings.log_level), "log_level": None}
 
     if args.workers > 1:
         # Several processes accept on the one port, each with its own app built from the same
@@ -113,24 +141,31 @@ def _run_uvicorn(args: argparse.Namespace, settings: Any) -> int:
             workers=args.workers,
             host=settings.host,
             port=settings.port,
-            log_level=args.log_level,
+            **log_kwargs,
         )
         return 0
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, **log_kwargs)
     return 0
 
 
 def _analyse(args: argparse.Namespace) -> int:
     """The analysis worker alone, until SIGTERM or SIGINT (settings from TRAINVITALS_* / --db)."""
+    import logging
     import signal
     import threading
 
+    from trainvitals.service import logs
     from trainvitals.service.analysis.worker import AnalysisWorker
     from trainvitals.service.settings import Settings
     from trainvitals.service.store import db
     from trainvitals.service.store.lease import AnalysisLease
 
-    settings = Settings(**({"db": args.db} if args.db else {}))
+    settings = Settings(db=args.db)  # the rest from TRAINVITALS_* (serve hands its settings over so)
+    logs.configure(settings.log_level)
+    logs.log_event(
+        logging.getLogger("trainvitals.analyse"), "analyse", db=db_url.describe(settings.db),
+        interval_s=settings.analysis_interval_seconds,
+    )  # fmt: skip
     if settings.migrate_on_start:
         db.upgrade(settings.db)
     engine = db.make_engine(settings.db)
@@ -152,14 +187,31 @@ def _db(args: argparse.Namespace) -> int:
         db.upgrade(args.db, args.revision)
     elif args.db_command == "downgrade":
         db.downgrade(args.db, args.revision)
-    print(f"{args.db}: at revision {db.current_revision(args.db)}")
+    print(f"{db_url.describe(args.db)}: at revision {db.current_revision(args.db)}")
     return 0
 
 
 def _token(args: argparse.Namespace) -> int:
     from trainvitals.service import auth
 
-    with _session(args.db, migrate=True) as session:
+    if args.token_command == "list":
+        from datetime import UTC, datetime
+
+        from trainvitals.service.store import tokens
+
+        with _session(args.db) as session:
+            rows = tokens.list_tokens(session, project=args.project)
+        # Only the digest of a token is stored; it is not shown either (it identifies the token).
+        data = [
+            {"id": t.id, "project": t.project, "scope": t.scope, "name": t.name,
+             "created": datetime.fromtimestamp(t.created_at, UTC).isoformat(timespec="seconds"),
+             "revoked": t.revoked}
+            for t in rows
+        ]  # fmt: skip
+        _emit(data, args.format)
+        return 0
+    # Creating the first token may create the database (before the first `serve`); revoking may not.
+    with _session(args.db, migrate=args.token_command == "create") as session:
         if args.token_command == "create":
             token = auth.create_token(session, project=args.project, scope=args.scope, name=args.name)
             print(token)
@@ -195,7 +247,7 @@ def _query(args: argparse.Namespace) -> int:
                 if (o := queries.run_overview(session, run_id=r.run_id)) is not None
             ]
         elif (run := queries.get_run(session, run_id=args.run)) is None:
-            print(f"no run {args.run!r} in {args.db}", file=sys.stderr)
+            print(f"trainvitals: no run {args.run!r} in {db_url.describe(args.db)}", file=sys.stderr)
             return 1
         elif args.query_command == "analysis":
             from trainvitals.service.analysis.on_request import UnknownBaselineError, analyse_run
@@ -211,18 +263,42 @@ def _query(args: argparse.Namespace) -> int:
             data = queries.tensor_timeline(
                 session, run_id=args.run, tensor=args.tensor, role=args.role, start=args.start, end=args.end
             )
+            if not data and not queries.has_tensor(session, run_id=args.run, tensor=args.tensor):
+                print(
+                    f"trainvitals: run {args.run!r} has no tensor {args.tensor!r} (names are module names, "
+                    f"e.g. layers.3.fc; `trainvitals query worst-tensors --run {args.run}` lists some)",
+                    file=sys.stderr,
+                )
+                return 1
         elif args.query_command == "worst-tensors":
             data = queries.worst_tensors(session, run_id=args.run, start=args.start, end=args.end, k=args.k)
         elif args.query_command == "step-times":
             data = queries.step_time_matrix(session, run_id=args.run, start=args.start, end=args.end)
+        elif args.query_command == "steps":
+            data = queries.step_history(session, run_id=args.run, start=args.start, end=args.end)
         elif args.query_command == "findings":
             data = queries.findings(session, run_id=args.run, active_only=args.active)
         elif args.query_command == "checkpoints":
             data = queries.checkpoint_generations(session, run_id=args.run)
         else:
             data = queries.rollback_target(session, run_id=args.run, before_step=args.before_step)
+        if hasattr(args, "start") and not (data["steps"] if isinstance(data, dict) else data):
+            # An empty step range is an answer, not an error: the empty result on stdout, why on stderr.
+            print(f"trainvitals: {_empty_range(session, args)}", file=sys.stderr)
     _emit(data, args.format)
     return 0
+
+
+def _empty_range(session: Any, args: argparse.Namespace) -> str:
+    from trainvitals.service.store import queries
+
+    bounds = ("" if b is None else str(b) for b in (args.start, args.end))
+    asked = "any step" if args.start is None and args.end is None else "steps " + "..".join(bounds)
+    have = queries.reduced_step_range(session, run_id=args.run)
+    where = f"run {args.run!r}" + (f", tensor {args.tensor!r}" if getattr(args, "tensor", None) else "")
+    if have is None:
+        return f"nothing for {where} in {asked}: no step of the run is reduced yet"
+    return f"nothing for {where} in {asked}; the run has reduced steps {have[0]}..{have[1]}"
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -262,8 +338,40 @@ def _dashboards(args: argparse.Namespace) -> int:
     return 0
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default: the value, "off" for a switch, or "required"
+    (flags whose default is worked out elsewhere name it in their own help)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if not action.option_strings or "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        if action.required:
+            return f"{text} (required)".strip()
+        if isinstance(action, argparse._StoreTrueAction):
+            return f"{text} (default: off)".strip()
+        default = "not set" if action.default is None else "%(default)s"
+        return f"{text} (default: {default})".strip()
+
+
+class _Parser(argparse.ArgumentParser):
+    """Subparsers are made with the parent's class, so this carries the formatter to all of them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def _add_db(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--db", default=DEFAULT_SQLITE_URL, help=f"SQLAlchemy URL (default {DEFAULT_SQLITE_URL})")
+    p.add_argument(
+        "--db",
+        help=f"SQLAlchemy URL: sqlite:///PATH or postgresql+psycopg://USER@HOST:PORT/DATABASE "
+        f"(default: ${db_url.ENV}, else {DEFAULT_SQLITE_URL} in the working directory)",
+    )
+
+
+def _add_format(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", choices=("json", "csv"), default="json", help="output format")
 
 
 def _add_query(
@@ -274,30 +382,35 @@ def _add_query(
     run: bool = True,
     extra: Callable[[argparse.ArgumentParser], object] | None = None,
 ) -> None:
-    p = sub.add_parser(name, help=help_)
+    p = sub.add_parser(name, help=help_, description=help_)
     _add_db(p)
     if run:
-        p.add_argument("--run", required=True)
-    p.add_argument("--format", choices=("json", "csv"), default="json")
+        p.add_argument("--run", required=True, help="run id")
+    _add_format(p)
     if extra is not None:
         extra(p)
     p.set_defaults(func=_query)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainvitals", description=__doc__)
+    parser = _Parser(prog="trainvitals", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser(
         "serve", help="run the collector (127.0.0.1:8000, SQLite in the working directory)"
     )
-    serve.add_argument("--db", help=f"SQLAlchemy URL (default {DEFAULT_SQLITE_URL}; env TRAINVITALS_DB)")
-    serve.add_argument("--host", help="bind address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="port (default 8000)")
+    _add_db(serve)
+    serve.add_argument("--host", help="bind address (default: $TRAINVITALS_HOST, else 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default: $TRAINVITALS_PORT, else 8000)")
     serve.add_argument(
-        "--insecure-no-auth", action="store_true", help="accept requests without tokens (demos)"
+        "--insecure-no-auth", action="store_true", help="accept requests without tokens (local demos only)"
     )
-    serve.add_argument("--log-level", default="warning")
+    serve.add_argument(
+        "--log-level",
+        choices=_LOG_LEVELS,
+        help="trainvitals and Uvicorn log level; debug logs every request "
+        "(default: $TRAINVITALS_LOG_LEVEL, else info)",
+    )
     serve.add_argument(
         "--workers",
         type=int,
@@ -307,58 +420,73 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--analysis-thread",
         action="store_true",
-        help="run the analysis worker as a thread of the collector process, not as its own child process "
-        "(`trainvitals analyse`, the default: analysis then does not take ingest's CPU and GIL)",
+        help="run the analysis worker as a thread of the collector process (default: off, a child process, "
+        "`trainvitals analyse`, so that analysis does not take ingest's CPU and GIL)",
     )
     serve.set_defaults(func=_serve)
 
     analyse = sub.add_parser(
         "analyse", help="the analysis worker alone (reduce + detect), for a collector started without it"
     )
-    analyse.add_argument("--db", help=f"SQLAlchemy URL (default {DEFAULT_SQLITE_URL}; env TRAINVITALS_DB)")
+    _add_db(analyse)
     analyse.set_defaults(func=_analyse)
 
     dbp = sub.add_parser("db", help="schema migrations")
     dbsub = dbp.add_subparsers(dest="db_command", required=True)
     for name, default in (("upgrade", "head"), ("downgrade", "base")):
-        p = dbsub.add_parser(name)
+        p = dbsub.add_parser(name, help=f"migrate the schema {name[:-4]} to a revision (creates the database)")
         _add_db(p)
-        p.add_argument("--revision", default=default)
+        p.add_argument("--revision", default=default, help="Alembic revision")
     dbp.set_defaults(func=_db)
 
     token = sub.add_parser("token", help="bearer tokens scoped to a project")
     tsub = token.add_subparsers(dest="token_command", required=True)
-    create = tsub.add_parser("create", help="print a new token (stored hashed)")
+    create = tsub.add_parser("create", help="print a new token (stored hashed; creates the database if missing)")
     _add_db(create)
-    create.add_argument("--project", required=True)
-    create.add_argument("--scope", choices=("ingest", "read"), required=True)
-    create.add_argument("--name")
-    revoke = tsub.add_parser("revoke")
+    create.add_argument("--project", required=True, help="the project the token may write or read")
+    create.add_argument("--scope", choices=("ingest", "read"), required=True, help="ingest (agents) or read")
+    create.add_argument("--name", help="a label for people (who or what uses it)")
+    revoke = tsub.add_parser("revoke", help="revoke a token (effective within the collector's token cache time)")
     _add_db(revoke)
-    revoke.add_argument("token")
+    revoke.add_argument("token", help="the token itself, as `token create` printed it")
+    tlist = tsub.add_parser("list", help="every token's project, scope, name, creation time and revocation")
+    _add_db(tlist)
+    tlist.add_argument("--project", help="only this project's tokens (default: every project)")
+    _add_format(tlist)
     token.set_defaults(func=_token)
 
-    query = sub.add_parser("query", help="post-mortem queries (JSON or CSV)")
+    query = sub.add_parser(
+        "query",
+        help="post-mortem queries (JSON or CSV)",
+        description="Post-mortem queries. An unknown run or tensor is an error (exit code 1); a step range "
+        "without data prints the empty result and says so on stderr (exit code 0).",
+    )
     qsub = query.add_subparsers(dest="query_command", required=True)
 
     def step_range(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--start", type=int)
-        p.add_argument("--end", type=int)
+        p.add_argument("--start", type=int, help="first step (default: the first)")
+        p.add_argument("--end", type=int, help="last step, inclusive (default: the last)")
 
     def timeline(p: argparse.ArgumentParser) -> None:
         p.add_argument("--tensor", required=True, help="module name, e.g. layers.3.fc")
-        p.add_argument("--role", choices=("input", "weight", "grad_output"))
+        p.add_argument("--role", choices=("input", "weight", "grad_output"), help="default: every role")
         step_range(p)
 
     def worst(p: argparse.ArgumentParser) -> None:
         step_range(p)
-        p.add_argument("-k", type=int, default=10)
+        p.add_argument("-k", type=int, default=10, help="how many tensors")
 
     def matrix(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--start", type=int, required=True)
-        p.add_argument("--end", type=int, required=True)
+        p.add_argument("--start", type=int, required=True, help="first step")
+        p.add_argument("--end", type=int, required=True, help="last step, inclusive")
 
     _add_query(qsub, "runs", "every run with an overview", run=False)
+    _add_query(
+        qsub,
+        "steps",
+        "per-step loss, gradient norm, tokens, step time (median and slowest rank) and MFU, reduced over ranks",
+        extra=step_range,
+    )
     _add_query(qsub, "timeline", "a tensor's headroom and amax per step", extra=timeline)
     _add_query(qsub, "worst-tensors", "tensors with the least headroom in a step range", extra=worst)
     _add_query(qsub, "step-times", "per-rank step seconds for a step range", extra=matrix)
@@ -366,7 +494,7 @@ def build_parser() -> argparse.ArgumentParser:
         qsub,
         "findings",
         "detector findings with onset and detection steps",
-        extra=lambda p: p.add_argument("--active", action="store_true"),
+        extra=lambda p: p.add_argument("--active", action="store_true", help="only findings still open"),
     )
     _add_query(
         qsub,
@@ -381,20 +509,23 @@ def build_parser() -> argparse.ArgumentParser:
         qsub,
         "rollback",
         "the generation to roll back to",
-        extra=lambda p: p.add_argument("--before-step", type=int),
+        extra=lambda p: p.add_argument(
+            "--before-step", type=int, help="newest usable generation before this step "
+            "(default: before the onset of the first page or ticket finding)",
+        ),  # fmt: skip
     )
 
     replay = sub.add_parser("replay", help="ingest recorded wire-format JSONL (agent spool/record files)")
-    replay.add_argument("files", nargs="+")
+    replay.add_argument("files", nargs="+", help="JSONL files")
     _add_db(replay)
     replay.add_argument("--no-analysis", action="store_true", help="store only; skip reduction and detectors")
     replay.set_defaults(func=_replay)
 
     demo = sub.add_parser("demo", help="collector + a multi-rank training job with the agent attached")
-    demo.add_argument("--ranks", type=int, default=4)
-    demo.add_argument("--seconds", type=float, default=60.0)
-    demo.add_argument("--port", type=int, default=8000)
-    demo.add_argument("--workdir", default="demo-out")
+    demo.add_argument("--ranks", type=int, default=4, help="training processes")
+    demo.add_argument("--seconds", type=float, default=60.0, help="training time")
+    demo.add_argument("--port", type=int, default=8000, help="the collector's port")
+    demo.add_argument("--workdir", default="demo-out", help="database, logs and spool files")
     demo.add_argument("--keep-serving", action="store_true", help="leave the collector running afterwards")
     demo.set_defaults(func=_demo)
 
@@ -424,7 +555,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        if hasattr(args, "db"):  # every command that touches the database: one resolution, one check
+            args.db = db_url.resolve(args.db)
+            db_url.check(args.db)
+        return int(args.func(args))
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly. stdout is pointed at /dev/null so that
+        # the interpreter's final flush does not print the same error again; 141 is what a
+        # process killed by SIGPIPE reports, as coreutils do in the same pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except Exception as exc:
+        # A database mistake (URL, missing database or file, unreachable server) is one line naming
+        # the problem and the fix, exit code 2, as argparse does for a usage error; anything else
+        # is a bug and keeps its traceback.
+        if (line := db_url.explain(exc, getattr(args, "db", ""))) is None:
+            raise
+        print(f"trainvitals: {line}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

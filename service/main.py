@@ -16,6 +16,7 @@ from trainvitals.service.api.routes import advisors, health, ingest, runs
 from trainvitals.service.auth import TokenVerifier
 from trainvitals.service.exposition import TrainvitalsCollector, make_registry
 from trainvitals.service.ingest.batch_writer import BatchWriter
+from trainvitals.service.logs import IngestSummary
 from trainvitals.service.self_metrics import ProcessMetrics, RequestMetrics
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import db
@@ -36,6 +37,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         max_pending_records=settings.max_pending_records,
     )
     checkpointer = db.WalCheckpointer(engine)
+    process_metrics = ProcessMetrics(
+        queue_records=lambda: writer.pending_records, queue_limit=settings.max_pending_records
+    )
+    summary = IngestSummary(
+        sessions, process_metrics, interval=settings.log_summary_seconds, queue_records=lambda: writer.pending_records
+    )
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -43,7 +50,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             worker.start()
         writer.start()
         checkpointer.start()
+        summary.start()
         yield
+        summary.stop()
         writer.stop()  # writes what was already accepted before the process exits
         worker.stop()
         checkpointer.stop()
@@ -62,9 +71,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         mfu_expectation=expectations.mfu_expectation,
         checkpoint_advice=expectations.checkpoint_advice,
     )
-    app.state.process_metrics = ProcessMetrics(
-        queue_records=lambda: writer.pending_records, queue_limit=settings.max_pending_records
-    )
+    app.state.process_metrics = process_metrics
     app.state.registry = make_registry(app.state.collector)
     app.state.registry.register(app.state.process_metrics)
     app.include_router(ingest.router)

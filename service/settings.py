@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -33,6 +35,12 @@ class Settings(BaseSettings):
     settle_seconds: float = Field(30.0, ge=0, description="reduce a step once all ranks sent it or after this")
     detector_warmup_steps: int = Field(300, ge=0, description="detectors stay quiet this many steps from the start")
     rank_window_steps: int = Field(50, ge=1, description="steps per rank window (straggler view)")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="trainvitals and Uvicorn log level (service/logs.py); other libraries log warnings"
+    )
+    log_summary_seconds: float = Field(
+        60.0, ge=0, description="one ingest summary line per this many seconds while there is traffic; 0: none"
+    )
 
     def as_env(self) -> dict[str, str]:
         """These settings as TRAINVITALS_* variables (how `serve --workers` hands them to its processes)."""

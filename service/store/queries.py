@@ -340,6 +340,35 @@ def step_time_matrix(
     }
 
 
+def step_history(
+    session: Session, *, run_id: str, start: int | None = None, end: int | None = None, limit: int = 1_000_000
+) -> list[dict[str, Any]]:
+    """Per-step loss, gradient norm, tokens, step time and MFU from the step summaries (reduced
+    over ranks; steps not yet reduced are not here). step_seconds_max is the step's wall time
+    (the slowest rank), the one MFU divides by."""
+    s = StepSummary
+    q = select(
+        s.step, s.ts, s.ranks, s.loss, s.loss_nonfinite, s.grad_norm, s.grad_nonfinite, s.tokens,
+        s.step_seconds_p50, s.step_seconds_max, s.mfu,
+    ).where(s.run_id == run_id)  # fmt: skip
+    q = _step_range(q, s.step, start, end).order_by(s.step).limit(limit)
+    return [dict(r._mapping) for r in session.execute(q)]
+
+
+def reduced_step_range(session: Session, *, run_id: str) -> tuple[int, int] | None:
+    """The first and last reduced step of a run (None: nothing reduced yet); read from the primary key."""
+    first, last = session.execute(
+        select(func.min(StepSummary.step), func.max(StepSummary.step)).where(StepSummary.run_id == run_id)
+    ).one()
+    return None if first is None else (first, last)
+
+
+def has_tensor(session: Session, *, run_id: str, tensor: str) -> bool:
+    """Whether the run has FP8 summaries for this tensor (one primary-key probe)."""
+    t = TensorSummary
+    return session.scalar(select(t.step).where(t.run_id == run_id, t.tensor == tensor).limit(1)) is not None
+
+
 def findings(session: Session, *, run_id: str, active_only: bool = False) -> list[dict[str, Any]]:
     q = select(FindingRow).where(FindingRow.run_id == run_id)
     if active_only:
@@ -491,6 +520,18 @@ def ingest_counts(session: Session, *, project: str | None = None) -> list[Inges
     if project is not None:
         q = q.join(Run, Run.run_id == IngestCount.run_id).where(Run.project == project)
     return [IngestCountRow(r[0], r[1], int(r[2] or 0), int(r[3] or 0)) for r in session.execute(q)]
+
+
+def ingest_totals(session: Session, *, writer_prefix: str) -> dict[str, tuple[int, int]]:
+    """Batches and records by outcome (stored | duplicate | rejected) written by the writers whose
+    name starts with `writer_prefix` (one collector process: "host:pid:"), over every run."""
+    c = IngestCount
+    q = (
+        select(c.outcome, func.sum(c.batches), func.sum(c.records))
+        .where(c.writer.startswith(writer_prefix, autoescape=True))
+        .group_by(c.outcome)
+    )
+    return {outcome: (int(b or 0), int(r or 0)) for outcome, b, r in session.execute(q)}
 
 
 def ping(session: Session) -> None:

@@ -28,3 +28,11 @@ def revoke_token(session: Session, *, digest: str) -> bool:
     row.revoked = True
     session.commit()
     return True
+
+
+def list_tokens(session: Session, *, project: str | None = None) -> list[ApiToken]:
+    """Every token row (digests included: callers show only the rest), oldest first."""
+    q = select(ApiToken).order_by(ApiToken.created_at, ApiToken.id)
+    if project is not None:
+        q = q.where(ApiToken.project == project)
+    return list(session.scalars(q))

@@ -1,0 +1,288 @@
+"""The `trainvitals` CLI explains itself: --db mistakes, reads that create nothing, TRAINVITALS_DB,
+quiet pipes, help with defaults, `token list`, `query steps`, unknown tensors and empty ranges.
+
+Through `main([...])`, the console script's entry point, in this process (capsys), or as the
+installed `trainvitals` script where the process boundary is the point (pipes, tracebacks)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainvitals.service.cli import build_parser, main
+from trainvitals.service.store import db
+
+BIN = Path(sys.executable).parent
+RUN = "r1"
+STEPS = 3000  # a JSON answer of well over a pipe's buffer
+
+
+def _wire_lines() -> list[str]:
+    """One rank, STEPS steps with loss, tokens, flops and the job's gradient norm; peak FLOP/s
+    declared so that the reduction computes MFU."""
+    hardware = {"gpu_count": 1, "peak_flops": 1e15}
+    reg = {"run": RUN, "project": "p", "parallelism": {"world_size": 1}, "hardware": hardware}
+    lines = [json.dumps(reg)]
+    for seq, first in enumerate(range(0, STEPS, 500)):
+        records = [
+            {"kind": "step", "step": s, "ts": 1000.0 + s, "step_seconds": 0.5, "loss": 10.0 - s / 1000,
+             "tokens": 4096, "flops": 2e14, "grad_norm": 1.0 + s / 10_000}
+            for s in range(first, min(first + 500, STEPS))
+        ]  # fmt: skip
+        lines.append(json.dumps({"run": RUN, "rank": 0, "incarnation": 1, "seq": seq, "records": records}))
+    return lines
+
+
+@pytest.fixture(scope="module")
+def replayed(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A SQLite database holding RUN, stored and reduced by `trainvitals replay`."""
+    tmp = tmp_path_factory.mktemp("cli")
+    (tmp / "run.jsonl").write_text("\n".join(_wire_lines()) + "\n")
+    url = f"sqlite:///{tmp / 'tv.db'}"
+    assert main(["replay", str(tmp / "run.jsonl"), "--db", url]) == 0
+    return url
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("trainvitals: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+# --------------------------------------------------------------------------- --db mistakes
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["query", "runs", "--db", "not a url"], "cannot parse the database URL 'not a url': use sqlite:///PATH"),
+        (
+            ["token", "create", "--project", "p", "--scope", "read", "--db", "postgres://u:secret@127.0.0.1/tv"],
+            "the database URL scheme 'postgres://' is not SQLAlchemy's: use postgresql+psycopg://u:***@127.0.0.1/tv",
+        ),
+        (["db", "upgrade", "--db", "postgresql+psycopg://u@h:notaport/db"], "cannot parse the database URL"),
+        (["replay", "x.jsonl", "--db", "mysql://u@h/db"], "no database driver for 'mysql'"),
+    ],
+)
+def test_a_url_mistake_is_one_line_with_the_fix(
+    argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = _one_line_error(capsys)
+    assert expected in err and "secret" not in err
+
+
+def test_a_missing_directory_for_the_sqlite_file_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "no" / "such"
+    assert main(["token", "create", "--project", "p", "--scope", "read", "--db", f"sqlite:///{missing}/tv.db"]) == 2
+    assert f"no directory {missing} for the SQLite file tv.db: create it (mkdir -p {missing})" in _one_line_error(
+        capsys
+    )
+    assert not missing.exists()
+
+
+@pytest.mark.parametrize("command", [["query", "runs"], ["db", "upgrade"]])
+def test_a_missing_postgres_database_is_named_with_createdb(
+    command: list[str], pg_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = pg_url.rsplit("/", 1)[0] + "/tv_no_such_database"
+    assert main([*command, "--db", missing]) == 2
+    err = _one_line_error(capsys)
+    assert "database 'tv_no_such_database' does not exist on 127.0.0.1:5432: create it (createdb " in err
+
+
+def test_an_unreachable_server_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["query", "runs", "--db", "postgresql+psycopg://postgres@127.0.0.1:1/tv"]) == 2
+    assert "cannot reach PostgreSQL at 127.0.0.1:1" in _one_line_error(capsys)
+
+
+def test_a_password_is_never_printed(pg_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    url = pg_url.replace("postgres@", "postgres:pw-s3cret@")  # the test server trusts any password
+    assert main(["db", "upgrade", "--db", url]) == 0
+    assert main(["query", "findings", "--db", url, "--run", "nope"]) == 1
+    assert main(["query", "runs", "--db", url.rsplit("/", 1)[0] + "/tv_no_such_database"]) == 2
+    captured = capsys.readouterr()
+    assert "pw-s3cret" not in captured.out + captured.err and "postgres:***@" in captured.out + captured.err
+
+
+def test_the_installed_script_prints_no_traceback(pg_url: str, unused_port: int) -> None:
+    out = subprocess.run(
+        [str(BIN / "trainvitals"), "query", "runs", "--db", "postgres://u@h/db"], capture_output=True, text=True
+    )
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip() == (
+        "trainvitals: the database URL scheme 'postgres://' is not SQLAlchemy's: use postgresql+psycopg://u@h/db"
+    )
+    # serve logs its startup line first; the mistake is the last line and the exit code 2.
+    missing = pg_url.rsplit("/", 1)[0] + "/tv_no_such_database"
+    out = subprocess.run(
+        [str(BIN / "trainvitals"), "serve", "--db", missing, "--port", str(unused_port)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.splitlines()[-1].startswith("trainvitals: database 'tv_no_such_database' does not exist")
+
+
+# --------------------------------------------------------------------------- reads create nothing
+
+
+def test_query_never_creates_a_database(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "typo.db"
+    for argv in (["query", "runs"], ["query", "steps", "--run", RUN], ["token", "list"], ["token", "revoke", "x"]):
+        assert main([*argv, "--db", f"sqlite:///{path}"]) == 2
+        assert "no SQLite database at" in _one_line_error(capsys)
+        assert list(tmp_path.iterdir()) == []
+    # An existing file that is not the collector's database is not given tables either.
+    path.write_bytes(b"")
+    assert main(["query", "runs", "--db", f"sqlite:///{path}"]) == 2
+    assert "has no trainvitals tables" in _one_line_error(capsys)
+    assert db.current_revision(f"sqlite:///{path}") is None
+
+
+def test_query_never_creates_tables_in_postgres(empty_pg_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["query", "runs", "--db", empty_pg_url]) == 2
+    assert "has no trainvitals tables" in _one_line_error(capsys)
+    assert db.current_revision(empty_pg_url) is None
+
+
+# --------------------------------------------------------------------------- TRAINVITALS_DB
+
+
+def test_every_db_flag_defers_to_the_environment() -> None:
+    """No subcommand bakes a default URL into its --db: main() resolves --db, else TRAINVITALS_DB."""
+    seen = []
+    for path, parser in _parsers(build_parser()):
+        for action in parser._actions:
+            if "--db" in action.option_strings:
+                seen.append(path)
+                assert action.default is None, path
+    assert {"serve", "analyse", "db upgrade", "token create", "token list", "query steps", "replay"} <= set(seen)
+
+
+def test_trainvitals_db_is_honoured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"sqlite:///{tmp_path / 'env.db'}"
+    monkeypatch.setenv("TRAINVITALS_DB", url)
+    monkeypatch.chdir(tmp_path)
+    assert main(["db", "upgrade"]) == 0
+    assert main(["token", "create", "--project", "p", "--scope", "read"]) == 0
+    (tmp_path / "run.jsonl").write_text("\n".join(_wire_lines()[:2]) + "\n")
+    assert main(["replay", str(tmp_path / "run.jsonl"), "--no-analysis"]) == 0
+    capsys.readouterr()
+    assert main(["token", "list"]) == 0
+    assert [t["project"] for t in json.loads(capsys.readouterr().out)] == ["p"]
+    assert main(["query", "runs"]) == 0
+    assert [r["run_id"] for r in json.loads(capsys.readouterr().out)] == [RUN]
+    assert not (tmp_path / "trainvitals.db").exists()
+    # --db still wins over the environment.
+    assert main(["query", "runs", "--db", f"sqlite:///{tmp_path / 'other.db'}"]) == 2
+
+
+# --------------------------------------------------------------------------- pipes and help
+
+
+def test_piping_to_head_is_quiet(replayed: str) -> None:
+    script = BIN / "trainvitals"
+    out = subprocess.run(
+        ["bash", "-c", f"set -o pipefail; '{script}' query steps --run {RUN} --db '{replayed}' | head -1"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.stdout == "[\n" and out.stderr == "", out.stderr
+    assert out.returncode in (0, 141)  # 141 when the pipe broke: what a process killed by SIGPIPE reports
+
+
+def _parsers(parser: argparse.ArgumentParser, path: str = "") -> list[tuple[str, argparse.ArgumentParser]]:
+    found = [(path, parser)]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                found += _parsers(child, f"{path} {name}".strip())
+    return found
+
+
+def test_every_flag_has_help_showing_its_default() -> None:
+    missing = []
+    for path, parser in _parsers(build_parser()):
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if not action.option_strings or isinstance(action, argparse._HelpAction):
+                continue
+            text = formatter._expand_help(action) if action.help else ""
+            if not action.help or not ("default" in text or "(required)" in text):
+                missing.append(f"{path} {action.option_strings[0]}: {text!r}")
+    assert not missing, missing
+
+
+# --------------------------------------------------------------------------- token list
+
+
+def test_token_list_shows_everything_but_the_token(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"sqlite:///{tmp_path / 'tv.db'}"
+    assert main(["token", "create", "--db", url, "--project", "llm", "--scope", "ingest", "--name", "agents"]) == 0
+    ingest = capsys.readouterr().out.strip()
+    assert main(["token", "create", "--db", url, "--project", "other", "--scope", "read"]) == 0
+    read = capsys.readouterr().out.strip()
+    assert main(["token", "revoke", "--db", url, read]) == 0
+    capsys.readouterr()
+
+    assert main(["token", "list", "--db", url]) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(out)
+    assert [(r["project"], r["scope"], r["name"], r["revoked"]) for r in rows] == [
+        ("llm", "ingest", "agents", False),
+        ("other", "read", None, True),
+    ]
+    assert all(r["created"].endswith("+00:00") for r in rows)
+    assert main(["token", "list", "--db", url, "--project", "llm", "--format", "csv"]) == 0
+    out += capsys.readouterr().out
+    assert out.splitlines()[-2:][0] == "id,project,scope,name,created,revoked" and ",llm,ingest,agents," in out
+    assert ingest not in out and read not in out and "digest" not in out
+
+
+# --------------------------------------------------------------------------- query steps
+
+
+def test_query_steps_gives_the_history(replayed: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["query", "steps", "--db", replayed, "--run", RUN, "--start", "1000", "--end", "1002"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["step"] for r in rows] == [1000, 1001, 1002]
+    first = rows[0]
+    assert first["loss"] == pytest.approx(9.0) and first["grad_norm"] == pytest.approx(1.1)
+    assert first["tokens"] == 4096 and first["step_seconds_max"] == 0.5
+    assert first["mfu"] == pytest.approx(2e14 / (0.5 * 1e15))
+
+    assert main(["query", "steps", "--db", replayed, "--run", RUN, "--end", "9", "--format", "csv"]) == 0
+    table = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert len(table) == 10 and float(table[9]["loss"]) == pytest.approx(10.0 - 9 / 1000)
+    assert {"step", "loss", "grad_norm", "tokens", "step_seconds_p50", "step_seconds_max", "mfu"} <= table[0].keys()
+
+
+def test_an_empty_step_range_is_an_empty_answer_that_says_so(
+    replayed: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for command in (["steps"], ["worst-tensors"], ["step-times"]):
+        assert main(["query", *command, "--db", replayed, "--run", RUN, "--start", "5000", "--end", "6000"]) == 0
+        captured = capsys.readouterr()
+        assert json.loads(captured.out) in ([], {"run": RUN, "ranks": [], "steps": [], "seconds": []})
+        assert captured.err == (
+            f"trainvitals: nothing for run '{RUN}' in steps 5000..6000; the run has reduced steps 0..{STEPS - 1}\n"
+        )
+
+
+def test_an_unknown_tensor_is_an_error(replayed: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["query", "timeline", "--db", replayed, "--run", RUN, "--tensor", "layers.9.fc"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"trainvitals: run '{RUN}' has no tensor 'layers.9.fc' (names are module names")
+    assert captured.err.count("\n") == 1
