@@ -71,7 +71,8 @@ def build() -> dash_m.Dashboard:
             "120 s): the TrainvitalsRunStalled condition, before its 2 minutes of persistence.",
             targets=[
                 p.prom(
-                    f'count(({STALLED}) and on (run) trainvitals_run_info{{project=~"$project", status="running"}})',
+                    f'count(({STALLED}) and on (run) trainvitals_run_info{{project=~"$project", status="running"}})'
+                    " or vector(0)",
                     instant=True,
                 )
             ],
@@ -85,7 +86,7 @@ def build() -> dash_m.Dashboard:
             "Open pages",
             unit=p.COUNT,
             description="Open detector findings of severity page, over all live runs of the project.",
-            targets=[p.prom(f"sum({_in_project(OPEN_PAGES)})", instant=True)],
+            targets=[p.prom(f"sum({_in_project(OPEN_PAGES)}) or vector(0)", instant=True)],
             no_value="0",
             color_thresholds=p.thresholds("green", (1, "red")),
         )
@@ -96,7 +97,7 @@ def build() -> dash_m.Dashboard:
             "Open tickets",
             unit=p.COUNT,
             description="Open detector findings of severity ticket, over all live runs of the project.",
-            targets=[p.prom(f"sum({_in_project(OPEN_TICKETS)})", instant=True)],
+            targets=[p.prom(f"sum({_in_project(OPEN_TICKETS)}) or vector(0)", instant=True)],
             no_value="0",
             color_thresholds=p.thresholds("green", (1, "orange")),
         )
