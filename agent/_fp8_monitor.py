@@ -125,7 +125,9 @@ class Fp8Monitor:
         shadow_modules: list[tuple[str, nn.Module, int]] = []
         recipe_modules: list[tuple[str, nn.Module, int, tuple[str, ...]]] = []
         for name, module in model.named_modules():
-            fqn = clean_name(name)
+            # The root module's name is empty, and the wire refuses a nameless tensor (the whole
+            # batch would be a 422): a bare nn.Linear handed to attach() is "model".
+            fqn = clean_name(name) or "model"
             if id(module) in recipe_states:
                 for state_name, state in recipe_states[id(module)]:  # several GEMMs: '<fqn>.gemm<i>'
                     self._recipe.append((len(self.tensors), state))

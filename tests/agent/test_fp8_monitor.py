@@ -238,3 +238,10 @@ def test_sampled_steps_measure_the_same_with_hooks_registered_per_step() -> None
     ref.close()
     mon.close()
     assert mon.hooks == 0 and not _hooked(model)
+
+
+def test_a_bare_linear_is_named_model_not_left_nameless() -> None:
+    # The wire refuses a tensor without a name, and with it the whole batch (steps included).
+    mon = Fp8Monitor(nn.Linear(4, 4), history_len=4, margin=0, amax_algo="max", mode="shadow", expensive_every=0)
+    assert {t.fqn for t in mon.tensors} == {"model"}
+    mon.close()
