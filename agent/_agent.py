@@ -544,7 +544,7 @@ def attach(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     run: str | None = None,
-    project: str = "default",
+    project: str | None = None,
     collector: str | None = None,
     config: AgentConfig | None = None,
     registration: dict[str, Any] | None = None,
@@ -552,6 +552,8 @@ def attach(
 ) -> TrainingAgent:
     """Attach the agent to this rank. Never raises: on a bad setup it logs and returns a NoopAgent.
 
+    project: None takes config.project ($TRAINVITALS_PROJECT), else names none: the collector
+    registers the run under the token's project ('default' with auth off).
     registration: optional parts of the wire-format run registration (keys model, parallelism,
     hardware, fp8, checkpoint, flops_convention, tags); world size is filled in automatically.
     """
@@ -568,12 +570,17 @@ def attach(
         body["parallelism"] = {"world_size": info.world_size, **body["parallelism"]}
         body["tags"] = {**config.tags, **body.get("tags", {})}
         body.setdefault("flops_convention", FLOPS_CONVENTION)
-        reg = RunRegistration(run=run_id, project=project, started_at=time.time(), **body)
+        project = project or body.pop("project", None) or config.project
+        if project:
+            body["project"] = project
+        reg = RunRegistration(run=run_id, started_at=time.time(), **body).model_dump(mode="json")
+        if not project:
+            del reg["project"]  # none named: the token's, filled in by the collector (docs/agent.md)
         return Agent(
             model=model,
             optimizer=optimizer,
             run=run_id,
-            registration=reg.model_dump(mode="json"),
+            registration=reg,
             config=config,
             info=info,
             transport=transport,

@@ -45,6 +45,10 @@ class AgentConfig:
     """Collector base URL. None: $TRAINVITALS_COLLECTOR, else http://127.0.0.1:8000. "" sends nothing."""
     token: str | None = None
     """Bearer token for the collector (scope: ingest). None: $TRAINVITALS_TOKEN."""
+    project: str | None = None
+    """The run's project. None: $TRAINVITALS_PROJECT, else none named: the collector registers the
+    run under the token's project (with auth off, 'default'). A project the token is not for is
+    refused (403), never stored elsewhere."""
     send_interval_s: float = 2.0
     """How often the background thread ships a batch."""
     max_batch_records: int = 20_000
@@ -55,6 +59,10 @@ class AgentConfig:
     """Per request; a hung collector costs the background thread at most this per attempt."""
     retry_backoff_s: float = 2.0
     """After a failed delivery, wait at least this long before trying the collector again."""
+    auth_retry_s: float = 300.0
+    """How long the collector's authentication refusals (401, 403) are retried (every 10 s) before
+    the refused batches are set aside in the quarantine file: time for an operator to create or fix
+    a token while the job runs, short enough that a wrong one does not hold data back for long."""
     spill_dir: str | None = None
     """Where batches wait on disk when they cannot be delivered now (and every batch of a process
     that is exiting, until delivered). None: $TRAINVITALS_SPILL_DIR, else the node-local
@@ -122,5 +130,9 @@ class AgentConfig:
             self.collector = os.environ.get("TRAINVITALS_COLLECTOR", "http://127.0.0.1:8000")
         if self.token is None:
             self.token = os.environ.get("TRAINVITALS_TOKEN") or None
+        if self.project is None:
+            self.project = os.environ.get("TRAINVITALS_PROJECT") or None
+        if self.auth_retry_s < 0:
+            raise ValueError("auth_retry_s must be >= 0")
         if self.spill_dir is None:
             self.spill_dir = os.environ.get("TRAINVITALS_SPILL_DIR") or default_spill_dir()

@@ -9,8 +9,10 @@ and delivered from there, oldest first, by a later pass or by the next process o
 (the last pass), every batch is written to the spool before anything is sent. Why not every
 batch ahead of sending: docs/agent.md, "Spool".
 
-A message the collector refuses for good (400, 413, 422) is set aside in `<spool>.rejected.jsonl`
-instead of being retried forever. Every batch is also appended to `record_file` when one is set.
+A message the collector refuses for good (agent/_refusals.py: malformed, another project's run,
+or an auth refusal that outlasted its retry window) is moved to the quarantine file next to the
+spool, so that delivery in order never lets one refusal hold back later data; what the user is
+told about it is agent/_notices.py. Every batch is also appended to `record_file` when one is set.
 """
 
 from __future__ import annotations
@@ -20,26 +22,30 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
+from trainvitals.agent import _refusals
 from trainvitals.agent._config import AgentConfig
 from trainvitals.agent._guard import ErrorBudget
+from trainvitals.agent._notices import Notices
 from trainvitals.agent._processor import BatchProcessor, DeliveryReport, EncodedBatch
-from trainvitals.agent._spool import Spool, spool_path
-from trainvitals.agent._transport import HttpTransport, Transport
+from trainvitals.agent._spool import Quarantine, Spool, spool_path
+from trainvitals.agent._transport import HttpTransport, Reply, Transport
 from trainvitals.wire.builders import JsonObject
 
 MessageKind = Literal["registration", "batch"]
 _PATHS: dict[MessageKind, str] = {"registration": "/v1/runs", "batch": "/v1/batches"}
 
-# HTTP statuses after which retrying the same bytes cannot succeed: the message is set aside.
-_PERMANENT = {400, 413, 422}
+_Outcome = Literal["delivered", "set_aside", "failed"]
 
-_Outcome = Literal["delivered", "rejected", "failed"]
+
+def _encode(obj: JsonObject) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
 
 
 class SpoolingDelivery:
-    """The agent's `Delivery`: HTTP to the collector, the spool for what has to wait.
+    """The agent's `Delivery`: HTTP to the collector, the spool for what has to wait, the
+    quarantine file for what the collector refused for good.
 
     Not thread-safe: the processor calls it from one pass at a time.
 
@@ -61,20 +67,42 @@ class SpoolingDelivery:
         errors: ErrorBudget | None = None,
     ) -> None:
         self._cfg = config
-        self._registration = json.dumps(registration, separators=(",", ":")).encode()
+        # A registration without a project takes the token's (the collector fills it in and says
+        # which); later copies of it (new spool files, the quarantine) then name it.
+        self._registration_fields: dict[str, Any] = dict(registration)
+        self._registration = _encode(registration)
+        self._own_registrations = {self._registration}
+        # Registrations the collector took (this process's, a leftover's): the only ones a set-aside
+        # batch is written under. Replaying a refused one would store the run under the project (or
+        # with the token) the collector refused; without it, replay stores the batches only into
+        # the run as it is registered by then (by the corrected rerun), and says so when it is not.
+        self._accepted: set[bytes] = set()
         if transport is None and config.collector:
             transport = HttpTransport(config.collector, config.token)
         self._transport = transport
         self._errors = errors or ErrorBudget(config.log_every_s)
         self._spool = Spool(spool_path(str(config.spill_dir), run, rank), config.spill_max_bytes)
-        self._rejected = self._spool.path.with_suffix(".rejected.jsonl")
+        self._quarantine = Quarantine(self._spool.path, config.spill_max_bytes)
+        self._auth = _refusals.AuthWindow(config.auth_retry_s)
+        self._notices = Notices(
+            collector=config.collector or "",
+            spool=self._spool.path,
+            quarantine=self._quarantine.path,
+            token=config.token,
+            retry_backoff_s=config.retry_backoff_s,
+        )
         self._record_path = Path(config.record_file.replace("{rank}", str(rank))) if config.record_file else None
         self._next_attempt = 0.0
-        self._registered = False  # the collector acknowledged a registration from this process
+        self._backoff_s = config.retry_backoff_s  # after the latest failure
+        self._registered = False  # the collector acknowledged this process's registration
         # Record counts of the batches this process spooled, oldest first; lines that an earlier
         # process left (the first `_leftover_end` bytes of the file) are not this process's records.
         self._spooled_records: deque[int] = deque()
         self._leftover_end = len(self._spool)
+        # An earlier process's lines travel under its own registration: if the collector refuses
+        # that for good, they are set aside with it rather than stored under this process's.
+        self._leftover_registration = self._spool.first_line() if self._leftover_end else None
+        self._leftover_refused = False
 
     # ------------------------------------------------------------------ Delivery
 
@@ -98,17 +126,32 @@ class SpoolingDelivery:
                 self._drain(deadline, report)
             return report
         for i, batch in enumerate(batches):
-            outcome = self._send_from_memory(batch, deadline, report)
+            outcome = self._send_batch(batch.body, deadline, report, leftover=False)
             if outcome is None or outcome == "failed":
                 # Out of time or failed: this batch and the ones after it wait in the spool.
                 if outcome == "failed":
                     self._failed(report)
                 self._to_spool(batches[i:], report)
                 break
+            self._count("batch", outcome, batch.records, report)
         return report
 
     def undelivered(self) -> bool:
         return len(self._spool) > 0
+
+    def exit_wait(self, seconds: float, queued_batches: int) -> None:
+        try:
+            self._notices.exit_wait(seconds, queued_batches + self._spool.pending_batches())
+        except OSError as exc:
+            self._errors.record("exit_wait", exc)
+
+    def exit_report(self) -> None:
+        if self._transport is None:
+            return  # sending is off (collector ""): the spool is the output
+        try:
+            self._notices.exit_report(waiting=self._spool.pending_batches(), set_aside=self._quarantine.batches)
+        except OSError as exc:
+            self._errors.record("exit_report", exc)
 
     def close(self) -> None:
         close = getattr(self._transport, "close", None)
@@ -117,57 +160,102 @@ class SpoolingDelivery:
 
     # ------------------------------------------------------------------ sending
 
-    def _send_from_memory(self, batch: EncodedBatch, deadline: float, report: DeliveryReport) -> _Outcome | None:
-        """One batch, preceded by the registration if this process has not sent it yet; None when
-        out of time before trying."""
-        if not self._registered:
-            outcome = self._send("registration", self._registration, deadline)
-            if outcome != "rejected" and outcome != "delivered":
+    def _send_batch(self, body: bytes, deadline: float, report: DeliveryReport, *, leftover: bool) -> _Outcome | None:
+        """One batch, preceded by this process's registration while the collector has not
+        acknowledged it (an earlier process's batches follow their own, from the spool); None
+        when out of time before trying."""
+        if not leftover and not self._registered:
+            outcome = self._send("registration", self._registration, deadline, report, leftover=False)
+            if outcome is None or outcome == "failed":
                 return outcome
-            self._count("registration", outcome, 0, report)
-        outcome = self._send("batch", batch.body, deadline)
-        if outcome is not None and outcome != "failed":
-            self._count("batch", outcome, batch.records, report)
-        return outcome
+        return self._send("batch", body, deadline, report, leftover=leftover)
 
-    def _send(self, kind: MessageKind, body: bytes, deadline: float) -> _Outcome | None:
+    def _send(
+        self, kind: MessageKind, body: bytes, deadline: float, report: DeliveryReport, *, leftover: bool
+    ) -> _Outcome | None:
         assert self._transport is not None
         timeout = min(self._cfg.http_timeout_s, deadline - time.monotonic())
         if timeout <= 0:
             return None
+        refused: MessageKind = kind
         try:
-            status = self._transport.post(_PATHS[kind], body, timeout)
-            if status == 409 and kind == "batch":
-                # The collector lost or never saw the registration (e.g. a fresh database): resend it.
-                if self._transport.post(_PATHS["registration"], self._registration, timeout) < 300:
-                    status = self._transport.post(_PATHS[kind], body, timeout)
+            reply = self._transport.post(_PATHS[kind], body, timeout)
+            if reply.status == 409 and kind == "batch":
+                # The collector does not know the run (a fresh database, or its registration was
+                # refused): register, then try the batch once more.
+                reg = self._transport.post(_PATHS["registration"], self._registration, timeout)
+                if reg.status < 300:
+                    self._acknowledged(reg)
+                    reply = self._transport.post(_PATHS[kind], body, timeout)
+                else:
+                    reply, refused = reg, "registration"
         except OSError as exc:
-            self._errors.record("deliver", exc)
+            self._notices.unreachable(exc)
+            self._backoff_s = self._cfg.retry_backoff_s
             return "failed"
-        if status < 300:
+        now = time.monotonic()
+        verdict = _refusals.verdict(reply.status, leftover=leftover, window=self._auth, now=now)
+        if verdict == "delivered":
             if kind == "registration":
-                self._registered = True
+                self._accepted.add(body)
+                if body in self._own_registrations:
+                    self._acknowledged(reply)
             return "delivered"
-        if status in _PERMANENT:
-            self._rejected.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            with open(self._rejected, "ab") as fh:
-                fh.write(body + b"\n")
-            self._errors.record(
-                "deliver", ValueError(f"collector rejected a message ({status}); kept in {self._rejected}")
-            )
-            return "rejected"
-        self._errors.record("deliver", OSError(f"collector answered {status}"))
-        return "failed"
+        retry_for: float | None = None  # what is left of the auth window
+        self._backoff_s = self._cfg.retry_backoff_s
+        if verdict == "retry" and reply.status in _refusals.AUTH and self._auth.since is not None:
+            retry_for = self._auth.since + self._auth.retry_s - now
+            self._backoff_s = max(self._backoff_s, min(_refusals.AUTH_BACKOFF_S, self._cfg.auth_retry_s))
+        self._notices.refused(
+            refused,
+            reply,
+            verdict,
+            reason=_refusals.reason(reply),
+            leftover=leftover,
+            retry_for_s=retry_for,
+            project_named="project" in self._registration_fields,
+        )
+        if verdict == "retry":
+            return "failed"
+        if kind == "registration":
+            return "set_aside"  # a refused registration is not kept (see _accepted); the log says why
+        return self._set_aside(body, report, leftover=leftover)
+
+    def _acknowledged(self, reply: Reply) -> None:
+        """The collector took this process's registration; note the project it filled in."""
+        self._registered = True
+        self._accepted.add(self._registration)
+        if "project" in self._registration_fields:
+            return
+        try:
+            project = json.loads(reply.body).get("project")
+        except (ValueError, AttributeError):
+            return
+        if isinstance(project, str):
+            self._registration_fields["project"] = project
+            self._registration = _encode(self._registration_fields)
+            self._own_registrations.add(self._registration)
+            self._accepted.add(self._registration)
+
+    def _set_aside(self, line: bytes, report: DeliveryReport, *, leftover: bool) -> _Outcome:
+        registration = (self._leftover_registration or self._registration) if leftover else self._registration
+        header = registration if registration in self._accepted else None
+        if not self._quarantine.add(line, registration=header):
+            report.spool_dropped_batches += 1
+            self._errors.record("quarantine", OSError(f"quarantine {self._quarantine.path} full; batch dropped"))
+        return "set_aside"
 
     def _failed(self, report: DeliveryReport) -> None:
         report.failed_attempts += 1
-        self._next_attempt = time.monotonic() + self._cfg.retry_backoff_s
+        self._next_attempt = time.monotonic() + self._backoff_s
 
     @staticmethod
     def _count(kind: MessageKind, outcome: _Outcome, records: int, report: DeliveryReport) -> None:
-        if outcome == "rejected":
+        if kind != "batch":
+            return
+        if outcome == "set_aside":
             report.rejected_batches += 1
-        elif outcome == "delivered" and kind == "batch":
+        elif outcome == "delivered":
             report.delivered_batches += 1
             report.delivered_records += records
 
@@ -191,18 +279,26 @@ class SpoolingDelivery:
     def _drain(self, deadline: float, report: DeliveryReport) -> None:
         """Spooled messages to the collector, oldest first, until done, failing or out of time."""
         for item in self._spool.pending():
+            leftover = item.end <= self._leftover_end
             # The spool's structure says what a line is: its first line is the registration.
             kind: MessageKind = "registration" if item.first else "batch"
-            if kind == "registration" and self._registered:
-                outcome: _Outcome | None = "delivered"  # once per process is enough
+            outcome: _Outcome | None
+            if kind == "registration":
+                if item.line in self._accepted:
+                    outcome = "delivered"  # once per process is enough
+                else:
+                    outcome = self._send(kind, item.line, deadline, report, leftover=leftover)
+                    self._leftover_refused = leftover and outcome == "set_aside"
+            elif leftover and self._leftover_refused:
+                outcome = self._set_aside(item.line, report, leftover=True)
             else:
-                outcome = self._send(kind, item.line, deadline)
+                outcome = self._send_batch(item.line, deadline, report, leftover=leftover)
             if outcome is None:
                 return
             if outcome == "failed":
                 self._failed(report)
                 return
-            ours = kind == "batch" and item.end > self._leftover_end and bool(self._spooled_records)
+            ours = kind == "batch" and not leftover and bool(self._spooled_records)
             self._count(kind, outcome, self._spooled_records.popleft() if ours else 0, report)
             self._spool.mark_delivered(item.end)
 

@@ -26,6 +26,9 @@ from trainvitals.agent._config import AgentConfig
 from trainvitals.agent._guard import ErrorBudget
 from trainvitals.wire import batch_header
 
+_QUIET_EXIT_S = 1.0
+"""At exit, a collector that takes the last batches within this is not worth a message."""
+
 
 def _dumps(obj: Any) -> str:
     """Compact JSON, the wire format's spelling (NaN allowed as in json.dumps' default)."""
@@ -51,7 +54,8 @@ class DeliveryReport:
     count one each (a leftover spool's records were the earlier process's and do not count)."""
     failed_attempts: int = 0
     rejected_batches: int = 0
-    """Messages the collector refused for good (400, 413, 422): set aside, not retried."""
+    """Batches the collector refused for good (agent/_refusals.py): set aside in the quarantine
+    file next to the spool, so later batches flow."""
     spool_dropped_batches: int = 0
     """Batches that found the spool full (spill_max_bytes)."""
 
@@ -89,6 +93,15 @@ class Delivery(Protocol):
 
     def undelivered(self) -> bool:
         """Whether anything handed over is still waiting for the collector."""
+        ...
+
+    def exit_wait(self, seconds: float, queued_batches: int) -> None:
+        """The process is ending and the last pass is still waiting for the collector: say how
+        long it may wait, rather than hang silently (called from the thread that shuts down)."""
+        ...
+
+    def exit_report(self) -> None:
+        """The process is ending: say what was not delivered and how to deliver it."""
         ...
 
     def close(self) -> None: ...
@@ -167,12 +180,19 @@ class BatchProcessor:
         deadline = time.monotonic() + timeout
         self._stopping.set()
         self._wake.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-        if self._thread is None or not self._thread.is_alive():
+        worker = self._thread
+        if worker is not None and worker is not threading.current_thread():
+            worker.join(min(timeout, _QUIET_EXIT_S))
+            if worker.is_alive():
+                # A slow or hung collector: the exit delay is stated, not silent.
+                queued = -(-len(self._queue) // self._cfg.max_batch_records)
+                self._delivery.exit_wait(deadline - time.monotonic(), queued)
+                worker.join(max(0.0, deadline - time.monotonic()))
+        if worker is None or not worker.is_alive():
             # No worker (or it finished): one last synchronous pass within what is left.
             self.run_once(deadline=deadline, ignore_backoff=True, write_ahead=True)
             self._delivery.close()
+        self._delivery.exit_report()
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Deliver everything queued now; True when nothing is left undelivered afterwards."""

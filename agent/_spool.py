@@ -59,18 +59,24 @@ class Spool:
 
     def append(self, line: bytes) -> bool:
         """Append one message (or several, newline-separated, with one fsync); False when full."""
-        size = self.path.stat().st_size if self.path.exists() else 0
-        if size + len(line) + 1 > self.max_bytes:
-            return False
-        # Private to the user: a node-local spool usually sits under a shared /tmp.
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        with open(self.path, "ab") as fh:
-            fh.write(line + b"\n")
-            fh.flush()
-            # What reached write() survives the process being killed (page cache); the fsync is for
-            # a crash of the node's kernel, and costs the exporter thread a disk flush per append.
-            os.fsync(fh.fileno())
-        return True
+        return _append(self.path, line, self.max_bytes)
+
+    def first_line(self) -> bytes | None:
+        """The file's first line (the registration it was written under), if the file exists."""
+        try:
+            with open(self.path, "rb") as fh:
+                line = fh.readline()
+        except FileNotFoundError:
+            return None
+        return line.rstrip(b"\n") if line.endswith(b"\n") else None
+
+    def pending_batches(self) -> int:
+        """Undelivered batch lines (the registration line not counted). Reads the file: for
+        messages at the end of a run, not for the delivery itself."""
+        n = 0
+        for item in self.pending():
+            n += not item.first
+        return n
 
     def pending(self) -> Iterator[SpoolLine]:
         """Undelivered lines with the offset just past each, oldest first, read lazily: after a
@@ -94,3 +100,50 @@ class Spool:
             # Everything delivered: start the file afresh so it does not grow forever.
             self.path.unlink(missing_ok=True)
             self._offset = 0
+
+
+class Quarantine:
+    """Batches the collector refused for good, set aside next to the spool
+    (`<run>.rank<r>.quarantine.jsonl`) so that later data flows; `trainvitals replay` takes the
+    file as it is. A batch follows the registration it was sent under when the collector took that
+    registration (written again whenever it changes), so the file registers the run on its own;
+    under a refused registration it is written alone (agent/_delivery.py says why).
+
+    Usage::
+
+        q = Quarantine(spool.path, max_bytes=512 << 20)
+        q.add(batch_line, registration=registration_line)
+    """
+
+    def __init__(self, spool: Path, max_bytes: int) -> None:
+        self.path = spool.with_name(spool.name.removesuffix(".jsonl") + ".quarantine.jsonl")
+        self.max_bytes = max_bytes
+        self.batches = 0  # set aside by this process
+        self._header: bytes | None = None  # the registration this process wrote last
+
+    def add(self, line: bytes, *, registration: bytes | None) -> bool:
+        """Set a batch aside, after `registration` unless that was the last one written; False
+        when the file is full."""
+        if registration is not None and registration != self._header:
+            line = registration + b"\n" + line
+        if not _append(self.path, line, self.max_bytes):
+            return False
+        self._header = registration or self._header
+        self.batches += 1
+        return True
+
+
+def _append(path: Path, data: bytes, max_bytes: int) -> bool:
+    """Append `data` and a newline with one fsync, unless the file would pass max_bytes."""
+    size = path.stat().st_size if path.exists() else 0
+    if size + len(data) + 1 > max_bytes:
+        return False
+    # Private to the user: a node-local spool usually sits under a shared /tmp.
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with open(path, "ab") as fh:
+        fh.write(data + b"\n")
+        fh.flush()
+        # What reached write() survives the process being killed (page cache); the fsync is for
+        # a crash of the node's kernel, and costs the exporter thread a disk flush per append.
+        os.fsync(fh.fileno())
+    return True

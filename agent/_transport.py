@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import http.client
 import urllib.parse
-from typing import Protocol
+from typing import NamedTuple, Protocol
+
+
+class Reply(NamedTuple):
+    """The collector's answer: its status and body (a refusal's body says why: docs/agent.md)."""
+
+    status: int
+    body: bytes = b""
 
 
 class Transport(Protocol):
     """What the delivery needs from the network; tests and custom setups pass their own."""
 
-    def post(self, path: str, body: bytes, timeout: float) -> int:
-        """POST JSON; return the HTTP status, raise OSError when the collector is unreachable."""
+    def post(self, path: str, body: bytes, timeout: float) -> Reply:
+        """POST JSON; return the collector's reply, raise OSError when it is unreachable."""
         ...
 
 
@@ -21,7 +28,7 @@ class HttpTransport:
     Usage::
 
         transport = HttpTransport("http://collector:8000", token="tv_...")
-        status = transport.post("/v1/batches", body, timeout=5.0)
+        reply = transport.post("/v1/batches", body, timeout=5.0)
         transport.close()
     """
 
@@ -38,14 +45,13 @@ class HttpTransport:
             self._headers["Authorization"] = f"Bearer {token}"
         self._conn: http.client.HTTPConnection | None = None
 
-    def post(self, path: str, body: bytes, timeout: float) -> int:
+    def post(self, path: str, body: bytes, timeout: float) -> Reply:
         for attempt in (0, 1):  # one silent retry: a keep-alive connection may have been closed
             conn = self._connection(timeout)
             try:
                 conn.request("POST", self._prefix + path, body=body, headers=self._headers)
                 resp = conn.getresponse()
-                resp.read()
-                return resp.status
+                return Reply(resp.status, resp.read())
             except (http.client.HTTPException, OSError):
                 self.close()
                 if attempt:

@@ -634,7 +634,7 @@ def spool_study(job: Job, args: argparse.Namespace, url: str, spill: str) -> lis
         io.bytes_to_disk += len(line) + 1 if ok else 0
         return ok
 
-    def post(path: str, body: bytes, timeout: float) -> int:
+    def post(path: str, body: bytes, timeout: float) -> Any:  # the transport's Reply
         t0 = time.perf_counter()
         try:
             return real_post(path, body, timeout)

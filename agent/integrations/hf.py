@@ -128,7 +128,7 @@ class TrainvitalsCallback(TrainerCallback):
         self,
         *,
         run: str | None = None,
-        project: str = "default",
+        project: str | None = None,
         collector: str | None = None,
         config: AgentConfig | None = None,
         registration: dict[str, Any] | None = None,

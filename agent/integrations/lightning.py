@@ -125,7 +125,7 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         self,
         *,
         run: str | None = None,
-        project: str = "default",
+        project: str | None = None,
         collector: str | None = None,
         config: AgentConfig | None = None,
         registration: dict[str, Any] | None = None,

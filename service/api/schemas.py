@@ -211,6 +211,8 @@ class RunRegisteredPublic(_Public):
 
     run: str
     created: bool
+    project: str
+    """The run's project: the registration's, or the token's when the registration names none."""
 
 
 # --------------------------------------------------------------------------- advisor answers

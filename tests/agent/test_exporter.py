@@ -5,17 +5,19 @@ exporter's thread body (run_once) is driven synchronously so the tests are deter
 """
 
 import json
+import logging
 import socket
 import threading
 import time
 from pathlib import Path
 
+import pytest
 from sqlalchemy import select
 
 from trainvitals.agent import AgentConfig
 from trainvitals.agent._delivery import spooling_exporter
 from trainvitals.agent._processor import BatchProcessor
-from trainvitals.agent._transport import HttpTransport
+from trainvitals.agent._transport import HttpTransport, Reply
 from trainvitals.service.store import db
 from trainvitals.service.store.models import StepRow
 from trainvitals.wire import Batch, RunRegistration
@@ -117,7 +119,10 @@ def test_spool_file_is_a_replayable_wire_stream(tmp_path: Path) -> None:
     assert [r.step for r in Batch.model_validate_json(lines[1]).records] == [0, 1, 2]
 
 
-def test_hung_collector_costs_at_most_the_flush_timeout(tmp_path: Path) -> None:
+def test_hung_collector_costs_at_most_the_flush_timeout_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "trainvitals.agent")
     # A real TCP server that accepts and never answers.
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
@@ -136,15 +141,20 @@ def test_hung_collector_costs_at_most_the_flush_timeout(tmp_path: Path) -> None:
     t = threading.Thread(target=accept, daemon=True)
     t.start()
     try:
-        exp = _exporter(
-            f"http://127.0.0.1:{server.getsockname()[1]}", tmp_path, http_timeout_s=30.0, flush_timeout_s=1.0
-        )
+        url = f"http://127.0.0.1:{server.getsockname()[1]}"
+        exp = _exporter(url, tmp_path, http_timeout_s=30.0, flush_timeout_s=3.0)
         exp.start()
         exp.emit(_step(0))
         t0 = time.monotonic()
         exp.shutdown()
-        assert time.monotonic() - t0 < 3.0
-        assert (tmp_path / "spool" / "r1.rank0.jsonl").exists()  # kept for the next attempt
+        assert time.monotonic() - t0 < 5.0
+        spool = tmp_path / "spool" / "r1.rank0.jsonl"
+        assert spool.exists()  # kept for the next attempt
+        said = [r.getMessage() for r in caplog.records if r.name == "trainvitals.agent"]
+        assert said[0].startswith("trainvitals agent: waiting up to 2.")
+        assert said[0].endswith(f"s (flush_timeout_s) for the collector at {url} to take 1 batch(es); "
+                                f"what it does not take stays in {spool}")  # fmt: skip
+        assert said[-1].startswith(f"trainvitals agent: 1 batch(es) were not delivered to the collector at {url}")
     finally:
         stop.set()
         t.join()
@@ -159,7 +169,7 @@ def test_rejected_batch_is_set_aside_not_retried_forever(collector, tmp_path: Pa
     exp.emit(_step(1))
     exp.run_once(deadline=time.monotonic() + 10)
     assert exp.stats.rejected_batches == 1
-    assert (tmp_path / "spool" / "r1.rank0.rejected.jsonl").exists()
+    assert (tmp_path / "spool" / "r1.rank0.quarantine.jsonl").exists()
     exp.emit(_step(2))
     exp.run_once(deadline=time.monotonic() + 10)
     assert _stored_steps(collector.db_url) == [2]
@@ -205,7 +215,7 @@ class _SpoolWatchingTransport(HttpTransport):
         self.spool = spool
         self.spooled_at_request: list[bool] = []
 
-    def post(self, path: str, body: bytes, timeout: float) -> int:
+    def post(self, path: str, body: bytes, timeout: float) -> Reply:
         self.spooled_at_request.append(self.spool.exists())
         return super().post(path, body, timeout)
 

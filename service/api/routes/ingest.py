@@ -94,6 +94,10 @@ _BATCH_BODY = {
 def register_run(
     registration: RunRegistration, session: SessionDep, principal: PrincipalDep, response: Response
 ) -> RunRegisteredPublic:
+    if "project" not in registration.model_fields_set and principal.project is not None:
+        # No project named: the token's, the only one it may write to, so the two lines of
+        # attach() need no project of their own (docs/agent.md). Auth off: the wire's default.
+        registration = registration.model_copy(update={"project": principal.project})
     require(principal, "ingest", registration.project)
     try:
         created = batches.register_run(session, registration)
@@ -101,7 +105,7 @@ def register_run(
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
     if not created:
         response.status_code = status.HTTP_200_OK
-    return RunRegisteredPublic(run=registration.run, created=created)
+    return RunRegisteredPublic(run=registration.run, created=created, project=registration.project)
 
 
 @router.post(

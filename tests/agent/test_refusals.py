@@ -1,0 +1,275 @@
+"""When the collector refuses: the policy (a table), what the user is told (once, with the
+collector's reason, never the token), and delivery that sets refused batches aside so later data
+flows, against the real collector with auth on and real tokens. The exporter's thread body runs
+synchronously (run_once / flush)."""
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from tests.conftest import CollectorServer
+from trainvitals.agent import AgentConfig
+from trainvitals.agent._delivery import spooling_exporter
+from trainvitals.agent._notices import Notices, display_url
+from trainvitals.agent._processor import BatchProcessor
+from trainvitals.agent._refusals import AuthWindow, reason, verdict
+from trainvitals.agent._transport import Reply
+from trainvitals.service import auth
+from trainvitals.service.ingest.replay import replay_files
+from trainvitals.service.store import db, tokens
+from trainvitals.service.store.models import Run, StepRow
+from trainvitals.wire import RunRegistration
+
+# --------------------------------------------------------------------------- the policy
+
+
+@pytest.mark.parametrize(
+    ("status", "leftover", "window_s", "expected"),
+    [
+        (200, False, 300, "delivered"),
+        (201, True, 300, "delivered"),
+        (401, False, 300, "retry"),  # an operator may fix the token while the job runs
+        (403, False, 300, "retry"),
+        (403, False, 0, "set_aside"),  # the window is over
+        (403, True, 300, "set_aside"),  # an earlier process's leftover does not hold this one's data
+        (400, False, 300, "set_aside"),
+        (409, False, 300, "set_aside"),
+        (413, False, 300, "set_aside"),
+        (422, False, 300, "set_aside"),
+        (404, False, 300, "retry"),  # the collector's own trouble: retried until it answers
+        (429, False, 300, "retry"),
+        (503, True, 300, "retry"),
+    ],
+)
+def test_verdict(status: int, leftover: bool, window_s: float, expected: str) -> None:
+    assert verdict(status, leftover=leftover, window=AuthWindow(window_s), now=100.0) == expected
+
+
+def test_the_auth_window_runs_from_the_first_refusal_and_closes_on_acceptance() -> None:
+    window = AuthWindow(300.0)
+    assert window.refused(1000.0) and window.refused(1299.0)
+    assert not window.refused(1300.0)
+    window.accepted()
+    assert window.refused(5000.0)  # a new window
+
+
+def test_reason_is_the_collectors_detail() -> None:
+    assert reason(Reply(403, b'{"detail": "token is for project \'llm\'"}')) == "token is for project 'llm'"
+    errors = [{"loc": ["body", "records", 0, "step", "step_seconds"], "msg": "Input should be >= 0"}] * 5
+    text = reason(Reply(422, json.dumps({"detail": errors}).encode()))
+    assert text.startswith("body.records.0.step.step_seconds: Input should be >= 0; ") and text.endswith("(+2 more)")
+    assert reason(Reply(502, b"<html>Bad Gateway</html>")) == "<html>Bad Gateway</html>"
+    assert reason(Reply(500)) == "no reason given"
+
+
+def test_notices_show_no_credentials_and_each_reason_once(caplog: pytest.LogCaptureFixture) -> None:
+    assert display_url("https://user:secret@collector:8443/base?token=x") == "https://collector:8443/base"
+    notices = Notices(
+        collector="http://u:pw@c:8000", spool=Path("/s.jsonl"), quarantine=Path("/q.jsonl"),
+        token="tv_SECRETSECRET", retry_backoff_s=2.0,
+    )  # fmt: skip
+    caplog.set_level(logging.WARNING, "trainvitals.agent")
+    for seq in range(5):  # five batches refused for the same reason: one line
+        body = json.dumps({"detail": f"batch {seq} of tv_SECRETSECRET and tv_OTHERTOKEN1"}).encode()
+        notices.refused("batch", Reply(422, body), "set_aside", reason=reason(Reply(422, body)), leftover=False,
+                        retry_for_s=None, project_named=False)  # fmt: skip
+    assert len(caplog.records) == 1
+    text = caplog.records[0].getMessage()
+    assert "http://c:8000" in text and "pw" not in text and "/q.jsonl" in text
+    assert "SECRET" not in text and "OTHERTOKEN" not in text
+    assert "trainvitals replay /q.jsonl" in text
+
+
+# --------------------------------------------------------------------------- delivery, for real
+
+STEPS = 6
+
+
+@pytest.fixture
+def secured(db_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[CollectorServer]:
+    """The collector with auth on; a token created while it runs is seen at once (no cache)."""
+    monkeypatch.setenv("TRAINVITALS_TOKEN_CACHE_SECONDS", "0")
+    server = CollectorServer(db_url, auth=True).start()
+    yield server
+    server.stop()
+
+
+def _token(db_url: str, project: str) -> str:
+    engine = db.make_engine(db_url)
+    with db.make_sessionmaker(engine)() as session:
+        token = auth.create_token(session, project=project, scope="ingest")
+    engine.dispose()
+    return token
+
+
+def _exporter(
+    url: str, tmp_path: Path, *, token: str, project: str | None, incarnation: int = 1, **cfg: object
+) -> BatchProcessor:
+    config = AgentConfig(
+        collector=url, token=token, spill_dir=str(tmp_path / "spool"), retry_backoff_s=0.0, **cfg  # type: ignore[arg-type]
+    )
+    reg = RunRegistration(run="r1", parallelism={"world_size": 1}).model_dump(mode="json")
+    del reg["project"]
+    if project is not None:
+        reg["project"] = project
+    return spooling_exporter(config=config, run="r1", rank=0, incarnation=incarnation, registration=reg)
+
+
+def _emit_steps(exp: BatchProcessor, steps: range) -> None:
+    for i in steps:
+        exp.emit({"kind": "step", "step": i, "ts": 1.0, "step_seconds": 0.1})
+        exp.run_once(deadline=time.monotonic() + 10, ignore_backoff=True)  # one batch per step
+
+
+def _stored(db_url: str) -> tuple[dict[str, str], list[tuple[int, int]]]:
+    """Runs by project, and (incarnation, step) of every stored step row."""
+    engine = db.make_engine(db_url)
+    with engine.connect() as conn:
+        runs = {r.run_id: r.project for r in conn.execute(select(Run.run_id, Run.project))}
+        steps = sorted((r[0], r[1]) for r in conn.execute(select(StepRow.incarnation, StepRow.step)))
+    engine.dispose()
+    return runs, steps
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "trainvitals.agent" and r.levelno == logging.WARNING]
+
+
+def test_a_registration_naming_no_project_takes_the_tokens(secured: CollectorServer, tmp_path: Path) -> None:
+    exp = _exporter(secured.url, tmp_path, token=_token(secured.db_url, "llm"), project=None)
+    _emit_steps(exp, range(STEPS))
+    exp.shutdown()
+    assert _stored(secured.db_url) == ({"r1": "llm"}, [(1, s) for s in range(STEPS)])
+    assert exp.stats.delivered_batches == STEPS and exp.stats.rejected_batches == 0
+
+
+def test_with_auth_off_a_registration_naming_no_project_goes_to_default(
+    collector: CollectorServer, tmp_path: Path
+) -> None:
+    exp = _exporter(collector.url, tmp_path, token="", project=None)
+    _emit_steps(exp, range(2))
+    exp.shutdown()
+    assert _stored(collector.db_url) == ({"r1": "default"}, [(1, 0), (1, 1)])
+
+
+def test_a_project_the_token_is_not_for_is_refused_and_said_once(
+    secured: CollectorServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "trainvitals.agent")
+    token = _token(secured.db_url, "llm")
+    exp = _exporter(secured.url, tmp_path, token=token, project="other")
+    _emit_steps(exp, range(STEPS))
+    spool = tmp_path / "spool" / "r1.rank0.jsonl"
+    assert _stored(secured.db_url) == ({}, [])  # never stored elsewhere
+    assert exp.stats.failed_attempts == STEPS and exp.stats.rejected_batches == 0  # retried in the window
+    said = _warnings(caplog)
+    assert len(said) == 1, said  # once, not per batch
+    assert said[0].startswith(
+        f"trainvitals agent: the collector at {secured.url} refused the run registration (403): token is for "
+        "project 'llm' with scope 'ingest'; this needs scope 'ingest' on project 'other' (the project comes from "
+        "attach(project=) or TRAINVITALS_PROJECT; without either, the token's). Training continues; "
+        f"batches wait in {spool} and are retried for 30"
+    )
+    assert "then set aside in" in said[0] and token not in said[0]
+    exp.shutdown(timeout=1.0)
+    said = _warnings(caplog)
+    assert f"{STEPS} batch(es) were not delivered to the collector at {secured.url}; they wait in {spool}" in said[-1]
+    assert f"trainvitals replay {spool}" in said[-1]
+
+
+def test_a_token_fixed_within_the_window_delivers_everything(secured: CollectorServer, tmp_path: Path) -> None:
+    later = "tv_created_by_the_operator_later"
+    exp = _exporter(secured.url, tmp_path, token=later, project=None)
+    _emit_steps(exp, range(3))  # 401: unknown token, retried
+    assert exp.stats.failed_attempts == 3 and _stored(secured.db_url) == ({}, [])
+    engine = db.make_engine(secured.db_url)
+    with db.make_sessionmaker(engine)() as session:
+        tokens.add_token(session, digest=auth.digest(later), project="llm", scope="ingest", name=None, now=0.0)
+    engine.dispose()
+    _emit_steps(exp, range(3, STEPS))
+    assert _stored(secured.db_url) == ({"r1": "llm"}, [(1, s) for s in range(STEPS)])
+    assert not (tmp_path / "spool" / "r1.rank0.quarantine.jsonl").exists()
+    exp.shutdown()
+
+
+def test_refused_for_good_is_set_aside_then_a_fixed_rerun_delivers_and_the_quarantine_replays(
+    secured: CollectorServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "trainvitals.agent")
+    token = _token(secured.db_url, "llm")
+    wrong = _exporter(secured.url, tmp_path, token=token, project="other", auth_retry_s=0.0)
+    _emit_steps(wrong, range(STEPS))
+    wrong.shutdown()
+    quarantine = tmp_path / "spool" / "r1.rank0.quarantine.jsonl"
+    assert wrong.stats.rejected_batches == STEPS and wrong.stats.failed_attempts == 0
+    assert not (tmp_path / "spool" / "r1.rank0.jsonl").exists()  # nothing waits: later data is not blocked
+    # Batches only: their registration was refused, and replaying it would store project 'other'.
+    lines = quarantine.read_bytes().splitlines()
+    assert len(lines) == STEPS and all(b'"records"' in line for line in lines)
+    said = _warnings(caplog)
+    assert any(f"Set aside in {quarantine}; later data keeps flowing" in s for s in said), said
+    assert f"{STEPS} batch(es) the collector refused are set aside in {quarantine}" in said[-1]
+
+    fixed = _exporter(secured.url, tmp_path, token=token, project=None, incarnation=2)
+    _emit_steps(fixed, range(STEPS + 2))
+    fixed.shutdown()
+    assert _stored(secured.db_url) == ({"r1": "llm"}, [(2, s) for s in range(STEPS + 2)])
+
+    engine = db.make_engine(secured.db_url)
+    with db.make_sessionmaker(engine)() as session:
+        report = replay_files(session, [str(quarantine)], analyse=False)
+    engine.dispose()
+    assert report.errors == [] and report.rejected_lines == 0 and report.batches == STEPS
+    assert _stored(secured.db_url)[1] == sorted([(1, s) for s in range(STEPS)] + [(2, s) for s in range(STEPS + 2)])
+
+
+def test_an_earlier_processs_refused_spool_does_not_hold_back_this_ones_data(
+    secured: CollectorServer, tmp_path: Path
+) -> None:
+    token = _token(secured.db_url, "llm")
+    wrong = _exporter(secured.url, tmp_path, token=token, project="other")  # 300 s window
+    _emit_steps(wrong, range(3))
+    wrong.shutdown(timeout=1.0)  # ends inside the window: its batches stay in the spool
+    assert (tmp_path / "spool" / "r1.rank0.jsonl").exists()
+    fixed = _exporter(secured.url, tmp_path, token=token, project=None, incarnation=2)
+    _emit_steps(fixed, range(STEPS))
+    assert _stored(secured.db_url) == ({"r1": "llm"}, [(2, s) for s in range(STEPS)])
+    assert fixed.stats.rejected_batches == 3  # the leftover's, set aside at once, not after 300 s
+    assert len((tmp_path / "spool" / "r1.rank0.quarantine.jsonl").read_bytes().splitlines()) == 3
+    fixed.shutdown()
+
+
+def test_an_invalid_batch_is_set_aside_under_the_registration_the_collector_took(
+    secured: CollectorServer, tmp_path: Path
+) -> None:
+    exp = _exporter(secured.url, tmp_path, token=_token(secured.db_url, "llm"), project=None)
+    _emit_steps(exp, range(2))
+    exp.emit({"kind": "step", "step": 2, "ts": 1.0, "step_seconds": -1.0})  # 422
+    exp.run_once(deadline=time.monotonic() + 10)
+    _emit_steps(exp, range(3, 5))
+    exp.shutdown()
+    assert _stored(secured.db_url)[1] == [(1, 0), (1, 1), (1, 3), (1, 4)]
+    registration, batch = (tmp_path / "spool" / "r1.rank0.quarantine.jsonl").read_bytes().splitlines()
+    assert json.loads(registration)["project"] == "llm"  # the one the collector filled in
+    assert json.loads(batch)["records"][0]["step_seconds"] == -1.0
+
+
+def test_exit_report_for_an_unreachable_collector(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, "trainvitals.agent")
+    exp = _exporter("http://127.0.0.1:9", tmp_path, token="tv_never_printed_anywhere", project=None)
+    _emit_steps(exp, range(3))
+    exp.shutdown(timeout=0.5)
+    spool = tmp_path / "spool" / "r1.rank0.jsonl"
+    said = _warnings(caplog)
+    assert said[0].startswith("trainvitals agent: cannot reach the collector at http://127.0.0.1:9 (")
+    assert f"batches wait in {spool} and are retried every 0 s" in said[0]
+    assert said[-1].startswith(
+        "trainvitals agent: 3 batch(es) were not delivered to the collector at http://127.0.0.1:9; "
+        f"they wait in {spool}"
+    )
+    assert len(said) == 2 and not any("tv_never" in s for s in said)
