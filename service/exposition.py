@@ -20,6 +20,8 @@ from trainvitals.service.store import analysis_status, queries, snapshot
 from trainvitals.service.store.models import AnalysisStatus
 
 ADVICE_TTL_SECONDS = 60.0
+# "Not enough to advise yet" is asked again sooner: the first save should show its advice soon.
+NO_ADVICE_TTL_SECONDS = 10.0
 
 
 class TrainvitalsCollector(Collector):
@@ -96,7 +98,7 @@ class TrainvitalsCollector(Collector):
     def _advice_for(self, session: Session, run: object, now: float) -> object:
         run_id = run.run_id  # type: ignore[attr-defined]
         hit = self._advice_cache.get(run_id)
-        if hit is not None and now - hit[0] < ADVICE_TTL_SECONDS:
+        if hit is not None and now - hit[0] < (ADVICE_TTL_SECONDS if hit[1] is not None else NO_ADVICE_TTL_SECONDS):
             return hit[1]
         assert self._checkpoint_advice is not None
         value = self._checkpoint_advice(session, run_id=run_id, registration=run.registration)  # type: ignore[attr-defined]

@@ -230,3 +230,31 @@ def test_open_findings_export_their_kept_onset_and_detected_step(setup) -> None:
     assert registry.get_sample_value("trainvitals_finding_onset_step", labels) == 600
     assert registry.get_sample_value("trainvitals_finding_detected_step", labels) == 700
     assert registry.get_sample_value("trainvitals_finding_active", {**labels, "severity": "page"}) == 1
+
+
+def test_checkpoint_advice_is_cached_a_minute_and_its_absence_ten_seconds(db_url: str) -> None:
+    from types import SimpleNamespace
+
+    engine = db.make_engine(db_url)
+    maker = db.make_sessionmaker(engine)
+    clock = Clock(1000.0)
+    answers = [None, SimpleNamespace(recommended_interval_s=600.0, band_s=(500.0, 700.0))]
+    calls: list[float] = []
+
+    def advice(_session, *, run_id: str, registration: dict) -> object:
+        calls.append(clock.now)
+        return answers[min(len(calls) - 1, 1)]
+
+    collector = TrainvitalsCollector(maker, Settings(db=db_url), clock=clock, checkpoint_advice=advice)
+    registry = make_registry(collector)
+    _store(maker, "c", ranks=1, steps=2)
+    interval = ("trainvitals_checkpoint_recommended_interval_seconds", {"run": "c"})
+    assert registry.get_sample_value(*interval) is None  # not enough to advise yet
+    clock.now += 5
+    assert registry.get_sample_value(*interval) is None and len(calls) == 1  # asked again after 10 s only
+    clock.now += 6
+    assert registry.get_sample_value(*interval) == 600.0 and len(calls) == 2  # the first save's advice
+    clock.now += 50
+    registry.get_sample_value(*interval)
+    assert len(calls) == 2  # advice is kept a minute
+    engine.dispose()
