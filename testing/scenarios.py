@@ -975,7 +975,13 @@ def registration_for(sc: Scenario, *, baseline_run: str | None = None) -> RunReg
             gpus_per_node=lay.ranks_per_node,
             peak_flops=lay.peak_flops,
         ),
-        fp8=Fp8Recipe(enabled=True, history_len=int(lay.history_len), margin=0, amax_algo="max"),
+        # A run whose tensors are all shadows (bf16/fp32 with the what-if monitor) has no FP8 recipe.
+        fp8=Fp8Recipe(
+            enabled=not (s.tensors and all(t.shadow for t in s.tensors)),
+            history_len=int(lay.history_len),
+            margin=0,
+            amax_algo="max",
+        ),
         checkpoint=CheckpointSettings(
             interval_steps=lay.checkpoint_every, interval_seconds=s.checkpoint_interval_seconds
         ),
@@ -1075,6 +1081,7 @@ def _tensor_records(sc: Scenario, rank: int, i: int) -> list[Any]:
                 sat_frac=_opt(float(ts.sat_frac[i])),
                 underflow_frac=_opt(float(ts.underflow_frac[i])),
                 nonfinite=None if math.isnan(nf) else int(nf),
+                shadow=ts.shadow,
             )
         )
     return out

@@ -24,7 +24,10 @@ Finding kinds (subject: tensor 'fqn:role') and magnitudes:
 - `fp8_resume_bad_step` (ticket): the first step after a resume clips or is > 3 bits above the
   pre-resume headroom (a stale amax history, TE PR #567). Magnitude: headroom bits at that step.
 
-A shadow tensor (what delayed scaling would see in a bf16 run) never pages: nothing actually clipped.
+A shadow tensor (`TensorRecord.shadow`: what delayed scaling would see in a bf16/fp32 run) gives
+only `info` findings, each saying the run does not train in FP8: a what-if for someone deciding to
+enable FP8, never a ticket or a page, and (info being neither) never the onset a rollback target is
+chosen before (store/queries.rollback_target, checkpoints.detect_no_rollback_target).
 """
 
 from __future__ import annotations
@@ -139,10 +142,13 @@ def _finding(
     detected: int,
     paged: int | None = None,
 ) -> Finding:
-    if ts.shadow and severity == "page":
-        severity = "ticket"
-        paged = None
-        summary += " (shadow: what delayed scaling would do; nothing clipped in this run)"
+    if ts.shadow:
+        # Nothing of this happened to the run's numerics: it computes the tensor in bf16/fp32.
+        severity, paged = "info", None
+        if kind == "fp8_nonfinite":  # the high-precision values themselves: a fact, not a what-if
+            summary += " (this run does not train in FP8: these are its own bf16/fp32 values)"
+        else:
+            summary = f"this run does not train in FP8; if FP8 (delayed scaling) were enabled here: {summary}"
     return Finding(
         kind=kind,
         severity=severity,

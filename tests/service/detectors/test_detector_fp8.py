@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
+from trainvitals.service.detectors import detect
 from trainvitals.service.detectors.fp8 import Fp8Config, detect_fp8
 from trainvitals.service.detectors.series import RunEvent
 from trainvitals.service.detectors.suppression import SuppressionConfig, suppression_for
+from trainvitals.testing.scenarios import make_scenario, prefix
 
 CFG = Fp8Config()
 N = 4000
@@ -54,11 +58,35 @@ def test_clipping(series, tensor, clip_steps: list[int], headroom: float, sat: f
         assert f.subject_kind == "tensor" and f.subject == "layers.3.fc:input" and f.magnitude == headroom
 
 
-def test_shadow_tensor_never_pages(series, tensor) -> None:
+def test_shadow_tensor_is_information_only(series, tensor) -> None:
     h = _h()
     h[[2000, 2010, 2020]] = -2.0
     (f,) = [f for f in _run(series, [tensor(h, shadow=True)]) if f.kind == "fp8_clipping"]
-    assert f.severity == "ticket" and "shadow" in f.summary
+    assert f.severity == "info" and f.paged_step is None
+    assert f.summary.startswith("this run does not train in FP8; if FP8 (delayed scaling) were enabled here: ")
+    nf = np.zeros(N)
+    nf[2500] = 3
+    (g,) = [g for g in _run(series, [tensor(_h(), nonfinite=nf, shadow=True)]) if g.kind == "fp8_nonfinite"]
+    assert g.severity == "info" and "its own bf16/fp32 values" in g.summary
+
+
+def test_shadow_run_keeps_what_if_findings_apart_from_pages_and_rollback() -> None:
+    """The same amax creep, once in a run that trains in FP8 and once as the shadow monitor of a
+    bf16 run: the FP8 run pages and has no rollback target before the onset once old checkpoints
+    are gone; the bf16 run gets the same findings as information only, and no rollback page."""
+    sc = make_scenario("fp8_amax_creep", 11)
+    assert sc.loss_move_step is not None
+    real = prefix(sc.series, sc.loss_move_step - 1)  # before the loss moves: FP8 findings only
+    real.checkpoints = [c for c in real.checkpoints if c.step > 3800]  # none before the clipping (3,751)
+    shadow = dataclasses.replace(real, tensors=[dataclasses.replace(t, shadow=True) for t in real.tensors])
+    in_fp8, what_if = detect(real), detect(shadow)
+    fp8_kinds = {f.kind for f in in_fp8 if f.kind.startswith("fp8_")}
+    assert {"fp8_clipping", "fp8_headroom_trend"} <= fp8_kinds
+    assert any(f.severity == "page" for f in in_fp8 if f.kind.startswith("fp8_"))
+    assert any(f.kind == "no_rollback_target" and f.severity == "page" for f in in_fp8)
+    assert {f.kind for f in what_if} == fp8_kinds  # the same findings, no rollback page
+    assert all(f.severity == "info" and f.paged_step is None for f in what_if)
+    assert all("this run does not train in FP8" in f.summary for f in what_if)
 
 
 def test_big_jump_and_rising_jump_rate(series, tensor) -> None:
@@ -137,7 +165,7 @@ def test_headroom_trend_pages_when_zero_is_near(series, tensor, bits_per_1k: flo
     live = _by_kind(_run(series, [tensor(h[: f.paged_step])]))["fp8_headroom_trend"]
     assert live.severity == "ticket" and live.detected_step == f.detected_step
     (shadow,) = [g for g in _run(series, [tensor(h, shadow=True)]) if g.kind == "fp8_headroom_trend"]
-    assert shadow.severity == "ticket" and shadow.paged_step is None
+    assert shadow.severity == "info" and shadow.paged_step is None
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """Replay a recorded wire stream through the live ingest path, then answer the post-mortem
 questions over HTTP and the CLI: when did it start, where, which checkpoint to roll back to."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from trainvitals.service.ingest.replay import replay_files
 from trainvitals.service.main import create_app
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import db, queries
-from trainvitals.testing.scenarios import Layout, make_scenario, to_wire_lines
+from trainvitals.testing.scenarios import Layout, make_scenario, prefix, to_wire_lines
 
 CLI = [sys.executable, "-m", "trainvitals.service.cli"]
 
@@ -112,3 +113,33 @@ def test_replay_then_postmortem(db_url: str, recorded, tmp_path: Path) -> None:
     )
     assert cli_csv.stdout.splitlines()[0] == "step," + ",".join(f"rank{r}" for r in matrix["ranks"])
     assert len(cli_csv.stdout.splitlines()) == 6
+
+
+@pytest.mark.parametrize("shadow", [False, True], ids=["trains_in_fp8", "bf16_shadow"])
+def test_shadow_fp8_findings_never_move_the_rollback_target(db_url: str, tmp_path: Path, shadow: bool) -> None:
+    """An amax creep recorded by a run that trains in FP8 pages and sets the rollback target
+    before its onset; recorded by the shadow monitor of a bf16 run, the same findings are stored
+    as information and the rollback target stays the newest usable generation."""
+    sc = make_scenario("fp8_amax_creep", seed=11, layout=Layout(pp=1, dp=1, ranks_per_node=1, layers=3))
+    assert sc.loss_move_step is not None
+    series = prefix(sc.series, sc.loss_move_step - 1)  # before the loss moves: FP8 findings only
+    if shadow:
+        series = dataclasses.replace(series, tensors=[dataclasses.replace(t, shadow=True) for t in series.tensors])
+    sc = dataclasses.replace(sc, series=series)
+    path = tmp_path / "creep.jsonl"
+    path.write_text("".join(line + "\n" for line in to_wire_lines(sc)))
+    engine = db.make_engine(db_url)
+    with db.make_sessionmaker(engine)() as session:
+        replay_files(session, [str(path)])
+        stored = queries.findings(session, run_id=series.run)
+        rollback = queries.rollback_target(session, run_id=series.run)
+    engine.dispose()
+    fp8 = [f for f in stored if f["kind"].startswith("fp8_")]
+    assert fp8 and {f["kind"] for f in fp8} >= {"fp8_headroom_trend"}
+    if shadow:
+        assert all(f["severity"] == "info" and "does not train in FP8" in f["summary"] for f in fp8)
+        assert rollback["before_step"] is None and rollback["reason"] == "newest usable generation"
+    else:
+        assert any(f["severity"] == "page" for f in fp8)
+        onset = min(f["onset_step"] for f in fp8 if f["severity"] in ("page", "ticket"))
+        assert rollback["before_step"] == onset and rollback["target"]["step"] < onset
