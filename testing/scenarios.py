@@ -1262,4 +1262,5 @@ def prefix(series: RunSeries, last_step: int) -> RunSeries:
         events=[e for e in series.events if e.ts <= end_ts],
         expected_mfu=series.expected_mfu, peak_flops_total=series.peak_flops_total,
         checkpoint_interval_seconds=series.checkpoint_interval_seconds, now=end_ts + typical,
+        warmup_steps=series.warmup_steps,
     )

@@ -26,6 +26,11 @@ FP8_MAX: Final[dict[str, float]] = {"e4m3": 448.0, "e5m2": 57344.0}
 DEFAULT_FORMATS: Final[dict[str, Fp8Format]] = {"input": "e4m3", "weight": "e4m3", "grad_output": "e5m2"}
 """The usual hybrid recipe: E4M3 forward, E5M2 for gradients."""
 
+DEFAULT_DETECTOR_WARMUP_STEPS: Final = 300
+"""Steps from a run's first step during which the baseline detectors stay quiet (LR warm-up, early
+loss drop), unless the run registers its own `detector_warmup_steps` or the collector is set
+otherwise (TRAINVITALS_DETECTOR_WARMUP_STEPS)."""
+
 CheckpointStatus = Literal["started", "persisted", "failed", "verified"]
 EventKind = Literal[
     "start", "restart", "resume", "failure", "node_replaced", "phase_change", "rollback", "stop", "note"

@@ -19,6 +19,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainvitals.wire.conventions import (
+    DEFAULT_DETECTOR_WARMUP_STEPS,
     GLOBAL_GROUP,
     AmaxAlgo,
     CheckpointStatus,
@@ -119,6 +120,13 @@ class RunRegistration(_Strict):
         None, max_length=128, description="how flops_per_step is counted, e.g. '6N+12LHQT, no recompute'"
     )
     tags: dict[str, str] = Field(default_factory=dict, max_length=64)
+    detector_warmup_steps: int | None = Field(
+        None,
+        ge=0,
+        description="steps from the run's first step during which the baseline detectors stay quiet (LR warm-up, "
+        f"early loss drop); None: the collector's ({DEFAULT_DETECTOR_WARMUP_STEPS} unless set otherwise). A run "
+        "shorter than its warm-up is judged only for non-finite values, failed checkpoints and stalls",
+    )
 
     @model_validator(mode="after")
     def _baseline_is_another_run(self) -> RunRegistration:

@@ -316,6 +316,7 @@ class DetectorInputs:
             expected_mfu=expectations.expected_mfu(reg),
             peak_flops_total=peak_flops_total,
             checkpoint_interval_seconds=(reg.get("checkpoint") or {}).get("interval_seconds"),
+            warmup_steps=reg.get("detector_warmup_steps"),
             now=now,
         )
 

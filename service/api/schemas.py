@@ -79,6 +79,15 @@ class RunOverviewPublic(_Public):
     grad_records: int
     checkpoint_records: int
     events: int
+    detector_warmup_steps: int
+    """Steps from the first step during which the baseline detectors stay quiet: the run's
+    registered `detector_warmup_steps`, else the collector's."""
+    detection_starts_at_step: int | None
+    """first_step + detector_warmup_steps (None before the first step)."""
+    warmup_steps_remaining: int | None
+    """Steps still to run until detection starts (0: it has; None before the first step)."""
+    detection: str
+    """One line: when detection starts (a run shorter than the warm-up says so), or since when it runs."""
 
 
 class TensorStepPublic(_Public):

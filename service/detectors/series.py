@@ -130,6 +130,9 @@ class RunSeries:
     """Configured or recommended; None: overdue checks stay silent."""
     now: float | None = None
     """The time the detectors evaluate at (for 'stalled' and 'overdue'); passed in, never read."""
+    warmup_steps: int | None = None
+    """The run's own warm-up (registration `detector_warmup_steps`), which overrides
+    `SuppressionConfig.warmup_steps`; None: the config's."""
     baseline: RunSeries | None = None
     """The run's named baseline run (registration `baseline_run`) over the same steps, which
     `detect()` compares loss and gradient norm with (detectors/baseline.py); None: none named."""

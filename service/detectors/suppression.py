@@ -4,8 +4,9 @@ Two outputs, used together by every detector that compares a step with the run's
 
 - segments: baselines restart at each resume / restart / rollback / phase_change, so a new data
   mix or a reloaded optimizer is never judged against the statistics of the old one;
-- a mask of suppressed steps: the first `warmup_steps` of the run and a window after each boundary
-  where transients are expected (Adam moments re-warming, the loss re-settling).
+- a mask of suppressed steps: the first `warmup_steps` of the run (the run's own,
+  `RunSeries.warmup_steps`, when it registered one) and a window after each boundary where
+  transients are expected (Adam moments re-warming, the loss re-settling).
 
 Non-finite values, failed checkpoints and stalls are never suppressed: they are facts, not
 deviations from a baseline.
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from trainvitals.wire.conventions import DEFAULT_DETECTOR_WARMUP_STEPS
+
 from .series import RunSeries
 
 RESUME_EVENTS = frozenset({"resume", "restart", "rollback"})
@@ -34,8 +37,9 @@ PHASE_EVENTS = frozenset({"phase_change"})
 class SuppressionConfig:
     """Windows in steps where baseline detectors stay quiet."""
 
-    warmup_steps: int = 300
-    """From the run's first step: LR warm-up and early loss drop make every baseline meaningless."""
+    warmup_steps: int = DEFAULT_DETECTOR_WARMUP_STEPS
+    """From the run's first step: LR warm-up and early loss drop make every baseline meaningless.
+    A run that registered `detector_warmup_steps` (RunSeries.warmup_steps) has its own."""
     after_resume_steps: int = 150
     """After a resume/restart/rollback: re-warming optimizer state gives a short grad-norm transient."""
     after_phase_change_steps: int = 300
@@ -89,9 +93,11 @@ def suppression_for(series: RunSeries, config: SuppressionConfig) -> Suppression
         elif ev.event in PHASE_EVENTS:
             boundaries.add(ev.step)
             windows.append((ev.step, ev.step + config.after_phase_change_steps))
+    # The run knows its own LR schedule best: a warm-up it registered wins over the collector's.
+    warmup = config.warmup_steps if series.warmup_steps is None else series.warmup_steps
     return Suppression(
         start_step=start,
-        warmup_end=start + config.warmup_steps,
+        warmup_end=start + warmup,
         boundaries=tuple(sorted(b for b in boundaries if b > start)),
         resumes=tuple(sorted(resumes)),
         windows=tuple(sorted(windows)),

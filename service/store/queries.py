@@ -33,7 +33,7 @@ from trainvitals.service.store.models import (
     TensorStatRow,
     TensorSummary,
 )
-from trainvitals.wire.conventions import GLOBAL_GROUP
+from trainvitals.wire.conventions import DEFAULT_DETECTOR_WARMUP_STEPS, GLOBAL_GROUP
 
 
 def list_runs(session: Session, *, project: str | None = None) -> list[Run]:
@@ -96,12 +96,53 @@ class RunOverview:
     grad_records: int
     checkpoint_records: int
     events: int
+    detector_warmup_steps: int
+    """Steps from the first step during which the baseline detectors stay quiet: the run's
+    registered `detector_warmup_steps`, else the collector's."""
+    detection_starts_at_step: int | None
+    """first_step + detector_warmup_steps (None before the first step)."""
+    warmup_steps_remaining: int | None
+    """Steps still to run until detection starts (0: it has; None before the first step)."""
+    detection: str
+    """One line: when detection starts, or since when it runs."""
 
 
-def run_overview(session: Session, *, run_id: str) -> RunOverview | None:
+def _detection(
+    *, status: str, first: int | None, last: int | None, warmup: int
+) -> tuple[int | None, int | None, str]:
+    """(detection_starts_at_step, warmup_steps_remaining, detection): a run shorter than the
+    warm-up says so, rather than looking healthy because nothing was judged yet."""
+    always = "non-finite values, failed checkpoints and stalls"
+    if first is None or last is None:
+        return None, None, (
+            f"no steps yet: detection starts {warmup} steps after the first step (warm-up); {always} "
+            "are reported from the start"
+        )
+    starts = first + warmup
+    remaining = max(starts - last, 0)
+    if remaining == 0:
+        return starts, 0, f"detecting since step {starts} (warm-up: {warmup} steps from step {first})"
+    if status == "finished":
+        return starts, remaining, (
+            f"the run ended at step {last}, before detection would have started at step {starts} (warm-up: "
+            f"{warmup} steps from step {first}): only {always} were checked; to judge short runs, register "
+            "a smaller detector_warmup_steps"
+        )
+    return starts, remaining, (
+        f"detection starts at step {starts}, {remaining} steps from now (warm-up: {warmup} steps from step "
+        f"{first}); until then only {always} are reported"
+    )
+
+
+def run_overview(
+    session: Session, *, run_id: str, warmup_steps: int = DEFAULT_DETECTOR_WARMUP_STEPS
+) -> RunOverview | None:
     """Counts from the ingest counters, steps and ranks from the summaries plus the unreduced tail,
     per-rank means from the newest rank windows: index probes and small reads, never a scan of the
-    raw tables (billions of rows at 16,384 ranks x 100k steps)."""
+    raw tables (billions of rows at 16,384 ranks x 100k steps).
+
+    warmup_steps: the collector's detector warm-up (Settings.detector_warmup_steps); a run that
+    registered its own is told with that one."""
     run = session.get(Run, run_id)
     if run is None:
         return None
@@ -141,6 +182,9 @@ def run_overview(session: Session, *, run_id: str) -> RunOverview | None:
         )
     per_rank = _recent_rank_means(session, run_id, reduced_upto)
     slowest = max(per_rank, key=lambda r: r[1]) if per_rank else None
+    own = run.registration.get("detector_warmup_steps")
+    warmup = warmup_steps if own is None else int(own)
+    starts, remaining, detection = _detection(status=run.status, first=first_step, last=last_step, warmup=warmup)
     return RunOverview(
         run_id=run.run_id,
         project=run.project,
@@ -159,6 +203,10 @@ def run_overview(session: Session, *, run_id: str) -> RunOverview | None:
         grad_records=int(counts[2]),
         checkpoint_records=int(counts[3]),
         events=int(counts[4]),
+        detector_warmup_steps=warmup,
+        detection_starts_at_step=starts,
+        warmup_steps_remaining=remaining,
+        detection=detection,
     )
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Literal, TypeVar
 
-from fastapi import APIRouter, HTTPException, Query, Response, status
+from fastapi import APIRouter, HTTPException, Query, Request, Response, status
 from pydantic import BaseModel
 
 from trainvitals.service.analysis import on_request
@@ -69,8 +69,11 @@ def list_runs(session: SessionDep, project: ReadableProject, format: Format = "j
 @router.get(
     "/{run_id}", summary="One run: overview of what was stored", response_model=RunOverviewPublic, responses=_CSV
 )
-def get_run(run: ReadableRun, session: SessionDep, format: Format = "json") -> RunOverviewPublic | Response:
-    overview = queries.run_overview(session, run_id=run.run_id)
+def get_run(
+    run: ReadableRun, session: SessionDep, request: Request, format: Format = "json"
+) -> RunOverviewPublic | Response:
+    warmup = request.app.state.settings.detector_warmup_steps  # what the analysis applies
+    overview = queries.run_overview(session, run_id=run.run_id, warmup_steps=warmup)
     assert overview is not None  # the run exists: ReadableRun loaded it in this session
     return _reply(RunOverviewPublic.model_validate(overview), format)
 

@@ -167,3 +167,23 @@ def test_the_registered_baseline_is_read_like_the_run_and_only_from_its_project(
     pipeline.reduce_steps(session, queries.get_run(session, run_id="late"), now=1e9, config=CONFIG)
     found = pipeline.build_series(session, late, now=1e9, config=CONFIG, inputs=kept, rewritten_from=None).baseline
     assert found is not None and len(found.steps.steps) == CONFIG.detector_lookback_steps
+
+
+@pytest.mark.parametrize(("warmup", "found"), [(None, False), (20, True)])
+def test_a_registered_warmup_is_what_the_live_analysis_applies(session, warmup: int | None, found: bool) -> None:
+    """A 250-step run with a slow rank from the start: under the collector's warm-up (300 steps) it
+    is never judged; registered with `detector_warmup_steps=20`, the live cycle finds the straggler."""
+    run = f"short-{warmup}"
+    batches.register_run(session, RunRegistration(run=run, parallelism={"world_size": 4}, detector_warmup_steps=warmup))
+    for rank in range(4):
+        compute = 1.5 if rank == 3 else 1.0
+        records = [
+            {"kind": "step", "step": s, "ts": 100.0 + 2 * s, "step_seconds": 1.6, "compute_seconds": compute,
+             "wait_seconds": 1.6 - compute, "loss": 2.0, "pp_stage": 0}
+            for s in range(250)
+        ]  # fmt: skip
+        batches.store_batch(session, Batch.model_validate({"run": run, "rank": rank, "incarnation": 1, "seq": 0,
+                                                          "records": records}))  # fmt: skip
+    pipeline.process_run(session, queries.get_run(session, run_id=run), now=700.0)
+    kinds = {(f["kind"], f["subject"]) for f in queries.findings(session, run_id=run)}
+    assert (("straggler", "3") in kinds) is found

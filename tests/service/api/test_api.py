@@ -37,6 +37,32 @@ def test_register_ingest_retry_and_read_back(client: TestClient) -> None:
     assert [r["run"] for r in client.get("/v1/runs").json()] == ["r1"]
 
 
+def test_short_run_overview_says_when_detection_starts(client: TestClient) -> None:
+    """A run shorter than the detectors' warm-up is not silently 'healthy': its overview says from
+    which step it is judged and how far off that is; a registered warm-up is the one it is told."""
+    client.post("/v1/runs", json={"run": "r1"})
+    client.post("/v1/batches", json=_batch(steps=range(100)))
+    ov = client.get("/v1/runs/r1").json()
+    starts = (ov["detector_warmup_steps"], ov["detection_starts_at_step"], ov["warmup_steps_remaining"])
+    assert starts == (300, 300, 201)
+    assert ov["detection"] == (
+        "detection starts at step 300, 201 steps from now (warm-up: 300 steps from step 0); until then only "
+        "non-finite values, failed checkpoints and stalls are reported"
+    )
+    stop = {"kind": "event", "ts": 2.0, "event": "stop"}
+    client.post("/v1/batches", json={**_batch(seq=1, steps=range(0)), "records": [stop]})  # rank 0 closed
+    assert client.get("/v1/runs/r1").json()["detection"].startswith(
+        "the run ended at step 99, before detection would have started at step 300"
+    )
+    client.post("/v1/runs", json={"run": "r2", "detector_warmup_steps": 50})
+    client.post("/v1/batches", json={**_batch(steps=range(100)), "run": "r2"})
+    ov = client.get("/v1/runs/r2").json()
+    assert (ov["detection_starts_at_step"], ov["warmup_steps_remaining"]) == (50, 0)
+    assert ov["detection"] == "detecting since step 50 (warm-up: 50 steps from step 0)"
+    client.post("/v1/runs", json={"run": "r3"})
+    assert client.get("/v1/runs/r3").json()["detection"].startswith("no steps yet: detection starts 300 steps")
+
+
 def test_malformed_batch_is_rejected_whole_with_the_field_named(client: TestClient) -> None:
     client.post("/v1/runs", json={"run": "r1"})
     body = _batch(steps=range(5))

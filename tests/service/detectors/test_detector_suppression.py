@@ -28,3 +28,8 @@ def test_windows_and_segments(series) -> None:
 def test_negative_windows_rejected() -> None:
     with pytest.raises(ValueError):
         SuppressionConfig(warmup_steps=-1)
+
+
+@pytest.mark.parametrize(("own", "end"), [(None, 300), (20, 20), (0, 0)])
+def test_a_run_registered_warmup_overrides_the_config(series, own: int | None, end: int) -> None:
+    assert suppression_for(series(400, warmup_steps=own), SuppressionConfig(warmup_steps=300)).warmup_end == end
