@@ -214,9 +214,9 @@ def detect_stragglers(series: RunSeries, sup: Suppression, cfg: StragglerConfig)
                 a0 = a
                 while a0 > 0 and raw_flag[a0 - 1, col]:
                     a0 -= 1
-                lead_rows = np.arange(a0 * w, b * w)
-                first = int(lead_rows[np.argmax(np.nan_to_num(step_r_all[lead_rows]) > cfg.ratio)])
-                first = _backdate(step_r_all, first, cfg)
+                # From the end of the earliest slow window, back while the steps before are slow
+                # (a median over several steps: one noisy early step must not become the onset).
+                first = _backdate(step_r_all, (a0 + 1) * w, cfg)
                 active = b == n_win
                 end = len(rs.steps) if active else b * w
                 span = np.arange(first, end)

@@ -164,8 +164,9 @@ def test_every_panel_and_annotation_returns_data_from_a_real_prometheus(
         # A straggler first, in a job of its own: with FP8 the example's DDP broadcasts its scaling
         # buffers from rank 0 every forward, a collective the agent does not time, so the straggler's
         # lateness lands in rank 0's compute time as well and the two cannot be told apart.
-        slow = ["--slow-rank", "2", "--slow-from", "40", "--slow-seconds", "0.1"]
-        straggler = _torchrun(["--run-name", STRAGGLER_RUN, "--project", PROJECT, "--steps", "150",
+        # Slow from step 20 (the end of the warm-up): three 50-step detector windows by step 150.
+        slow = ["--slow-rank", "2", "--slow-from", "20", "--slow-seconds", "0.1"]
+        straggler = _torchrun(["--run-name", STRAGGLER_RUN, "--project", PROJECT, "--steps", "200",
                                "--collector", collector_url, "--plan", str(plan), *slow], tmp_path, env)  # fmt: skip
         assert straggler.returncode == 0, straggler.stderr[-3000:]
         args = ["--run-name", RUN, "--project", PROJECT, "--steps", "230", "--collector", collector_url,
