@@ -2,13 +2,17 @@
 detector inputs from the summaries, run the detectors, store their findings.
 
 Live, a background worker calls `process_run` every few seconds for every live run; offline,
-`trainvitals replay` calls it once at the end: the same code, so results are identical. This
-module only orders the steps: the reads and writes are service/store/ (summaries.py,
-detector_reads.py, findings.py), the arithmetic reduction.py and the detectors.
+`trainvitals replay` calls it once at the end. A call with more new steps than a live cycle brings
+(a recording, a worker catching up after downtime) walks them in cycles of `catch_up_steps`, each
+judged as of its own last step, so the detectors see the sequence of windows a live collector would
+have seen and find the same faults with the same onsets, early ones included, not only those in
+the last lookback. This module only orders the steps: the reads and writes are service/store/
+(summaries.py, detector_reads.py, findings.py), the arithmetic reduction.py and the detectors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -17,8 +21,9 @@ from sqlalchemy.orm import Session
 from trainvitals.service.analysis import reduction
 from trainvitals.service.analysis.detector_inputs import DetectorInputs
 from trainvitals.service.detectors.series import RunSeries
+from trainvitals.service.detectors.stragglers import StragglerConfig
 from trainvitals.service.store import findings, summaries
-from trainvitals.service.store.models import Run
+from trainvitals.service.store.models import ReductionState, Run
 from trainvitals.wire.conventions import GLOBAL_GROUP
 
 
@@ -34,6 +39,26 @@ class PipelineConfig:
     """Per-rank per-step timing the straggler detectors see (12 windows of 50 steps)."""
     detector_warmup_steps: int = 300
     """Steps from the run's start during which detectors stay quiet (LR warm-up, early loss drop)."""
+    catch_up_steps: int | None = None
+    """Steps per cycle when a backlog longer than the shorter lookback (replay of a recording, a
+    worker catching up after downtime) is walked as live cycles would have taken it. None: the
+    straggler detectors' window (50 steps; less if a lookback is under 100). A finding can exist
+    in only a few consecutive views (an intermittent-straggler ticket that becomes a page, then a
+    straggler page, within 50 steps), and a live collector, cycling every few seconds, stores it;
+    short cycles keep it too. Coarser is cheaper (docs/performance.md) and still finds every
+    episode shorter than about half the lookback, but can miss such short-lived findings."""
+
+    def __post_init__(self) -> None:
+        if self.catch_up_steps is not None and self.catch_up_steps < 1:
+            raise ValueError("catch_up_steps must be >= 1")
+
+    @property
+    def cycle_steps(self) -> int:
+        """catch_up_steps, resolved."""
+        if self.catch_up_steps is not None:
+            return self.catch_up_steps
+        half = min(self.straggler_lookback_steps, self.detector_lookback_steps) // 2
+        return max(min(StragglerConfig().window_steps, half), 1)
 
 
 def reduce_run(session: Session, run: Run, *, now: float, config: PipelineConfig = PipelineConfig()) -> int:
@@ -41,17 +66,20 @@ def reduce_run(session: Session, run: Run, *, now: float, config: PipelineConfig
     return reduce_steps(session, run, now=now, config=config)[0]
 
 
-def reduce_steps(session: Session, run: Run, *, now: float, config: PipelineConfig) -> tuple[int, int | None]:
+def reduce_steps(
+    session: Session, run: Run, *, now: float, config: PipelineConfig, upto: int | None = None
+) -> tuple[int, int | None]:
     """(steps (re)written, the first step whose stored rows changed since the last cycle or None).
 
     Late rows for reduced steps that cannot be reduced again yet (the watermark has not reached
-    them) still count as changed: the detectors' per-rank timing reads raw rows."""
+    them) still count as changed: the detectors' per-rank timing reads raw rows.
+    upto: reduce no further than this step, which the caller knows to be reducible (a catch-up
+    cycle); None: as far as every rank has sent or the settle time allows."""
     rid = run.run_id
     state = summaries.reduction_state(session, run_id=rid)
-    start = state.reduced_upto + 1
-    if state.dirty_from is not None:
-        start = min(start, state.dirty_from)
-    upto = summaries.reducible_upto(session, run=run, start=start, now=now, settle_seconds=config.settle_seconds)
+    start = _reduce_from(state)
+    if upto is None:
+        upto = summaries.reducible_upto(session, run=run, start=start, now=now, settle_seconds=config.settle_seconds)
     if upto < start:
         session.commit()
         return 0, state.dirty_from
@@ -81,6 +109,26 @@ def reduce_steps(session: Session, run: Run, *, now: float, config: PipelineConf
         windows=reduction.summarize_rank_windows(rows, window=w),
     )
     return len(steps), start
+
+
+def _reduce_from(state: ReductionState) -> int:
+    start = state.reduced_upto + 1
+    return start if state.dirty_from is None else min(start, state.dirty_from)
+
+
+def _cycle_ends(*, start: int, reduced_upto: int, reducible: int, steps: int) -> list[int]:
+    """The last step of each cycle reducing start..reducible: multiples of `steps` (minus one), so
+    cycles end where rank windows do when `steps` is a multiple of the window. The first cycle
+    reaches at least reduced_upto: the reduction state records one reduced range, so re-dirtied
+    steps below it are rewritten in one go."""
+
+    def end_from(step: int) -> int:  # the first cycle end at or after step
+        return (step // steps + 1) * steps - 1
+
+    first = max(end_from(start), reduced_upto)
+    if first >= reducible:
+        return [reducible]
+    return [first, *range(end_from(first + 1), reducible, steps), reducible]
 
 
 def build_series(
@@ -118,14 +166,49 @@ def process_run(
 ) -> int:
     """Reduce, detect, store findings. Returns the number of steps reduced.
 
-    inputs: the run's detector inputs kept from the previous cycle (live worker); None: read them whole.
+    A live run's few new steps are one cycle. A backlog longer than the shorter lookback (replay, a
+    stored run, a worker catching up after downtime) is walked in cycles of `config.cycle_steps`:
+    every cycle but the last is judged as of its own newest step (its `now` is that step's time and
+    it sees only the checkpoints and events recorded by then), the last at `now`.
+    inputs: the run's detector inputs kept from the previous call (live worker); None: read them
+    whole, then keep them across this call's cycles.
     """
-    now = time.time() if now is None else now
-    reduced, first = reduce_steps(session, run, now=now, config=config)
     from trainvitals.service.detectors.run_all import DetectorConfig, detect
     from trainvitals.service.detectors.suppression import SuppressionConfig
 
-    series = build_series(session, run, now=now, config=config, inputs=inputs, rewritten_from=first)
+    now = time.time() if now is None else now
+    inputs = DetectorInputs() if inputs is None else inputs
     detector_config = DetectorConfig(suppression=SuppressionConfig(warmup_steps=config.detector_warmup_steps))
-    findings.store_findings(session, run_id=run.run_id, findings=detect(series, config=detector_config), now=now)
-    return reduced
+    state = summaries.reduction_state(session, run_id=run.run_id)
+    start = _reduce_from(state)
+    reducible = summaries.reducible_upto(session, run=run, start=start, now=now, settle_seconds=config.settle_seconds)
+    # New steps that the shorter lookback still holds whole are one cycle, as live cycles always
+    # were (splitting them would multiply a fast run's detector work every few seconds); a longer
+    # backlog is walked, or its early steps would leave the detectors' view unseen.
+    if reducible - start < min(config.straggler_lookback_steps, config.detector_lookback_steps):
+        ends = [reducible]
+    else:
+        ends = _cycle_ends(start=start, reduced_upto=state.reduced_upto, reducible=reducible, steps=config.cycle_steps)
+    total = 0
+    for i, upto in enumerate(ends):
+        reduced, first = reduce_steps(session, run, now=now, config=config, upto=upto)
+        total += reduced
+        series = build_series(session, run, now=now, config=config, inputs=inputs, rewritten_from=first)
+        at = now
+        if i < len(ends) - 1 and len(series.steps.ts):  # a catch-up cycle: as of its newest step
+            at = float(series.steps.ts[-1])
+            series = _as_of(series, at)
+        findings.store_findings(session, run_id=run.run_id, findings=detect(series, config=detector_config), now=at)
+    return total
+
+
+def _as_of(series: RunSeries, now: float) -> RunSeries:
+    """The series as a live collector had it at `now` (a catch-up cycle's newest step): checkpoint
+    and event records stamped later are not in yet, so a save is not judged overdue, nor a run
+    stopped, because of records that arrived after this cycle."""
+    return dataclasses.replace(
+        series,
+        now=now,
+        checkpoints=[c for c in series.checkpoints if c.ts <= now],
+        events=[e for e in series.events if e.ts <= now],
+    )

@@ -1,5 +1,7 @@
 """`trainvitals replay FILE...`: ingest recorded wire-format JSONL through the live ingest path
-(register_run / store_batch), then reduce and run the detectors once, as the collector does live.
+(register_run / store_batch), then analyse each run over its whole history: the pipeline walks
+it in the cycles a live collector would have run (pipeline.process_run), so a fault early in a run
+longer than the detectors' lookback is found with its own onset, as it would have been live.
 
 Input lines are run registrations or batches (an agent's spool or record_file is such a file).
 A malformed line is counted and reported, never half-stored; the rest of the file still loads.
@@ -63,7 +65,15 @@ def replay_lines(session: Session, lines: Iterable[tuple[str, int, bytes]], repo
     report.runs = sorted(runs)
 
 
-def replay_files(session: Session, files: Iterable[str], *, analyse: bool = True) -> ReplayReport:
+def replay_files(
+    session: Session,
+    files: Iterable[str],
+    *,
+    analyse: bool = True,
+    config: pipeline.PipelineConfig | None = None,
+) -> ReplayReport:
+    """Store every line of `files`, then (analyse) analyse each run they touched over its whole
+    history, with `config` (None: the defaults, as `trainvitals replay` uses)."""
     report = ReplayReport()
 
     def lines() -> Iterable[tuple[str, int, bytes]]:
@@ -73,11 +83,12 @@ def replay_files(session: Session, files: Iterable[str], *, analyse: bool = True
                     yield name, i, raw
 
     replay_lines(session, lines(), report)
+    config = config or pipeline.PipelineConfig()
     if analyse:
         for run_id in report.runs:
             run = queries.get_run(session, run_id=run_id)
             if run is not None:
                 # A recording is judged as of its own end, not today: an old run is not "stalled".
                 now = queries.last_step_time(session, run_id=run_id) or time.time()
-                report.steps_reduced += pipeline.process_run(session, run, now=now)
+                report.steps_reduced += pipeline.process_run(session, run, now=now, config=config)
     return report
