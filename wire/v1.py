@@ -111,6 +111,17 @@ class RunRegistration(_Strict):
         "the project is ignored (the run is judged against itself)",
     )
     started_at: float | None = Field(None, description="Unix seconds")
+    incarnation: _Count | None = Field(
+        None,
+        description="the registering process's incarnation, as its batches carry it: when the collector refuses "
+        "the registration (another job reusing the run id), it refuses that process's batches too",
+    )
+    resume: bool = Field(
+        False,
+        description="this process continues the registered run even where its model or layout differs (an elastic "
+        "resize, a resume on another layout): a new incarnation, never refused as another job; the run is "
+        "described by this registration from then on",
+    )
     model: ModelDims = ModelDims()
     parallelism: Parallelism = Parallelism()
     hardware: Hardware = Hardware()

@@ -18,11 +18,18 @@ from itertools import chain
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from sqlalchemy import BigInteger, Boolean, Integer, String, insert, select, text, update
+from sqlalchemy import BigInteger, Boolean, Integer, String, delete, insert, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from trainvitals.service.store.models import RECORD_TABLES, DeliveredBatch, IngestCount, ReductionState, Run
+from trainvitals.service.store.models import (
+    RECORD_TABLES,
+    DeliveredBatch,
+    IngestCount,
+    ReductionState,
+    RefusedIncarnation,
+    Run,
+)
 from trainvitals.service.store.types import Real, nan_as_text
 from trainvitals.wire import Batch, BatchAck, RunRegistration
 
@@ -48,8 +55,63 @@ class UnstorableBatchError(ValueError):
     Retrying cannot help, so the sender gets a 422 rather than a 503."""
 
 
+class RunConflictError(ValueError):
+    """A registration of an existing run id by another job (its model or layout contradicts the
+    stored registration): refused (409), and so are the batches of the process that sent it."""
+
+
+class RefusedIncarnationError(ValueError):
+    """A batch of a process whose registration was refused as another job (409, the same reason)."""
+
+
+# What tells one job from another under the same run id. A relaunch of the job (a crash, a requeue,
+# torchrun restarting it) keeps all of them; another job (a different model, a different size of
+# job that derived the same default run id from MASTER_ADDR:MASTER_PORT) rarely does. Every rank
+# must send the same values, or the job would refuse its own ranks: so not layers and parameter
+# counts, which an agent counting its own module sees per pipeline stage or shard. Batch sizes,
+# sequence length, recompute, ZeRO stage, FP8 recipe, checkpoints and tags may change on a relaunch.
+_IDENTITY: dict[str, tuple[str, ...]] = {
+    "model": ("hidden", "heads", "kv_heads", "ffn_hidden", "vocab"),
+    "parallelism": ("world_size", "tp", "pp", "cp", "ep"),
+}
+
+
+def _contradictions(stored: dict[str, Any], registration: RunRegistration) -> list[str]:
+    """'section.field: X registered, Y now' per identity field the registration sets to another
+    value than the stored registration holds; a value absent (None, or not sent) on either side
+    contradicts nothing (an older agent that did not derive the model dims is not another job)."""
+    out = []
+    for section, names in _IDENTITY.items():
+        new, old = getattr(registration, section), stored.get(section) or {}
+        for name in names:
+            was, now = old.get(name), getattr(new, name)
+            if name in new.model_fields_set and None not in (was, now) and was != now:
+                out.append(f"{section}.{name}: {was} registered, {now} now")
+    return out
+
+
+def _fence(session: Session, registration: RunRegistration, reason: str, now: float) -> None:
+    """Remember the refused process (committed: the registration's request fails, the fence stays)."""
+    if registration.incarnation is not None:
+        key = (registration.run, registration.incarnation)
+        if session.get(RefusedIncarnation, key) is None:
+            session.add(RefusedIncarnation(run_id=key[0], incarnation=key[1], refused_at=now, reason=reason))
+    try:
+        session.commit()
+    except IntegrityError:  # the same process's retry raced this one: fenced either way
+        session.rollback()
+
+
 def register_run(session: Session, registration: RunRegistration, *, now: float | None = None) -> bool:
-    """Insert the run if new; returns True when it was created. Re-registration is a no-op."""
+    """Insert the run if new; returns True when it was created.
+
+    An existing run id registered again is a relaunch of the same job (a restart: a new
+    incarnation, whose steps replace the old ones at equal steps) when the project agrees and so does
+    the job's identity (`_IDENTITY`: model dims, world size, tp/pp/cp/ep), or when the registration
+    declares `resume` (then it describes the run from now on). Anything else is another job reusing
+    the id: RunConflictError names what differs and the fix, and the sending process's batches are
+    refused from then on (docs/wire-format.md, "Run ids").
+    """
     now = time.time() if now is None else now
     existing = session.get(Run, registration.run)
     if existing is not None:
@@ -58,6 +120,22 @@ def register_run(session: Session, registration: RunRegistration, *, now: float 
                 f"run {registration.run!r} is registered under project {existing.project!r}, "
                 f"not {registration.project!r}"
             )
+        differs = _contradictions(existing.registration, registration)
+        if differs and not registration.resume:
+            reason = (
+                f"run {registration.run!r} is registered for another job ({'; '.join(differs)}): nothing of "
+                "this process is stored under it. Give this job its own run id (attach(run=...) or "
+                "TRAINVITALS_RUN); if it continues that run on a new model or layout, register it with "
+                "resume=true (attach(registration={'resume': True}))"
+            )
+            _fence(session, registration, reason, now)
+            raise RunConflictError(reason)
+        if differs:  # a declared resume on a new layout: the run's world size and config are its own now
+            existing.registration = registration.model_dump(mode="json")
+            existing.world_size = registration.parallelism.world_size
+        if registration.incarnation is not None:  # accepted now (e.g. declared a resume): not fenced
+            t = RefusedIncarnation
+            session.execute(delete(t).where(t.run_id == registration.run, t.incarnation == registration.incarnation))
         existing.last_seen_at = now
         if existing.status != "running":
             existing.status = "running"  # a resumed run is live again
@@ -218,7 +296,17 @@ def _writer(session: Session) -> AbstractContextManager[object]:
 # concurrent batch transactions queue on that row's lock. Once a second is plenty.
 _LAST_SEEN_RESOLUTION_S = 1.0
 
-BatchOutcome = BatchAck | UnknownRunError | WrongProjectError | UnstorableBatchError
+BatchOutcome = BatchAck | UnknownRunError | WrongProjectError | UnstorableBatchError | RefusedIncarnationError
+
+
+def _fenced(session: Session, run_ids: set[str], incarnations: set[int]) -> dict[tuple[str, int], str]:
+    """(run, incarnation) -> refusal, for this group's processes whose registration was refused.
+    One primary-key probe per group, on a table that is empty unless run ids were reused."""
+    t = RefusedIncarnation
+    rows = session.execute(
+        select(t.run_id, t.incarnation, t.reason).where(t.run_id.in_(run_ids), t.incarnation.in_(incarnations))
+    )
+    return {(r.run_id, r.incarnation): r.reason for r in rows}
 
 
 def store_batch(session: Session, batch: AnyBatch, *, now: float | None = None, project: str | None = None) -> BatchAck:
@@ -258,6 +346,7 @@ def store_batches(
             select(Run.run_id, Run.project, Run.last_seen_at, Run.status).where(Run.run_id.in_(run_ids))
         )
     }
+    fenced = _fenced(session, run_ids, {batch.incarnation for batch, _ in items})
     outcomes: list[BatchOutcome | None] = [None] * len(items)
     candidates: dict[tuple[str, int, int, int], int] = {}  # idempotency key -> item index
     for i, (batch, project) in enumerate(items):
@@ -268,6 +357,8 @@ def store_batches(
             outcomes[i] = WrongProjectError(
                 f"run {batch.run!r} belongs to another project than this token's ({project!r})"
             )
+        elif (reason := fenced.get((batch.run, batch.incarnation))) is not None:
+            outcomes[i] = RefusedIncarnationError(reason)
         else:
             key = (batch.run, batch.rank, batch.incarnation, batch.seq)
             if key in candidates:

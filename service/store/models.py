@@ -35,6 +35,20 @@ class Run(Base):
     last_seen_at: Mapped[float] = mapped_column(Real)
 
 
+class RefusedIncarnation(Base):
+    """A process whose registration was refused as another job reusing the run id
+    (store/batches.py `register_run`): its batches are refused too, so none of its steps land in
+    the run's history. Only a registration that names its incarnation can be fenced."""
+
+    __tablename__ = "refused_incarnations"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.run_id", ondelete="CASCADE"), primary_key=True)
+    incarnation: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    refused_at: Mapped[float] = mapped_column(Real)
+    reason: Mapped[str] = mapped_column(Text)
+    """The registration's refusal, repeated to each refused batch."""
+
+
 class DeliveredBatch(Base):
     """One row per accepted batch: the primary key is the idempotency key."""
 

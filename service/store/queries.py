@@ -27,6 +27,7 @@ from trainvitals.service.store.models import (
     IngestCount,
     RankWindow,
     ReductionState,
+    RefusedIncarnation,
     Run,
     StepRow,
     StepSummary,
@@ -280,6 +281,7 @@ def delete_run(session: Session, *, run_id: str) -> bool:
         RankWindow,
         FindingRow,
         ReductionState,
+        RefusedIncarnation,
     ):
         session.execute(delete(model).where(model.run_id == run_id))
     session.execute(delete(Run).where(Run.run_id == run_id))

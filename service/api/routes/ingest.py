@@ -142,6 +142,8 @@ async def post_batch(request: Request) -> Response:
     if isinstance(outcome, batches.UnknownRunError):
         refuse(request, "unknown_run")
         raise HTTPException(status.HTTP_409_CONFLICT, str(outcome))
+    if isinstance(outcome, batches.RefusedIncarnationError):  # counted as a conflict (the 409's default)
+        raise HTTPException(status.HTTP_409_CONFLICT, str(outcome))
     if isinstance(outcome, batches.WrongProjectError):
         raise HTTPException(status.HTTP_403_FORBIDDEN, str(outcome))
     if isinstance(outcome, batches.UnstorableBatchError):

@@ -37,6 +37,31 @@ def test_register_ingest_retry_and_read_back(client: TestClient) -> None:
     assert [r["run"] for r in client.get("/v1/runs").json()] == ["r1"]
 
 
+def test_a_run_id_reused_by_another_job_is_refused_and_a_relaunch_is_not(client: TestClient) -> None:
+    job = {"run": "r1", "incarnation": 1, "model": {"hidden": 768}, "parallelism": {"world_size": 1}}
+    assert client.post("/v1/runs", json=job).status_code == 201
+    client.post("/v1/batches", json=_batch(steps=range(5)))
+    # The same script launched again (same model, same size): a restart, a new incarnation.
+    assert client.post("/v1/runs", json={**job, "incarnation": 2}).status_code == 200
+    assert client.post("/v1/batches", json={**_batch(steps=range(3)), "incarnation": 2}).json()["accepted"] == 3
+    # Another script on the same host derives the same default run id: refused, and so are its batches.
+    other = {**job, "incarnation": 3, "model": {"hidden": 256}, "parallelism": {"world_size": 2}}
+    resp = client.post("/v1/runs", json=other)
+    assert resp.status_code == 409
+    assert resp.json()["detail"].startswith(
+        "run 'r1' is registered for another job (model.hidden: 768 registered, 256 now; "
+        "parallelism.world_size: 1 registered, 2 now): nothing of this process is stored under it. Give this "
+        "job its own run id"
+    )
+    refused = client.post("/v1/batches", json={**_batch(steps=range(50)), "incarnation": 3})
+    assert refused.status_code == 409 and refused.json()["detail"] == resp.json()["detail"]
+    overview = client.get("/v1/runs/r1").json()
+    assert (overview["step_records"], overview["last_step"]) == (8, 4)  # nothing of the other job
+    # Declared a resume (an elastic resize, a new layout): accepted, and its batches with it.
+    assert client.post("/v1/runs", json={**other, "resume": True}).status_code == 200
+    assert client.post("/v1/batches", json={**_batch(steps=range(2)), "incarnation": 3}).json()["accepted"] == 2
+
+
 def test_short_run_overview_says_when_detection_starts(client: TestClient) -> None:
     """A run shorter than the detectors' warm-up is not silently 'healthy': its overview says from
     which step it is judged and how far off that is; a registered warm-up is the one it is told."""

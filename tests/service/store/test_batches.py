@@ -68,6 +68,59 @@ def test_registration_is_idempotent_and_project_bound(session) -> None:
         batches.register_run(session, RunRegistration(run="r1", project="b"))
 
 
+def _job(incarnation: int, *, world: int = 2, hidden: int | None = 1024, **kw: object) -> RunRegistration:
+    """What the agent sends: every field dumped (so all of them are 'set'), its incarnation."""
+    reg = RunRegistration.model_validate({"run": "r1", "incarnation": incarnation, "model": {"hidden": hidden},
+                                          "parallelism": {"world_size": world}, **kw})  # fmt: skip
+    return RunRegistration.model_validate(reg.model_dump(mode="json"))
+
+
+def test_a_relaunch_of_the_same_job_is_a_new_incarnation(session) -> None:
+    assert batches.register_run(session, _job(1)) is True
+    batches.store_batch(session, _steps(0, range(10), seq=0, incarnation=1))
+    # Relaunched from step 5 (a crash, a requeue): same model and layout, new incarnation, other
+    # batch sizes and checkpoint settings. Accepted; its steps replace the old ones from step 5.
+    relaunch = _job(2, parallelism={"world_size": 2, "micro_batch": 4}, checkpoint={"interval_steps": 50})
+    assert batches.register_run(session, relaunch) is False
+    assert not batches.store_batch(session, _steps(0, range(5, 12), seq=0, incarnation=2)).duplicate
+    keys = queries.step_keys(session, run_id="r1")  # (rank, incarnation, step); reads take the newest
+    assert {k[1] for k in keys if k[2] < 5} == {1} and {k[1] for k in keys if k[2] >= 10} == {2}
+    # A hand-written registration naming nothing but the run contradicts nothing either.
+    assert batches.register_run(session, RunRegistration(run="r1")) is False
+
+
+def test_another_job_reusing_the_run_id_is_refused_with_what_differs(session) -> None:
+    batches.register_run(session, _job(1))
+    batches.store_batch(session, _steps(0, range(10), seq=0, incarnation=1))
+    with pytest.raises(batches.RunConflictError) as refused:
+        batches.register_run(session, _job(7, world=4, hidden=2048))
+    message = str(refused.value)
+    assert message.startswith(
+        "run 'r1' is registered for another job (model.hidden: 1024 registered, 2048 now; "
+        "parallelism.world_size: 2 registered, 4 now): nothing of this process is stored under it."
+    )
+    assert "its own run id (attach(run=...) or TRAINVITALS_RUN)" in message and "resume=true" in message
+    # The refused process's batches are refused with the same words; the run's own still flow.
+    with pytest.raises(batches.RefusedIncarnationError, match="model.hidden: 1024 registered, 2048 now"):
+        batches.store_batch(session, _steps(0, range(10), seq=0, incarnation=7))
+    session.rollback()
+    with pytest.raises(batches.RunConflictError):  # the agent registers again before retrying: same answer
+        batches.register_run(session, _job(7, world=4, hidden=2048))
+    assert batches.store_batch(session, _steps(1, range(10), seq=0, incarnation=1)).accepted == 20
+    assert {k[1] for k in queries.step_keys(session, run_id="r1")} == {1}
+    # An older agent that did not derive the model dims is not another job.
+    assert batches.register_run(session, _job(8, hidden=None)) is False
+
+
+def test_a_declared_resume_continues_the_run_on_a_new_layout(session) -> None:
+    batches.register_run(session, _job(1, world=8))
+    assert batches.register_run(session, _job(2, world=4, resume=True)) is False
+    run = queries.get_run(session, run_id="r1")
+    assert run is not None and run.world_size == 4 and run.registration["parallelism"]["world_size"] == 4
+    assert batches.store_batch(session, _steps(0, range(3), seq=0, incarnation=2)).accepted == 6
+    assert batches.register_run(session, _job(3, world=4)) is False  # its relaunches: the same job now
+
+
 def test_global_grad_norm_counts_replicas_once(session) -> None:
     batches.register_run(session, RunRegistration(run="r1", parallelism={"world_size": 2}))
     batches.store_batch(session, _steps(0, range(0, 10), seq=0))
