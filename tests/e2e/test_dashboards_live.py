@@ -228,7 +228,7 @@ def _run_every_query(prom: Prometheus, pg_url: str, *, start: float, end: float)
     values = {"$__rate_interval": RATE_INTERVAL, "$__interval": f"{STEP_S}s", "$project": PROJECT, "$run": RUN}
     results: dict[str, Any] = {
         "start": start, "end": end, "step": STEP_S, "variables": {"run": RUN, "project": PROJECT},
-        "source": "a real Prometheus 2.42 scraping a real collector fed by a 4-rank torchrun job with injected "
+        "source": "a real Prometheus 2.42 scraping a real collector fed by two 4-rank torchrun jobs with injected "
                   "faults (tests/e2e/test_dashboards_live.py)",
         "dashboards": {}, "annotations": {},
     }  # fmt: skip
