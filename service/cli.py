@@ -236,6 +236,12 @@ def _emit(data: Any, fmt: str) -> None:
         print(json.dumps(data, indent=2, default=str))
 
 
+def _warmup_steps() -> int:
+    from trainvitals.service.settings import Settings
+
+    return Settings().detector_warmup_steps
+
+
 def _query(args: argparse.Namespace) -> int:
     from trainvitals.service.store import queries
 
@@ -244,7 +250,9 @@ def _query(args: argparse.Namespace) -> int:
             data: Any = [
                 dataclasses.asdict(o)
                 for r in queries.list_runs(session)
-                if (o := queries.run_overview(session, run_id=r.run_id)) is not None
+                # The warm-up the collector's analysis applies (TRAINVITALS_DETECTOR_WARMUP_STEPS).
+                if (o := queries.run_overview(session, run_id=r.run_id, warmup_steps=_warmup_steps()))
+                is not None
             ]
         elif (run := queries.get_run(session, run_id=args.run)) is None:
             print(f"trainvitals: no run {args.run!r} in {db_url.describe(args.db)}", file=sys.stderr)

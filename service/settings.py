@@ -8,6 +8,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from trainvitals.service.store.db import DEFAULT_SQLITE_URL
+from trainvitals.wire.conventions import DEFAULT_DETECTOR_WARMUP_STEPS
 
 
 class Settings(BaseSettings):
@@ -33,7 +34,9 @@ class Settings(BaseSettings):
     run_analysis: bool = Field(True, description="reduce + detect in a background thread")
     analysis_interval_seconds: float = Field(2.0, gt=0, description="reduce + detect cadence for live runs")
     settle_seconds: float = Field(30.0, ge=0, description="reduce a step once all ranks sent it or after this")
-    detector_warmup_steps: int = Field(300, ge=0, description="detectors stay quiet this many steps from the start")
+    detector_warmup_steps: int = Field(
+        DEFAULT_DETECTOR_WARMUP_STEPS, ge=0, description="detectors stay quiet this many steps from the start"
+    )
     rank_window_steps: int = Field(50, ge=1, description="steps per rank window (straggler view)")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="trainvitals and Uvicorn log level (service/logs.py); other libraries log warnings"

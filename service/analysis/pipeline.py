@@ -24,7 +24,7 @@ from trainvitals.service.detectors.series import RunSeries
 from trainvitals.service.detectors.stragglers import StragglerConfig
 from trainvitals.service.store import findings, summaries
 from trainvitals.service.store.models import ReductionState, Run
-from trainvitals.wire.conventions import GLOBAL_GROUP
+from trainvitals.wire.conventions import DEFAULT_DETECTOR_WARMUP_STEPS, GLOBAL_GROUP
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -37,7 +37,7 @@ class PipelineConfig:
     """Detectors see at most this many recent steps (bounded work per cycle)."""
     straggler_lookback_steps: int = 600
     """Per-rank per-step timing the straggler detectors see (12 windows of 50 steps)."""
-    detector_warmup_steps: int = 300
+    detector_warmup_steps: int = DEFAULT_DETECTOR_WARMUP_STEPS
     """Steps from the run's start during which detectors stay quiet (LR warm-up, early loss drop)."""
     catch_up_steps: int | None = None
     """Steps per cycle when a backlog longer than the shorter lookback (replay of a recording, a
