@@ -570,6 +570,10 @@ def attach(
         body["parallelism"] = {"world_size": info.world_size, **body["parallelism"]}
         body["tags"] = {**config.tags, **body.get("tags", {})}
         body.setdefault("flops_convention", FLOPS_CONVENTION)
+        if info.restart_count > 0:
+            # torchrun relaunched the workers: the same job by construction, perhaps on another world
+            # size (an elastic resize), which the collector would otherwise refuse as another job.
+            body.setdefault("resume", True)
         project = project or body.pop("project", None) or config.project
         if project:
             body["project"] = project

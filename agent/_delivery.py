@@ -95,6 +95,9 @@ class SpoolingDelivery:
         self._next_attempt = 0.0
         self._backoff_s = config.retry_backoff_s  # after the latest failure
         self._registered = False  # the collector acknowledged this process's registration
+        # The collector refused this process's registration for good (409: another project's run, or
+        # another job's): it refuses its batches too, so they are set aside without asking again.
+        self._refused_for_good = False
         # Record counts of the batches this process spooled, oldest first; lines that an earlier
         # process left (the first `_leftover_end` bytes of the file) are not this process's records.
         self._spooled_records: deque[int] = deque()
@@ -164,6 +167,8 @@ class SpoolingDelivery:
         """One batch, preceded by this process's registration while the collector has not
         acknowledged it (an earlier process's batches follow their own, from the spool); None
         when out of time before trying."""
+        if not leftover and self._refused_for_good:
+            return self._set_aside(body, report, leftover=False)
         if not leftover and not self._registered:
             outcome = self._send("registration", self._registration, deadline, report, leftover=False)
             if outcome is None or outcome == "failed":
@@ -217,6 +222,8 @@ class SpoolingDelivery:
         )
         if verdict == "retry":
             return "failed"
+        if refused == "registration" and reply.status == 409 and not leftover:
+            self._refused_for_good = True
         if kind == "registration":
             return "set_aside"  # a refused registration is not kept (see _accepted); the log says why
         return self._set_aside(body, report, leftover=leftover)
@@ -322,8 +329,13 @@ def spooling_exporter(
     transport: Transport | None = None,
     errors: ErrorBudget | None = None,
 ) -> BatchProcessor:
-    """The agent's exporter: a BatchProcessor delivering through a SpoolingDelivery."""
+    """The agent's exporter: a BatchProcessor delivering through a SpoolingDelivery.
+
+    The registration it sends names `incarnation`, the one its batches carry: when the collector
+    refuses the registration (another job under this run id), it refuses those batches too, so none
+    of this process's steps join the other job's history (docs/wire-format.md, "Run ids")."""
     errors = errors or ErrorBudget(config.log_every_s)
+    registration = {**registration, "incarnation": incarnation}
     delivery = SpoolingDelivery(
         config=config, run=run, rank=rank, registration=registration, transport=transport, errors=errors
     )

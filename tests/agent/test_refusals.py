@@ -273,3 +273,75 @@ def test_exit_report_for_an_unreachable_collector(tmp_path: Path, caplog: pytest
         f"they wait in {spool}"
     )
     assert len(said) == 2 and not any("tv_never" in s for s in said)
+
+
+# --------------------------------------------------------------------------- another job under the same run id
+
+
+def _job(url: str, tmp_path: Path, hidden: int, *, steps: int, restart_count: int = 0) -> dict[str, int]:
+    """One job's rank 0 through attach(): a model of width `hidden` trained for `steps` steps."""
+    import torch
+
+    import trainvitals.agent as tv
+    from trainvitals.agent import _agent
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(hidden, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    info = _agent.RankInfo(rank=0, world_size=1, hostname="h", restart_count=restart_count)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_agent, "rank_info", lambda: info)
+        agent = tv.attach(
+            model, opt, run="shared", registration={"model": {"hidden": hidden}},
+            config=AgentConfig(collector=url, spill_dir=str(tmp_path / "spool"), retry_backoff_s=0.0,
+                               send_interval_s=0.05),
+        )  # fmt: skip
+    assert isinstance(agent, _agent.Agent)
+    for _ in range(steps):
+        model(torch.randn(2, hidden)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        agent.step(tokens=2)
+        time.sleep(0.02)  # several batches, sent while the job runs
+    agent.close()
+    return agent.stats()
+
+
+def test_another_job_reusing_a_run_id_is_set_aside_and_told_why(
+    collector: CollectorServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "trainvitals.agent")
+    first = _job(collector.url, tmp_path, 8, steps=4)
+    assert first["rejected_batches"] == 0 and _warnings(caplog) == []
+    runs, steps = _stored(collector.db_url)
+    (incarnation,) = {i for i, _ in steps}
+    assert runs == {"shared": "default"} and [s for _, s in steps] == [0, 1, 2, 3]
+
+    other = _job(collector.url, tmp_path, 16, steps=6)  # another model, the same run id
+    assert other["delivered_batches"] == 0 and other["rejected_batches"] >= 1
+    assert _stored(collector.db_url) == (runs, steps)  # none of its steps joined the first job's history
+    quarantine = tmp_path / "spool" / "shared.rank0.quarantine.jsonl"
+    lines = [json.loads(line) for line in quarantine.read_bytes().splitlines()]
+    assert all("records" in line and line["incarnation"] != incarnation for line in lines)  # batches only
+    assert sorted(r["step"] for line in lines for r in line["records"] if r["kind"] == "step") == list(range(6))
+    said = _warnings(caplog)
+    refused = [s for s in said if "refused the run registration (409)" in s]
+    assert len(refused) == 1, said  # once, not per batch
+    assert (
+        f"the collector at {collector.url} refused the run registration (409): run 'shared' is registered for "
+        "another job (model.hidden: 8 registered, 16 now): nothing of this process is stored under it. Give this "
+        "job its own run id (attach(run=...) or TRAINVITALS_RUN)"
+    ) in refused[0]
+    assert f"Set aside in {quarantine}; later data keeps flowing" in refused[0]
+    assert said[-1].startswith(f"trainvitals agent: {other['rejected_batches']} batch(es) the collector refused")
+    assert other["failed_attempts"] == 0
+
+
+def test_a_torchrun_restart_registers_as_a_resume(collector: CollectorServer, tmp_path: Path) -> None:
+    """Workers relaunched by torchrun (TORCHELASTIC_RESTART_COUNT > 0) are the same job by
+    construction: their registration says resume, so a resize is never refused as another job."""
+    _job(collector.url, tmp_path, 8, steps=2)
+    relaunched = _job(collector.url, tmp_path, 16, steps=3, restart_count=1)
+    assert relaunched["rejected_batches"] == 0
+    runs, steps = _stored(collector.db_url)
+    assert runs == {"shared": "default"} and len({i for i, _ in steps}) == 2 and len(steps) == 5
