@@ -18,7 +18,7 @@ system-deps:
 	./tools/install-system-deps.sh
 
 demo: $(BIN)/.installed
-	$(BIN)/trainvitals demo --ranks 4 --seconds 60
+	$(BIN)/trainvitals demo --ranks 4 --port $(or $(PORT),0)
 
 test: $(BIN)/.installed system-deps
 	$(BIN)/python -m pytest -q
