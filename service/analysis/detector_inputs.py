@@ -148,6 +148,8 @@ class DetectorInputs:
     build (None: nothing changed). Rows below it are kept, rows from it on are read again.
     `baseline_run`: compare with this run instead of the one the registration names (a
     post-mortem's choice; the caller checked that it is in the run's project).
+    `upto` (build): the view ends at this step instead of the newest reduced one; a walk over a
+    stored run's history raises it cycle by cycle and reads only the steps each cycle adds.
     """
 
     def __init__(self, *, baseline_run: str | None = None) -> None:
@@ -173,10 +175,18 @@ class DetectorInputs:
         now: float,
         lookback_steps: int,
         rank_lookback_steps: int,
+        upto: int | None = None,
     ) -> RunSeries:
+        """upto: the view's newest step (the analysis on request walks a run's history with it);
+        None: the newest summary's."""
         rid = run.run_id
         newest = detector_reads.newest_summary(session, run_id=rid)
         latest, peak_flops_total = (-1, None) if newest is None else newest
+        if upto is not None:
+            latest = min(latest, upto)
+        if self.loaded_upto is not None and latest < self.loaded_upto:
+            # The view moved back (a walk started again): its lookback reaches below the kept rows.
+            self.loaded_upto, self._baseline_upto = None, -1
         since = -1 if self.loaded_upto is None else self.loaded_upto  # rows above this step are read
         if rewritten_from is not None:
             since = min(since, rewritten_from - 1)

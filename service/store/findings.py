@@ -4,23 +4,34 @@ The detectors return their whole current view each cycle (service/detectors: pur
 module turns it into rows: new findings are inserted, known ones updated in place (onset, last
 step, magnitude, active), and findings the detectors no longer report become inactive.
 
-Onsets are stable (the rule lives here, so the live worker and replay both get it): each cycle
-recomputes a finding over the detectors' lookback, which slides forward, so a recomputed onset can
-move later although nothing changed (a straggler paged "since step 600" would read "since step
-900"). While a stored finding is open, its onset may move earlier (new evidence backdates it) but
-never later, and `detected_step` stays the step it was first raised at. A closed finding reported
-open again is a new episode: onset and detected step start afresh.
+Onsets are stable (the rule lives here, in `fold_findings`, so the live worker, replay and the
+analysis on request all get it): each cycle recomputes a finding over the detectors' lookback,
+which slides forward, so a recomputed onset can move later although nothing changed (a straggler
+paged "since step 600" would read "since step 900"). While a stored finding is open, its onset may
+move earlier (new evidence backdates it) but never later, and `detected_step` stays the step it was
+first raised at. A closed finding reported open again is a new episode: onset and detected step
+start afresh.
+
+Usage::
+
+    store_findings(session, run_id=run, findings=detect(series), now=now)   # one cycle, stored
+    held = fold_findings(held, detect(series))                            # one cycle, in memory
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from trainvitals.service.store.models import FindingRow
+
+Key = tuple[str, str, str]
+"""A finding's identity within its run: (kind, subject_kind, subject)."""
 
 
 class FindingLike(Protocol):
@@ -46,44 +57,107 @@ class FindingLike(Protocol):
     def active(self) -> bool: ...
     @property
     def detected_step(self) -> int | None: ...
+    @property
+    def paged_step(self) -> int | None: ...
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class HeldFinding:
+    """A finding as kept between cycles: a stored row's columns, or what the analysis on request
+    holds in memory while it walks a run."""
+
+    kind: str
+    severity: str
+    subject_kind: str
+    subject: str
+    onset_step: int
+    detected_step: int | None
+    """None: a row stored before revision 0009."""
+    last_step: int
+    magnitude: float
+    summary: str
+    active: bool
+    paged_step: int | None = None
+    """The first step this episode was a page, kept like detected_step (in memory only: the store
+    has no column for it yet)."""
+
+
+def fold_findings(held: Mapping[Key, HeldFinding], findings: Sequence[FindingLike]) -> dict[Key, HeldFinding]:
+    """The held findings after a cycle that reported `findings` (pure: `held` is not changed).
+
+    Each reported finding replaces the held one of its key, keeping the held onset (unless the new
+    one is earlier), detected and paged step while it is the same episode: the held one open, or
+    closed and reported closed again having been raised before it ended. Otherwise (new, reopened,
+    a later episode seen only closed) it starts afresh. Held findings not reported become inactive."""
+    out = dict(held)
+    for f in findings:
+        key = (f.kind, f.subject_kind, f.subject)
+        # A detector without a step-based detection (None) raised it at its newest step at the latest.
+        raised = f.detected_step if f.detected_step is not None else f.last_step
+        onset: int = f.onset_step
+        detected: int | None = raised
+        paged = f.paged_step
+        prev = out.get(key)
+        if prev is not None and (prev.active or (not f.active and raised <= prev.last_step)):
+            onset, detected = min(prev.onset_step, onset), prev.detected_step
+            paged = min((s for s in (prev.paged_step, paged) if s is not None), default=None)
+        out[key] = HeldFinding(
+            kind=f.kind,
+            severity=f.severity,
+            subject_kind=f.subject_kind,
+            subject=f.subject,
+            onset_step=onset,
+            detected_step=detected,
+            last_step=f.last_step,
+            magnitude=float(f.magnitude),
+            summary=_since(f.summary, reported=f.onset_step, kept=onset),
+            active=bool(f.active),
+            paged_step=paged,
+        )
+    reported = {(f.kind, f.subject_kind, f.subject) for f in findings}
+    for key, h in held.items():
+        if key not in reported and h.active:
+            out[key] = dataclasses.replace(h, active=False)
+    return out
 
 
 def store_findings(session: Session, *, run_id: str, findings: Sequence[FindingLike], now: float) -> None:
-    """Upsert by (run, kind, subject); the detector says which are active; findings it no longer
-    reports at all become inactive. Onsets and detected steps as in the module docstring. Committed."""
-    existing = {
-        (f.kind, f.subject_kind, f.subject): f
-        for f in session.scalars(select(FindingRow).where(FindingRow.run_id == run_id))
+    """Upsert by (run, kind, subject) with `fold_findings`'s rules: reported findings are written
+    (updated_at now), findings it no longer reports at all become inactive. Committed."""
+    rows = {
+        (r.kind, r.subject_kind, r.subject): r
+        for r in session.scalars(select(FindingRow).where(FindingRow.run_id == run_id))
     }
-    seen = set()
-    for f in findings:
-        key = (f.kind, f.subject_kind, f.subject)
-        seen.add(key)
-        # A detector without a step-based detection (None) raised it at its newest step at the latest.
-        raised: int = f.detected_step if f.detected_step is not None else f.last_step
-        detected: int | None
-        onset, detected = f.onset_step, raised
-        row = existing.get(key)
+    held = {key: _held(r) for key, r in rows.items()}
+    reported = {(f.kind, f.subject_kind, f.subject) for f in findings}
+    for key, h in fold_findings(held, findings).items():
+        if key not in reported and h == held[key]:
+            continue  # neither reported nor closed now: untouched
+        row = rows.get(key)
         if row is None:
             row = FindingRow(
-                run_id=run_id, kind=f.kind, subject_kind=f.subject_kind, subject=f.subject, first_seen_at=now
+                run_id=run_id, kind=h.kind, subject_kind=h.subject_kind, subject=h.subject, first_seen_at=now
             )
             session.add(row)
-        elif row.active or (not f.active and raised <= row.last_step):
-            # The same episode: open, or closed and reported closed again (raised before it ended).
-            onset, detected = min(row.onset_step, onset), row.detected_step  # None: stored before 0009
-        row.severity, row.onset_step, row.detected_step, row.last_step = f.severity, onset, detected, f.last_step
-        row.magnitude, row.summary, row.active, row.updated_at = (
-            float(f.magnitude),
-            _since(f.summary, reported=f.onset_step, kept=onset),
-            bool(f.active),
-            now,
-        )
-    for key, row in existing.items():
-        if key not in seen and row.active:
-            row.active = False
-            row.updated_at = now
+        row.severity, row.onset_step, row.detected_step = h.severity, h.onset_step, h.detected_step
+        row.last_step, row.magnitude, row.summary, row.active = h.last_step, h.magnitude, h.summary, h.active
+        row.updated_at = now
     session.commit()
+
+
+def _held(row: FindingRow) -> HeldFinding:
+    return HeldFinding(
+        kind=row.kind,
+        severity=row.severity,
+        subject_kind=row.subject_kind,
+        subject=row.subject,
+        onset_step=row.onset_step,
+        detected_step=row.detected_step,
+        last_step=row.last_step,
+        magnitude=row.magnitude,
+        summary=row.summary,
+        active=row.active,
+    )
 
 
 def _since(summary: str, *, reported: int, kept: int) -> str:

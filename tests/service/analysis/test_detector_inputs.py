@@ -187,3 +187,30 @@ def test_a_registered_warmup_is_what_the_live_analysis_applies(session, warmup: 
     pipeline.process_run(session, queries.get_run(session, run_id=run), now=700.0)
     kinds = {(f["kind"], f["subject"]) for f in queries.findings(session, run_id=run)}
     assert (("straggler", "3") in kinds) is found
+
+
+def _view(session, run, inputs: DetectorInputs, upto: int | None):
+    return inputs.build(session, run, rewritten_from=None, now=1e9, upto=upto,
+                        lookback_steps=CONFIG.detector_lookback_steps,
+                        rank_lookback_steps=CONFIG.straggler_lookback_steps)  # fmt: skip
+
+
+def test_a_view_ending_at_upto_walks_a_stored_run(session) -> None:
+    """`upto` ends the view at an earlier step (the analysis on request walks a stored run's
+    history so): kept inputs stepped forward, and back, equal a fresh read ending there, the
+    baseline's steps included; without it the view ends at the newest reduced step."""
+    rng = random.Random(4)
+    for run, baseline in (("b", None), ("r", "b")):
+        batches.register_run(session, RunRegistration(run=run, baseline_run=baseline))
+        _store_steps(session, run, range(60), 0, rng)
+        pipeline.reduce_steps(session, queries.get_run(session, run_id=run), now=1e9, config=CONFIG)
+    run = queries.get_run(session, run_id="r")
+    kept = DetectorInputs()
+    for upto in [*range(0, 60, 4), 59, 200, 30, 10, 45]:  # forward, past the newest step, back
+        cached, fresh = _view(session, run, kept, upto), _view(session, run, DetectorInputs(), upto)
+        _assert_same(cached, fresh)
+        end = min(upto, 59)
+        assert list(fresh.steps.steps) == list(range(max(end - CONFIG.detector_lookback_steps + 1, 0), end + 1))
+        assert fresh.baseline is not None and list(fresh.baseline.steps.steps) == list(fresh.steps.steps)
+        assert fresh.ranks is not None and fresh.ranks.steps[-1] == end
+    _assert_same(_view(session, run, DetectorInputs(), None), _view(session, run, DetectorInputs(), 59))

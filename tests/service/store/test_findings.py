@@ -1,5 +1,6 @@
 """Findings upsert: onsets are stable while a finding stays open, detected_step is kept, a reopened
-finding starts afresh; the findings API and CLI show both steps."""
+finding starts afresh; the findings API and CLI show both steps. The same rules on findings held in
+memory (`fold_findings`, the analysis on request's) give what the store keeps."""
 
 import dataclasses
 import json
@@ -12,7 +13,7 @@ from trainvitals.service.detectors.findings import Finding
 from trainvitals.service.main import create_app
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import batches
-from trainvitals.service.store.findings import store_findings
+from trainvitals.service.store.findings import fold_findings, store_findings
 from trainvitals.service.store.models import FindingRow
 from trainvitals.wire import RunRegistration
 
@@ -69,6 +70,40 @@ def test_a_later_episode_seen_only_closed_is_new_too(session) -> None:
 def test_detected_step_without_a_step_based_detection_is_the_newest_step(session) -> None:
     row = _cycle(session, _later(STRAGGLER, detected_step=None), now=1.0)
     assert row.detected_step == STRAGGLER.last_step
+
+
+def test_findings_held_in_memory_follow_the_stored_rules(session) -> None:
+    """Cycle after cycle, `fold_findings` holds what `store_findings` stores; the held findings
+    are not changed in place. paged_step (no column yet) is kept like detected_step."""
+    other = _later(STRAGGLER, kind="mfu_gap", subject_kind="run", subject="", summary="low MFU since step 600")
+    moved = _later(STRAGGLER, onset_step=900, detected_step=950, last_step=1500, paged_step=950,
+                   summary="rank 3 is 20% slower than its pipeline stage since step 900")  # fmt: skip
+    cycles = [
+        [_later(STRAGGLER, paged_step=650), other],
+        [moved],
+        [_later(STRAGGLER, active=False, onset_step=620, detected_step=660)],
+        [],
+        [_later(STRAGGLER, onset_step=2000, detected_step=2100, last_step=2200, paged_step=None, severity="ticket")],
+    ]
+    held: dict = {}
+    for now, findings in enumerate(cycles):
+        before = dict(held)
+        folded = fold_findings(held, findings)
+        assert held == before  # the input is not changed
+        held = folded
+        store_findings(session, run_id="r", findings=findings, now=float(now))
+        rows = {(r.kind, r.subject_kind, r.subject): r for r in session.query(FindingRow)}
+        assert held.keys() == rows.keys()
+        for key, h in held.items():
+            r = rows[key]
+            stored = (r.severity, r.onset_step, r.detected_step, r.last_step, r.magnitude, r.summary, r.active)
+            assert (h.severity, h.onset_step, h.detected_step, h.last_step, h.magnitude, h.summary, h.active) == stored
+        if now == 1:  # open: the first onset, detected and paged step kept; the other one closed
+            s = held[("straggler", "rank", "3")]
+            assert (s.onset_step, s.detected_step, s.paged_step) == (600, 650, 650)
+            assert s.summary.endswith("since step 600") and not held[("mfu_gap", "run", "")].active
+    r = held[("straggler", "rank", "3")]
+    assert (r.onset_step, r.detected_step, r.paged_step, r.active) == (2000, 2100, None, True)  # a new episode
 
 
 @pytest.fixture
