@@ -22,6 +22,7 @@ from trainvitals.agent._dist import RankInfo, default_run_id, rank_info
 from trainvitals.agent._fp8_monitor import Fp8Monitor
 from trainvitals.agent._grad_norms import GradNormTracker
 from trainvitals.agent._guard import ErrorBudget, guarded, logger
+from trainvitals.agent._model_facts import derive_into
 from trainvitals.agent._position import FLOPS_CONVENTION, Position, flops_per_token, position_of
 from trainvitals.agent._protocol import TrainingAgent
 from trainvitals.agent._sample import DeviceStack
@@ -555,7 +556,9 @@ def attach(
     project: None takes config.project ($TRAINVITALS_PROJECT), else names none: the collector
     registers the run under the token's project ('default' with auth off).
     registration: optional parts of the wire-format run registration (keys model, parallelism,
-    hardware, fp8, checkpoint, flops_convention, tags); world size is filled in automatically.
+    hardware, fp8, checkpoint, flops_convention, tags, resume, ...); world size is filled in
+    automatically, and so are the model's dims and parameter counts and the GPU's type and peak
+    where the model and device tell them (agent/_model_facts.py); what is passed here wins.
     """
     if disabled_by_env():
         return NoopAgent()
@@ -569,6 +572,7 @@ def attach(
         body.setdefault("parallelism", {})
         body["parallelism"] = {"world_size": info.world_size, **body["parallelism"]}
         body["tags"] = {**config.tags, **body.get("tags", {})}
+        derive_into(body, model)  # what MFU needs, from the model and the device, under what body says
         body.setdefault("flops_convention", FLOPS_CONVENTION)
         if info.restart_count > 0:
             # torchrun relaunched the workers: the same job by construction, perhaps on another world

@@ -66,8 +66,9 @@ def _merge(auto: dict[str, Any], user: dict[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def _auto_registration(args: TrainingArguments, model: nn.Module | None) -> dict[str, Any]:
-    """What the Trainer already knows: model dims from the HF config and the batch layout."""
+def _auto_registration(args: TrainingArguments) -> dict[str, Any]:
+    """What the Trainer already knows: the batch layout. The model's dims (its HF config) and
+    parameter counts attach() derives itself (agent/_model_facts.py)."""
     reg: dict[str, Any] = {
         "tags": {"framework": "transformers", "framework_version": transformers.__version__},
         "parallelism": {
@@ -77,24 +78,6 @@ def _auto_registration(args: TrainingArguments, model: nn.Module | None) -> dict
             * max(args.world_size, 1),
         },
     }
-    config = getattr(model, "config", None)
-    if config is not None:
-        dims: dict[str, int] = {}
-        for field, attr in (
-            ("layers", "num_hidden_layers"),
-            ("hidden", "hidden_size"),
-            ("heads", "num_attention_heads"),
-            ("kv_heads", "num_key_value_heads"),
-            ("ffn_hidden", "intermediate_size"),
-            ("vocab", "vocab_size"),
-        ):
-            value = getattr(config, attr, None)
-            if isinstance(value, int) and value >= 1:
-                dims[field] = value
-        num_parameters = getattr(model, "num_parameters", None)
-        if callable(num_parameters):
-            dims["params"] = int(num_parameters())
-        reg["model"] = dims
     return reg
 
 
@@ -166,7 +149,7 @@ class TrainvitalsCallback(TrainerCallback):
             project=self.project,
             collector=self.collector,
             config=self.config,
-            registration=_merge(_auto_registration(args, self._model), self.registration),
+            registration=_merge(_auto_registration(args), self.registration),
         )
         self._attached = True
         if state.global_step > 0:

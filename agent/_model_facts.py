@@ -1,0 +1,212 @@
+"""What MFU needs, read from the model the agent is attached to and the device it runs on, so
+that a job passes nothing (docs/agent.md, "What feeds MFU").
+
+Model: a Hugging Face style `config` (layers, width, heads, KV heads, MLP width, vocabulary,
+context length), else the modules themselves (the block list, the token embedding, an attention
+module's head count); parameter counts, total and non-embedding, from the parameters. Device: the
+dense bf16 peak of the GPUs in the advisors' table, by the name CUDA reports. Whatever the
+registration passes explicitly wins (attach() merges these under it).
+
+Every rank must derive the same identity values (the collector compares hidden, heads, kv_heads,
+ffn_hidden and vocab between registrations of one run id), so nothing is read from modules where
+a rank holds only part of the model: with pipeline stages (pp > 1) only the config is read, and
+parameters are counted only where they are whole (plain or DDP replicas, DTensor shards: their
+global shape; DeepSpeed ZeRO-3: `ds_numel`), not FSDP1's flat shards or tensor-parallel slices.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+# Dense bf16 tensor-core peak per device, FLOP/s: the GPUs of service/advisors/hardware.py (its
+# canonical names, so the collector's table agrees), from the vendors' datasheets.
+PEAK_BF16_FLOPS: dict[str, float] = {
+    "A100": 312e12,
+    "H100-SXM": 989e12,
+    "H100-PCIe": 756e12,
+    "H200": 989e12,
+    "B200": 2250e12,
+    "GB200": 2500e12,
+}
+
+# HF config attribute names per wire field, first found wins (Llama/Mistral/Qwen, GPT-2, T5/OPT).
+_CONFIG_NAMES: dict[str, tuple[str, ...]] = {
+    "layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "hidden": ("hidden_size", "n_embd", "d_model"),
+    "heads": ("num_attention_heads", "n_head", "num_heads"),
+    "kv_heads": ("num_key_value_heads",),
+    "ffn_hidden": ("intermediate_size", "n_inner", "ffn_dim", "d_ff"),
+    "vocab": ("vocab_size",),
+    "seq_len": ("max_position_embeddings", "n_positions"),
+}
+_HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "heads")
+
+
+def gpu_type_of(device_name: str) -> str | None:
+    """The table's name for what `torch.cuda.get_device_name()` reports, None when it is not in
+    the table (an H100 NVL, an L40S: no peak is guessed).
+
+    'NVIDIA H100 80GB HBM3' -> 'H100-SXM'; 'NVIDIA H100 PCIe' -> 'H100-PCIe';
+    'NVIDIA A100-SXM4-80GB' -> 'A100'.
+    """
+    name = device_name.upper().replace("-", " ")
+    words = set(name.split())
+    if "NVL" in words:
+        return None  # H100 NVL / H200 NVL: other clocks and power, other peaks
+    if "GB200" in name:
+        return "GB200"
+    if "B200" in words:
+        return "B200"
+    if "H200" in words:
+        return "H200"
+    if "H100" in words:
+        return "H100-PCIe" if "PCIE" in words else "H100-SXM"
+    if "A100" in words:
+        return "A100"  # SXM and PCIe share the 312 TFLOP/s dense bf16 peak
+    return None
+
+
+def hardware_of(model: nn.Module | None) -> dict[str, Any]:
+    """gpu_type and peak_flops of the device the model's parameters are on: for a CUDA GPU in the
+    table, its name there and its dense bf16 peak; for another GPU, its reported name and no peak;
+    for a CPU, 'cpu' and no peak. Empty when the model has no parameters."""
+    param = next(model.parameters(), None) if model is not None else None
+    if param is None:
+        return {}
+    if param.device.type == "cpu":
+        return {"gpu_type": "cpu"}
+    if param.device.type != "cuda":
+        return {}
+    reported = torch.cuda.get_device_name(param.device)
+    known = gpu_type_of(reported)
+    if known is None:
+        return {"gpu_type": reported[:64]}
+    return {"gpu_type": known, "peak_flops": PEAK_BF16_FLOPS[known]}
+
+
+def model_dims(model: nn.Module | None, parallelism: dict[str, Any]) -> dict[str, int]:
+    """ModelDims fields this rank can know for sure about the whole model (module docstring)."""
+    if model is None:
+        return {}
+    inner = _unwrap(model)
+    dims = _from_config(getattr(inner, "config", None))
+    if int(parallelism.get("pp") or 1) > 1:
+        return dims  # a stage's modules and parameters are not the model's
+    sliced = int(parallelism.get("tp") or 1) > 1 or int(parallelism.get("ep") or 1) > 1
+    for key, value in _from_modules(inner, heads=not sliced).items():
+        dims.setdefault(key, value)
+    counts = _param_counts(inner, sliced=sliced)
+    if counts is not None and min(counts) >= 1:
+        dims["params"], dims["non_embedding_params"] = counts
+    return dims
+
+
+def derive_into(body: dict[str, Any], model: nn.Module | None) -> None:
+    """Fill the registration's model dims and hardware with what the model and device tell, under
+    what `body` sets explicitly (a key set there wins, None included). A gpu_type set there also
+    keeps the derived peak out: the collector looks that type up itself. Never raises: a model
+    this cannot read registers what the job passed."""
+    try:
+        dims = model_dims(model, body.get("parallelism") or {})
+        hardware = hardware_of(model)
+    except Exception:  # noqa: BLE001 - deriving is a convenience, never a reason to stop monitoring
+        return
+    explicit_hw = dict(body.get("hardware") or {})
+    if "gpu_type" in explicit_hw or "peak_flops" in explicit_hw:
+        hardware.pop("peak_flops", None)
+    body["model"] = {**dims, **(body.get("model") or {})}
+    body["hardware"] = {**hardware, **explicit_hw}
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DDP / FSDP (`.module`) and torch.compile (`._orig_mod`)."""
+    for _ in range(8):
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if not isinstance(inner, nn.Module) or inner is model:
+            return model
+        model = inner
+    return model
+
+
+def _positive_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+
+def _from_config(config: object) -> dict[str, int]:
+    if config is None:
+        return {}
+    dims: dict[str, int] = {}
+    for key, names in _CONFIG_NAMES.items():
+        for name in names:
+            value = _positive_int(getattr(config, name, None))
+            if value is not None:
+                dims[key] = value
+                break
+    return dims
+
+
+def _from_modules(model: nn.Module, *, heads: bool) -> dict[str, int]:
+    """layers: the shallowest list of same-class blocks (a tie: the longest); hidden and vocab: the
+    largest nn.Embedding (the token embedding; learned positions are fewer than the vocabulary);
+    heads: the head count the blocks' attention modules agree on (not with tensor parallelism,
+    where a module may hold its own share of the heads)."""
+    dims: dict[str, int] = {}
+    blocks: tuple[int, int, nn.ModuleList] | None = None  # (depth, -length, list)
+    embedding: nn.Embedding | None = None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            kinds = {type(m) for m in module}
+            if len(kinds) == 1 and any(True for _ in module.parameters()):
+                key = (name.count(".") if name else -1, -len(module))
+                if blocks is None or key < blocks[:2]:
+                    blocks = (*key, module)
+        elif isinstance(module, nn.Embedding):
+            if embedding is None or module.num_embeddings > embedding.num_embeddings:
+                embedding = module
+    if blocks is not None:
+        dims["layers"] = len(blocks[2])
+    if embedding is not None:
+        dims["vocab"], dims["hidden"] = embedding.num_embeddings, embedding.embedding_dim
+    if heads and blocks is not None:
+        found = set()
+        for module in blocks[2].modules():
+            if isinstance(module, nn.MultiheadAttention):
+                found.add(module.num_heads)
+                continue
+            for attr in _HEAD_ATTRS:
+                value = _positive_int(getattr(module, attr, None))
+                if value is not None:
+                    found.add(value)
+                    break
+        if len(found) == 1:
+            dims["heads"] = found.pop()
+    return dims
+
+
+def _param_counts(model: nn.Module, *, sliced: bool) -> tuple[int, int] | None:
+    """(total, non-embedding) parameters, or None where this rank does not hold them whole.
+
+    Non-embedding is N of 6N + 12LHQT: every parameter that does a matmul per token, so all but
+    the nn.Embedding tables, with a head tied to the token embedding counted back in (its matmul
+    is done every token)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - older torch
+        DTensor = ()  # type: ignore[assignment,misc]  # noqa: N806
+    params = list(model.parameters())
+    if not params:
+        return None
+    total = 0
+    for p in params:
+        if type(p).__name__ == "FlatParameter" or (sliced and not isinstance(p, DTensor)):
+            return None  # FSDP1's flattened shard, a tensor-parallel slice: a part of the model
+        ds_numel = getattr(p, "ds_numel", None)  # DeepSpeed ZeRO-3 keeps the full size here
+        total += int(ds_numel) if isinstance(ds_numel, int) else p.numel()
+    tables = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Embedding)}
+    heads = (getattr(m, "weight", None) for m in model.modules() if not isinstance(m, nn.Embedding))
+    tied = {id(w) for w in heads if id(w) in tables}
+    embedding = sum(int(getattr(w, "ds_numel", 0)) or w.numel() for i, w in tables.items() if i not in tied)
+    return total, total - embedding

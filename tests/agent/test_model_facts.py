@@ -1,0 +1,183 @@
+"""MFU without homework: the registration's model dims and hardware derived from the model and the
+device (agent/_model_facts.py), what the job passes winning, and nothing guessed."""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import trainvitals.agent as tv
+from trainvitals.agent import _model_facts
+from trainvitals.agent._model_facts import gpu_type_of, hardware_of, model_dims
+from trainvitals.agent._position import flops_per_token
+from trainvitals.wire import RunRegistration
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.n_head = heads
+        self.ln = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, *, vocab: int = 100, d: int = 16, layers: int = 3, heads: int = 4, seq: int = 32,
+                 tied: bool = False) -> None:  # fmt: skip
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab, d)
+        self.pos_emb = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(_Block(d, heads) for _ in range(layers))
+        self.head = nn.Linear(d, vocab, bias=False)
+        if tied:
+            self.head.weight = self.tok_emb.weight
+
+
+def _expected_params(model: TinyGPT, *, tied: bool) -> tuple[int, int]:
+    total = sum(p.numel() for p in model.parameters())  # shared weights once
+    tables = model.pos_emb.weight.numel() + (0 if tied else model.tok_emb.weight.numel())
+    return total, total - tables
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_gpt_like_module_gets_its_dims_and_counts(tied: bool) -> None:
+    model = TinyGPT(tied=tied)
+    total, non_embedding = _expected_params(model, tied=tied)
+    assert model_dims(model, {"world_size": 1}) == {
+        "layers": 3, "hidden": 16, "heads": 4, "vocab": 100, "params": total, "non_embedding_params": non_embedding,
+    }  # fmt: skip
+    # A tied head does its matmul every token: N keeps it; only the position table is a pure lookup.
+    assert non_embedding == total - 32 * 16 if tied else total - (100 + 32) * 16
+
+
+def test_wrappers_are_seen_through() -> None:
+    model = TinyGPT()
+    ddp_like = nn.Module()  # DDP and FSDP hold the model as .module
+    ddp_like.module = model
+    compiled = torch.compile(model)
+    assert model_dims(ddp_like, {}) == model_dims(model, {}) == model_dims(compiled, {})
+
+
+class _HFLike(nn.Module):
+    """A transformers PreTrainedModel in shape: a `config` object, modules the config describes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(
+            num_hidden_layers=2, hidden_size=24, num_attention_heads=6, num_key_value_heads=2,
+            intermediate_size=64, vocab_size=50, max_position_embeddings=128, torch_dtype="bfloat16",
+        )  # fmt: skip
+        self.embed_tokens = nn.Embedding(50, 24)
+        self.layers = nn.ModuleList(nn.Linear(24, 24) for _ in range(2))
+
+
+def test_a_hf_config_gives_the_dims_and_the_context_length() -> None:
+    model = _HFLike()
+    total = sum(p.numel() for p in model.parameters())
+    dims = model_dims(model, {"world_size": 8})
+    assert dims == {
+        "layers": 2, "hidden": 24, "heads": 6, "kv_heads": 2, "ffn_hidden": 64, "vocab": 50, "seq_len": 128,
+        "params": total, "non_embedding_params": total - 50 * 24,
+    }  # fmt: skip
+    assert flops_per_token(dims) == 6 * (total - 50 * 24) + 12 * 2 * 24 * 128
+
+
+def test_a_pipeline_stage_reads_only_the_config_and_a_tensor_parallel_slice_is_not_counted() -> None:
+    # Every rank must register the same identity: a stage's modules are not the model's.
+    assert model_dims(_HFLike(), {"world_size": 4, "pp": 2}) == {
+        "layers": 2, "hidden": 24, "heads": 6, "kv_heads": 2, "ffn_hidden": 64, "vocab": 50, "seq_len": 128,
+    }  # fmt: skip
+    assert model_dims(TinyGPT(), {"world_size": 4, "pp": 4}) == {}
+    sliced = model_dims(TinyGPT(), {"world_size": 2, "tp": 2})
+    assert "params" not in sliced and "heads" not in sliced and sliced["hidden"] == 16
+
+
+@pytest.mark.parametrize(
+    ("reported", "expected"),
+    [
+        ("NVIDIA H100 80GB HBM3", "H100-SXM"),
+        ("NVIDIA H100 PCIe", "H100-PCIe"),
+        ("NVIDIA H100 NVL", None),  # other peaks than the table's: not guessed
+        ("NVIDIA A100-SXM4-80GB", "A100"),
+        ("NVIDIA A100-PCIE-40GB", "A100"),
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA B200", "B200"),
+        ("NVIDIA GB200", "GB200"),
+        ("NVIDIA L40S", None),
+        ("Tesla V100-SXM2-32GB", None),
+    ],
+)
+def test_gpu_names_map_to_the_advisors_table(reported: str, expected: str | None) -> None:
+    assert gpu_type_of(reported) == expected
+
+
+def test_the_peaks_are_the_advisors() -> None:
+    from trainvitals.service.advisors.hardware import gpu_spec
+
+    for name, peak in _model_facts.PEAK_BF16_FLOPS.items():
+        assert gpu_spec(name).peak_bf16_tflops * 1e12 == peak
+
+
+def test_a_cpu_model_has_no_peak() -> None:
+    assert hardware_of(TinyGPT()) == {"gpu_type": "cpu"}
+    assert hardware_of(None) == {} and hardware_of(nn.ReLU()) == {}
+
+
+def test_a_cuda_device_gets_its_type_and_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    param = SimpleNamespace(device=torch.device("cuda", 0))
+    model: Any = SimpleNamespace(parameters=lambda: iter([param]))
+    for reported, expected in (
+        ("NVIDIA H100 80GB HBM3", {"gpu_type": "H100-SXM", "peak_flops": 989e12}),
+        ("NVIDIA L40S", {"gpu_type": "NVIDIA L40S"}),  # named, no peak: the overview says which to pass
+    ):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, r=reported: r)
+        assert hardware_of(model) == expected
+
+
+def _registered(tmp_path: Path, model: nn.Module, registration: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The registration attach() sends, as the spool's first line (no collector)."""
+    cfg = tv.AgentConfig(collector="", spill_dir=str(tmp_path), record_file=str(tmp_path / "rec.jsonl"))
+    agent = tv.attach(model, run="r1", config=cfg, registration=registration)
+    agent.step(tokens=64)
+    agent.close()
+    reg = json.loads((tmp_path / "rec.jsonl").read_bytes().splitlines()[0])
+    RunRegistration.model_validate(reg)
+    return reg
+
+
+def test_attach_registers_the_derived_dims_and_explicit_values_win(tmp_path: Path) -> None:
+    model = _HFLike()
+    derived = _registered(tmp_path / "a", model)
+    assert derived["model"]["hidden"] == 24 and derived["model"]["seq_len"] == 128
+    assert derived["hardware"] == {"gpu_type": "cpu", "gpu_count": None, "gpus_per_node": None, "peak_flops": None}
+    explicit = _registered(
+        tmp_path / "b", model,
+        {"model": {"seq_len": 64, "heads": None}, "hardware": {"peak_flops": 1e12}},
+    )  # fmt: skip
+    assert explicit["model"]["seq_len"] == 64 and explicit["model"]["heads"] is None  # the job's, None included
+    assert explicit["model"]["hidden"] == 24  # the rest still derived
+    assert explicit["hardware"]["peak_flops"] == 1e12 and explicit["hardware"]["gpu_type"] == "cpu"
+
+
+def test_a_declared_gpu_type_keeps_the_derived_peak_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_model_facts, "hardware_of", lambda model: {"gpu_type": "H100-SXM", "peak_flops": 989e12})
+    body: dict[str, Any] = {"hardware": {"gpu_type": "A100"}}
+    _model_facts.derive_into(body, TinyGPT())
+    assert body["hardware"] == {"gpu_type": "A100"}  # the collector looks A100 up itself
+
+
+def test_a_model_that_cannot_be_read_registers_what_the_job_passed(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(model: object, parallelism: object) -> dict[str, int]:
+        raise RuntimeError("odd model")
+
+    monkeypatch.setattr(_model_facts, "model_dims", broken)
+    body: dict[str, Any] = {"model": {"hidden": 8}}
+    _model_facts.derive_into(body, TinyGPT())
+    assert body == {"model": {"hidden": 8}}
