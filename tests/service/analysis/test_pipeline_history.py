@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainvitals.service.analysis import pipeline
+from trainvitals.service.analysis import on_request, pipeline
 from trainvitals.service.analysis.detector_inputs import DetectorInputs
 from trainvitals.service.ingest.replay import replay_files
 from trainvitals.service.store import batches, queries
@@ -75,6 +75,23 @@ def test_replay_walks_the_whole_run_and_equals_live(session, tmp_path: Path) -> 
     assert by_kind[("grad_nonfinite", "layers.1")] == (NAN_GRAD_STEP, "page")
     onset, severity = by_kind[("straggler", sc.expect_subject)]
     assert sc.injected_step is not None and abs(onset - sc.injected_step) <= 25 and severity == "page"
+
+    # On request, over the stored summaries: the same findings, the early ones with their onsets.
+    run = queries.get_run(session, run_id="replayed")
+    asked = on_request.analyse_run(session, run, config=CONFIG)
+    assert {(f.kind, f.subject, f.onset_step, f.severity) for f in asked} == replayed
+    early = {
+        (f.kind, f.subject): (f.onset_step, f.severity)
+        for f in asked
+        if f.onset_step < STEPS - CONFIG.detector_lookback_steps
+    }
+    assert early[("loss_nonfinite", "")] == (NAN_LOSS_STEP, "page")  # both left the last lookback
+    assert early[("grad_spikes_recurring", "")] == (SPIKE_STEPS[0], "page")
+    stored = {
+        (f["kind"], f["subject"]): (f["detected_step"], f["active"])
+        for f in queries.findings(session, run_id="replayed")
+    }
+    assert {(f.kind, f.subject): (f.detected_step, f.active) for f in asked} == stored
 
     # The same recording fed live: batches of 25 steps, each rank's arriving in its own order
     # within 50 steps (the watermark waits for the last), a worker cycle after every 50 steps.
