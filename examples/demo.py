@@ -361,6 +361,7 @@ def _print_again(exe: Path, db_url: str, run: str, token_file: Path, port: int) 
     print(f"  {tv} query findings --run {run} --db {db_url}")
     print(f"  {tv} query steps --run {run} --db {db_url} --format csv | head")
     print(f"  {tv} serve --db {db_url} --port {port} > collector-again.log 2>&1 &")
-    print(f"  sleep 5; curl -s -H \"Authorization: Bearer $(cat {tok})\" http://127.0.0.1:{port}/metrics"
+    print(f"  until curl -sf http://127.0.0.1:{port}/healthz > /dev/null; do sleep 0.5; done")
+    print(f"  curl -s -H \"Authorization: Bearer $(cat {tok})\" http://127.0.0.1:{port}/metrics"
           f" | grep 'run=\"{run}\"'")  # fmt: skip
     print("  kill %1")
