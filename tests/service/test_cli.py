@@ -224,6 +224,34 @@ def test_every_flag_has_help_showing_its_default() -> None:
     assert not missing, missing
 
 
+def test_replay_catch_up_steps_reaches_the_pipeline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--catch-up-steps N is the analysis walk's cycle (PipelineConfig.catch_up_steps); without it
+    replay uses the pipeline's default, which the help names; 0 is refused."""
+    from trainvitals.service.analysis.pipeline import PipelineConfig
+    from trainvitals.service.ingest import replay
+
+    seen = []
+    real = replay.replay_files
+
+    def replay_files(*args: object, config: object = None, **kwargs: object) -> object:
+        seen.append(config)
+        return real(*args, config=config, **kwargs)
+
+    monkeypatch.setattr(replay, "replay_files", replay_files)
+    (tmp_path / "run.jsonl").write_text("\n".join(_wire_lines()[:2]) + "\n")
+    url = f"sqlite:///{tmp_path / 'tv.db'}"
+    assert main(["replay", str(tmp_path / "run.jsonl"), "--db", url, "--catch-up-steps", "300"]) == 0
+    assert main(["replay", str(tmp_path / "run.jsonl"), "--db", url]) == 0
+    assert [c and c.cycle_steps for c in seen] == [300, None]
+    (replay_parser,) = [p for path, p in _parsers(build_parser()) if path == "replay"]
+    assert f"(default: {PipelineConfig().cycle_steps}," in " ".join(replay_parser.format_help().split())
+    with pytest.raises(SystemExit):
+        main(["replay", "x.jsonl", "--catch-up-steps", "0"])
+    assert "--catch-up-steps: must be 1 or more, not 0" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------- token list
 
 
