@@ -340,6 +340,8 @@ def _print_summary(db_url: str, run: str, metrics: str, *, slow: int) -> bool:
         print(
             f"  rank {rank}: mean {mean * 1000:6.1f} ms  p50 {p50 * 1000:6.1f} ms  p99 {p99 * 1000:6.1f} ms"
         )
+    if per_rank:
+        print("  (equal: every rank's step lasts as long as the slowest's; the detector compares compute time)")
     print(f"checkpoints {len(gens)} generations: " + ", ".join(f"{g['step']} {g['status']}" for g in gens))
     print(f"findings   {len(found)}" + "".join(f"\n  [{f['severity']}] {f['summary']}" for f in found))
     on_ranks = {(f["kind"], f["subject"]) for f in found if f["subject_kind"] == "rank"}
