@@ -51,6 +51,7 @@ class Notices:
         self._token = token
         self._backoff_s = retry_backoff_s
         self._said: set[tuple[str, ...]] = set()
+        self._fenced = False  # the collector refused this process as another job (409 registration)
 
     def unreachable(self, exc: OSError) -> None:
         self._say(
@@ -80,7 +81,12 @@ class Notices:
             head += " (TRAINVITALS_TOKEN: an ingest token of this collector, `trainvitals token create --scope ingest`)"
         elif reply.status == 403 and project_named and not leftover:
             head += " (the project comes from attach(project=) or TRAINVITALS_PROJECT; without either, the token's)"
-        if verdict == "set_aside":
+        if verdict == "set_aside" and reply.status == 409 and kind == "registration":
+            # Another job under this run id: the collector fences this process, so replaying the
+            # set-aside batches would be refused the same way; they are kept for the record only.
+            text = f"{head}. Set aside in {self._quarantine} (kept for the record); later data keeps flowing"
+            self._fenced = True
+        elif verdict == "set_aside":
             text = (
                 f"{head}. Set aside in {self._quarantine}; later data keeps flowing. Once the cause is "
                 f"fixed: {replay_command(self._quarantine)}"
@@ -111,10 +117,15 @@ class Notices:
                 f"{replay_command(self._spool)}",
             )
         if set_aside:
+            fix = (
+                "To keep this job's data, rerun it under its own run id"
+                if self._fenced
+                else f"Once it is fixed, store them with: {replay_command(self._quarantine)}"
+            )
             self._say(
                 ("exit_set_aside",),
                 f"{set_aside} batch(es) the collector refused are set aside in {self._quarantine} (the "
-                f"reason is above). Once it is fixed, store them with: {replay_command(self._quarantine)}",
+                f"reason is above). {fix}",
             )
 
     def _say(self, key: tuple[str, ...], text: str) -> None:

@@ -557,7 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="collector + a multi-rank training job with the agent attached")
     demo.add_argument("--ranks", type=int, default=4, help="training processes")
     demo.add_argument("--seconds", type=float, default=None, help="cap on the training time (default: none; 250 steps)")
-    demo.add_argument("--port", type=int, default=8000, help="the collector's port")
+    demo.add_argument("--port", type=int, default=0, help="the collector's port (0: a free one)")
     demo.add_argument("--workdir", default="demo-out", help="database, logs and spool files")
     demo.add_argument("--keep-serving", action="store_true", help="leave the collector running afterwards")
     demo.set_defaults(func=_demo)

@@ -332,8 +332,11 @@ def test_another_job_reusing_a_run_id_is_set_aside_and_told_why(
         "another job (model.hidden: 8 registered, 16 now): nothing of this process is stored under it. Give this "
         "job its own run id (attach(run=...) or TRAINVITALS_RUN)"
     ) in refused[0]
-    assert f"Set aside in {quarantine}; later data keeps flowing" in refused[0]
+    # Replay would be refused the same way (the process is fenced): no replay command is offered.
+    assert f"Set aside in {quarantine} (kept for the record); later data keeps flowing" in refused[0]
+    assert "trainvitals replay" not in refused[0]
     assert said[-1].startswith(f"trainvitals agent: {other['rejected_batches']} batch(es) the collector refused")
+    assert said[-1].endswith("To keep this job's data, rerun it under its own run id")
     assert other["failed_attempts"] == 0
 
 
