@@ -334,6 +334,7 @@ def _print_summary(db_url: str, run: str, metrics: str, *, slow: int) -> bool:
         f"{ov.grad_records} gradient records, {ov.events} events"
     )
     print(f"detection  {ov.detection}")
+    print(f"mfu        {ov.mfu}")
     if ov.step_seconds_p50 is not None:
         print(f"step time  median {ov.step_seconds_p50 * 1000:.1f} ms")
     for rank, mean, p50, p99 in per_rank:

@@ -88,6 +88,8 @@ class RunOverviewPublic(_Public):
     """Steps still to run until detection starts (0: it has; None before the first step)."""
     detection: str
     """One line: when detection starts (a run shorter than the warm-up says so), or since when it runs."""
+    mfu: str
+    """One line: the measured MFU of the newest reduced steps, or why there is none and what to declare."""
 
 
 class TensorStepPublic(_Public):

@@ -106,6 +106,8 @@ class RunOverview:
     """Steps still to run until detection starts (0: it has; None before the first step)."""
     detection: str
     """One line: when detection starts, or since when it runs."""
+    mfu: str
+    """One line: the measured MFU of the newest reduced steps, or why there is none (`_mfu_line`)."""
 
 
 def _detection(
@@ -208,7 +210,44 @@ def run_overview(
         detection_starts_at_step=starts,
         warmup_steps_remaining=remaining,
         detection=detection,
+        mfu=_mfu_line(session, run),
     )
+
+
+# The model fields the agent needs for FLOPs per token (6N + 12 L H Q T, docs/agent.md).
+_FLOPS_FIELDS = ("non_embedding_params", "layers", "hidden", "seq_len")
+
+
+def _mfu_line(session: Session, run: Run, window: int = 20) -> str:
+    """The MFU over the newest `window` reduced steps, or the first thing missing for one: a
+    device peak (declared, or from the GPU table), then FLOPs per step (the agent's, from the
+    model's dims and the step's tokens, or the job's own step(flops=))."""
+    recent = session.execute(
+        select(StepSummary.flops, StepSummary.tokens, StepSummary.step_seconds_max, StepSummary.peak_flops_total)
+        .where(StepSummary.run_id == run.run_id)
+        .order_by(StepSummary.step.desc())
+        .limit(window)
+    ).all()
+    if not recent:
+        return "no MFU yet: no reduced step"
+    with_mfu = [r for r in recent if r.flops and r.peak_flops_total and r.step_seconds_max > 0]
+    if with_mfu:
+        mfu = sum(r.flops for r in with_mfu) / sum(r.step_seconds_max * r.peak_flops_total for r in with_mfu)
+        return f"MFU {mfu:.1%} over the newest {len(with_mfu)} reduced steps"
+    reg = run.registration or {}
+    hw = reg.get("hardware") or {}
+    if not any(r.peak_flops_total for r in recent):
+        gpu = hw.get("gpu_type")
+        if gpu == "cpu":
+            return "no MFU: the run is on CPU; declare hardware.peak_flops (dense FLOP/s per device) to get one"
+        if gpu:
+            return f"no MFU: GPU {gpu!r} is not in the hardware table; declare hardware.peak_flops (dense FLOP/s)"
+        return "no MFU: the device's peak is unknown; declare hardware.gpu_type or hardware.peak_flops"
+    if not any(r.tokens for r in recent):
+        return "no MFU: the steps carry neither FLOPs nor tokens; pass step(tokens=...) or step(flops=...)"
+    missing = [f"model.{f}" for f in _FLOPS_FIELDS if not (reg.get("model") or {}).get(f)]
+    lacks = f"the registration lacks {', '.join(missing)}" if missing else "the agent did not compute them"
+    return f"no MFU: no FLOPs per step ({lacks}); declare them in registration={{'model': ...}} or pass step(flops=...)"
 
 
 _OVERVIEW_WINDOWS = 20

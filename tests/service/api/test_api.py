@@ -88,6 +88,35 @@ def test_short_run_overview_says_when_detection_starts(client: TestClient) -> No
     assert client.get("/v1/runs/r3").json()["detection"].startswith("no steps yet: detection starts 300 steps")
 
 
+def test_run_overview_says_the_mfu_or_what_is_missing_for_one(client: TestClient) -> None:
+    """MFU needs a device peak (declared, or the GPU table's) and FLOPs per step; the overview
+    names the first one missing and what to declare."""
+    dims = {"non_embedding_params": 1000, "layers": 2, "hidden": 16, "seq_len": 8}
+    cases = {
+        "measured": ({"hardware": {"gpu_count": 1, "peak_flops": 1e6}}, {"flops": 1e5, "tokens": 8}),
+        "cpu": ({"hardware": {"gpu_type": "cpu"}}, {"flops": 1e5}),
+        "unknown-gpu": ({"hardware": {"gpu_type": "T4", "gpu_count": 1}}, {"flops": 1e5}),
+        "no-peak": ({}, {"flops": 1e5}),
+        "no-flops": ({"hardware": {"gpu_type": "H100-SXM"}, "model": {"layers": 2}}, {"tokens": 8}),
+        "nothing": ({"hardware": {"gpu_type": "H100-SXM"}, "model": dims}, {}),
+    }
+    for run, (registration, step) in cases.items():
+        client.post("/v1/runs", json={"run": run, **registration})
+        records = [{"kind": "step", "step": s, "ts": 1.0, "step_seconds": 0.5, **step} for s in range(3)]
+        client.post("/v1/batches", json={"run": run, "rank": 0, "incarnation": 1, "seq": 0, "records": records})
+    client.app.state.worker.run_once()  # type: ignore[attr-defined]  # reduce (the analysis is off here)
+    mfu = {run: client.get(f"/v1/runs/{run}").json()["mfu"] for run in cases}
+    assert mfu == {
+        "measured": "MFU 20.0% over the newest 3 reduced steps",  # 1e5 FLOPs / (0.5 s x 1e6 FLOP/s)
+        "cpu": "no MFU: the run is on CPU; declare hardware.peak_flops (dense FLOP/s per device) to get one",
+        "unknown-gpu": "no MFU: GPU 'T4' is not in the hardware table; declare hardware.peak_flops (dense FLOP/s)",
+        "no-peak": "no MFU: the device's peak is unknown; declare hardware.gpu_type or hardware.peak_flops",
+        "no-flops": "no MFU: no FLOPs per step (the registration lacks model.non_embedding_params, model.hidden, "
+        "model.seq_len); declare them in registration={'model': ...} or pass step(flops=...)",
+        "nothing": "no MFU: the steps carry neither FLOPs nor tokens; pass step(tokens=...) or step(flops=...)",
+    }
+
+
 def test_malformed_batch_is_rejected_whole_with_the_field_named(client: TestClient) -> None:
     client.post("/v1/runs", json={"run": "r1"})
     body = _batch(steps=range(5))
