@@ -19,7 +19,6 @@ import logging.config
 import os
 import re
 import socket
-import threading
 import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
@@ -27,6 +26,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from trainvitals.service.periodic import Periodic
 from trainvitals.service.self_metrics import ProcessMetrics
 
 LEVELS = ("debug", "info", "warning", "error")
@@ -163,20 +163,16 @@ class IngestSummary:
         self._queue_records = queue_records
         self._clock = clock
         self._previous: dict[str, Any] | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        # The first tick, at once, only sets the baseline the first window is counted from.
+        self._thread = Periodic("trainvitals-ingest-summary", interval, self._log_window, first_now=True)
         self.log = logging.getLogger("trainvitals.serve")
 
     def start(self) -> None:
-        if self._interval > 0 and self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="trainvitals-ingest-summary", daemon=True)
+        if self._interval > 0:
             self._thread.start()
 
     def stop(self) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join(10)
-            self._thread = None
+        self._thread.stop()
 
     def tick(self) -> dict[str, Any] | None:
         """Read the counters; the fields of a summary line when the window since the previous
@@ -232,12 +228,9 @@ class IngestSummary:
             "analysis_errors": status.errors if status else 0,
         }
 
-    def _run(self) -> None:
-        while True:
-            try:
-                if (fields := self.tick()) is not None:
-                    log_event(self.log, "ingest_summary", **fields)
-            except Exception:  # noqa: BLE001 - a database hiccup: say so, try again next window
-                self.log.warning("ingest summary failed", exc_info=True)
-            if self._stop.wait(self._interval):
-                return
+    def _log_window(self) -> None:
+        try:
+            if (fields := self.tick()) is not None:
+                log_event(self.log, "ingest_summary", **fields)
+        except Exception:  # noqa: BLE001 - a database hiccup: say so, try again next window
+            self.log.warning("ingest summary failed", exc_info=True)

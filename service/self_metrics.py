@@ -50,7 +50,8 @@ def refuse(request: Request, reason: str) -> None:
 
 
 class ProcessMetrics(Collector):
-    """The per-process families, yielded by the exposition collector with the database's."""
+    """The per-process families: registered beside the exposition collector (main.py), and
+    yielded by a project's scoped view of /metrics too (api/routes/health.py)."""
 
     def __init__(self, *, queue_records: Callable[[], int] | None = None, queue_limit: int | None = None) -> None:
         self._queue_records = queue_records

@@ -77,7 +77,7 @@ def analyse_run(
         if len(series.steps.ts):  # as of its newest step (from the summaries: no scan of raw rows)
             at = float(series.steps.ts[-1])
             # Every cycle but the last sees only the records a live collector had by then, as in replay.
-            series = pipeline._as_of(series, at) if i < len(ends) - 1 else series
+            series = pipeline.as_of(series, at) if i < len(ends) - 1 else series
             series.now = at
         held = fold_findings(held, detect(series, config=detector_config))
     return [_finding(run.run_id, h) for h in sorted(held.values(), key=_listed)]
@@ -92,7 +92,7 @@ def _cycle_ends(session: Session, run: Run, config: pipeline.PipelineConfig) -> 
     first, newest = reduced
     if newest - first < min(config.straggler_lookback_steps, config.detector_lookback_steps):
         return [newest]
-    return list(pipeline._cycle_ends(start=first, reduced_upto=-1, reducible=newest, steps=config.cycle_steps))
+    return list(pipeline.cycle_ends(start=first, reduced_upto=-1, reducible=newest, steps=config.cycle_steps))
 
 
 def _listed(h: HeldFinding) -> tuple[int, int, str, str]:

@@ -116,7 +116,7 @@ def _reduce_from(state: ReductionState) -> int:
     return start if state.dirty_from is None else min(start, state.dirty_from)
 
 
-def _cycle_ends(*, start: int, reduced_upto: int, reducible: int, steps: int) -> list[int]:
+def cycle_ends(*, start: int, reduced_upto: int, reducible: int, steps: int) -> list[int]:
     """The last step of each cycle reducing start..reducible: multiples of `steps` (minus one), so
     cycles end where rank windows do when `steps` is a multiple of the window. The first cycle
     reaches at least reduced_upto: the reduction state records one reduced range, so re-dirtied
@@ -188,7 +188,7 @@ def process_run(
     if reducible - start < min(config.straggler_lookback_steps, config.detector_lookback_steps):
         ends = [reducible]
     else:
-        ends = _cycle_ends(start=start, reduced_upto=state.reduced_upto, reducible=reducible, steps=config.cycle_steps)
+        ends = cycle_ends(start=start, reduced_upto=state.reduced_upto, reducible=reducible, steps=config.cycle_steps)
     total = 0
     for i, upto in enumerate(ends):
         reduced, first = reduce_steps(session, run, now=now, config=config, upto=upto)
@@ -197,12 +197,12 @@ def process_run(
         at = now
         if i < len(ends) - 1 and len(series.steps.ts):  # a catch-up cycle: as of its newest step
             at = float(series.steps.ts[-1])
-            series = _as_of(series, at)
+            series = as_of(series, at)
         findings.store_findings(session, run_id=run.run_id, findings=detect(series, config=detector_config), now=at)
     return total
 
 
-def _as_of(series: RunSeries, now: float) -> RunSeries:
+def as_of(series: RunSeries, now: float) -> RunSeries:
     """The series as a live collector had it at `now` (a catch-up cycle's newest step): checkpoint
     and event records stamped later are not in yet, so a save is not judged overdue, nor a run
     stopped, because of records that arrived after this cycle."""

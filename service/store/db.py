@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 
 from alembic import command
@@ -12,6 +11,7 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
 import trainvitals.migrations as _migrations
+from trainvitals.service.periodic import Periodic
 
 DEFAULT_SQLITE_URL = "sqlite:///trainvitals.db"
 log = logging.getLogger(__name__)
@@ -59,28 +59,21 @@ class WalCheckpointer:
 
     def __init__(self, engine: Engine, interval: float = 1.0) -> None:
         self._engine = engine
-        self._interval = interval
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread = Periodic("trainvitals-wal-checkpoint", interval, self._checkpoint)
 
     def start(self) -> None:
-        if self._engine.dialect.name == "sqlite" and self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="trainvitals-wal-checkpoint", daemon=True)
+        if self._engine.dialect.name == "sqlite":
             self._thread.start()
 
     def stop(self) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join(10)
-            self._thread = None
+        self._thread.stop()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            try:
-                with self._engine.connect() as conn:
-                    conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
-            except Exception:  # noqa: BLE001 - a busy or closing database: try again next round
-                log.debug("WAL checkpoint failed", exc_info=True)
+    def _checkpoint(self) -> None:
+        try:
+            with self._engine.connect() as conn:
+                conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
+        except Exception:  # noqa: BLE001 - a busy or closing database: try again next round
+            log.debug("WAL checkpoint failed", exc_info=True)
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:

@@ -34,6 +34,7 @@ from trainvitals.service.store.models import (
     TensorStatRow,
     TensorSummary,
 )
+from trainvitals.service.store.snapshot import window_mfu
 from trainvitals.wire.conventions import DEFAULT_DETECTOR_WARMUP_STEPS, GLOBAL_GROUP
 
 
@@ -222,18 +223,16 @@ def _mfu_line(session: Session, run: Run, window: int = 20) -> str:
     """The MFU over the newest `window` reduced steps, or the first thing missing for one: a
     device peak (declared, or from the GPU table), then FLOPs per step (the agent's, from the
     model's dims and the step's tokens, or the job's own step(flops=))."""
-    recent = session.execute(
-        select(StepSummary.flops, StepSummary.tokens, StepSummary.step_seconds_max, StepSummary.peak_flops_total)
-        .where(StepSummary.run_id == run.run_id)
-        .order_by(StepSummary.step.desc())
-        .limit(window)
-    ).all()
+    recent = list(
+        session.scalars(
+            select(StepSummary).where(StepSummary.run_id == run.run_id).order_by(StepSummary.step.desc()).limit(window)
+        )
+    )
     if not recent:
         return "no MFU yet: no reduced step"
-    with_mfu = [r for r in recent if r.flops and r.peak_flops_total and r.step_seconds_max > 0]
-    if with_mfu:
-        mfu = sum(r.flops for r in with_mfu) / sum(r.step_seconds_max * r.peak_flops_total for r in with_mfu)
-        return f"MFU {mfu:.1%} over the newest {len(with_mfu)} reduced steps"
+    if (mfu := window_mfu(recent)) is not None:  # the same window MFU /metrics exports
+        measured = sum(1 for r in recent if r.flops and r.mfu and r.peak_flops_total)
+        return f"MFU {mfu:.1%} over the newest {measured} reduced steps"
     reg = run.registration or {}
     hw = reg.get("hardware") or {}
     if not any(r.peak_flops_total for r in recent):

@@ -311,27 +311,22 @@ def run_events(session: Session, *, run_id: str) -> dict[str, int]:
             select(EventRow.event, func.count()).where(EventRow.run_id == run_id).group_by(EventRow.event)
         )
     }
-    stops: dict[int, dict[int, bool]] = {}  # rank -> incarnation -> stopped cleanly
-    failed: set[tuple[int, int]] = set()  # a failure event, even if the agent then closed (stop)
+    seen: dict[int, dict[int, set[str]]] = {}  # rank -> incarnation -> its start/stop/failure events
     for rank, incarnation, event in session.execute(
         select(EventRow.rank, EventRow.incarnation, EventRow.event).where(
             EventRow.run_id == run_id, EventRow.event.in_(("start", "stop", "failure"))
         )
     ):
-        seen = stops.setdefault(rank, {})
-        seen[incarnation] = seen.get(incarnation, False) or event == "stop"
-        if event == "failure":
-            failed.add((rank, incarnation))
-    incarnations = {
-        rank: {inc: stopped and (rank, inc) not in failed for inc, stopped in seen.items()}
-        for rank, seen in stops.items()
-    }
+        seen.setdefault(rank, {}).setdefault(incarnation, set()).add(event)
     starts = out.pop("start", 0)
     if starts:
-        out["start"] = len(incarnations)
-        out["restart"] = out.get("restart", 0) + starts - len(incarnations)
+        out["start"] = len(seen)
+        out["restart"] = out.get("restart", 0) + starts - len(seen)
     out["rank_lost"] = sum(
-        not stopped for seen in incarnations.values() for inc, stopped in seen.items() if inc < max(seen)
+        "stop" not in events or "failure" in events
+        for incarnations in seen.values()
+        for inc, events in incarnations.items()
+        if inc < max(incarnations)
     )
     return out
 

@@ -122,7 +122,7 @@ def test_replay_walks_the_whole_run_and_equals_live(session, tmp_path: Path) -> 
     ],
 )
 def test_cycle_ends(start: int, reduced_upto: int, reducible: int, ends: list[int]) -> None:
-    assert pipeline._cycle_ends(start=start, reduced_upto=reduced_upto, reducible=reducible, steps=50) == ends
+    assert pipeline.cycle_ends(start=start, reduced_upto=reduced_upto, reducible=reducible, steps=50) == ends
 
 
 def test_cycle_steps_default() -> None:
