@@ -1,6 +1,8 @@
-"""Bearer tokens scoped to one project and one scope (ingest | read), stored as SHA-256 digests.
+"""Bearer tokens scoped to one project and one scope (ingest | read | admin), stored as SHA-256 digests.
 
-A token for project A can neither write nor read project B. Lookups are cached in-process for
+A token for project A can neither write nor read project B. Within its project an ingest token
+writes (agents), a read token reads, and an admin token reads and deletes runs: neither of the
+tokens handed to jobs or dashboards can destroy data. Lookups are cached in-process for
 `cache_seconds` so ingest does not pay a query per batch; revocation takes effect within that time.
 """
 
@@ -16,7 +18,10 @@ from sqlalchemy.orm import Session
 
 from trainvitals.service.store import tokens
 
-SCOPES = ("ingest", "read")
+SCOPES = ("ingest", "read", "admin")
+# What each scope may do. admin reads too (an operator finds the run before deleting it), but does
+# not ingest: agents hold ingest tokens, so an admin token never has to leave the operators.
+_GRANTS = {"ingest": frozenset({"ingest"}), "read": frozenset({"read"}), "admin": frozenset({"admin", "read"})}
 _PREFIX = "tv_"
 
 
@@ -30,7 +35,7 @@ class Principal:
     def may(self, scope: str, project: str) -> bool:
         if self.project is None:
             return True
-        return self.scope == scope and self.project == project
+        return self.project == project and scope in _GRANTS.get(self.scope or "", ())
 
 
 ANONYMOUS = Principal(project=None, scope=None)

@@ -52,6 +52,8 @@ def _serve(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in flags.items() if v is not None}
     if args.insecure_no_auth:
         overrides["auth"] = False
+    if args.api_docs:
+        overrides["api_docs"] = True
     settings = Settings(**overrides)
     logs.configure(settings.log_level)
     log = logging.getLogger("trainvitals.serve")
@@ -119,12 +121,21 @@ def _analysis_process(settings: Any) -> Iterator[None]:
 def _run_uvicorn(args: argparse.Namespace, settings: Any) -> int:
     import uvicorn
 
+    from trainvitals.service.http_limits import HeaderDeadlineProtocol
     from trainvitals.service.logs import log_config
     from trainvitals.service.main import create_app
 
     # Uvicorn applies the config itself, in every process of --workers too; log_level=None so that
     # it keeps our levels (it would set uvicorn.access to the same level as everything else).
-    log_kwargs: dict[str, Any] = {"log_config": log_config(settings.log_level), "log_level": None}
+    # What a connection may hold (service/http_limits.py): its headers and body are read against
+    # deadlines, idle keep-alive connections close, and past max_connections new requests get 503.
+    uvicorn_kwargs: dict[str, Any] = {
+        "log_config": log_config(settings.log_level),
+        "log_level": None,
+        "http": HeaderDeadlineProtocol,
+        "timeout_keep_alive": settings.keep_alive_seconds,
+        "limit_concurrency": settings.max_connections,
+    }
 
     if args.workers > 1:
         # Several processes accept on the one port, each with its own app built from the same
@@ -141,10 +152,10 @@ def _run_uvicorn(args: argparse.Namespace, settings: Any) -> int:
             workers=args.workers,
             host=settings.host,
             port=settings.port,
-            **log_kwargs,
+            **uvicorn_kwargs,
         )
         return 0
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, **log_kwargs)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, **uvicorn_kwargs)
     return 0
 
 
@@ -251,8 +262,7 @@ def _query(args: argparse.Namespace) -> int:
                 dataclasses.asdict(o)
                 for r in queries.list_runs(session)
                 # The warm-up the collector's analysis applies (TRAINVITALS_DETECTOR_WARMUP_STEPS).
-                if (o := queries.run_overview(session, run_id=r.run_id, warmup_steps=_warmup_steps()))
-                is not None
+                if (o := queries.run_overview(session, run_id=r.run_id, warmup_steps=_warmup_steps())) is not None
             ]
         elif (run := queries.get_run(session, run_id=args.run)) is None:
             print(f"trainvitals: no run {args.run!r} in {db_url.describe(args.db)}", file=sys.stderr)
@@ -419,9 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="trainvitals", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser(
-        "serve", help="run the collector (127.0.0.1:8000, SQLite in the working directory)"
-    )
+    serve = sub.add_parser("serve", help="run the collector (127.0.0.1:8000, SQLite in the working directory)")
     _add_db(serve)
     serve.add_argument("--host", help="bind address (default: $TRAINVITALS_HOST, else 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default: $TRAINVITALS_PORT, else 8000)")
@@ -429,10 +437,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--insecure-no-auth", action="store_true", help="accept requests without tokens (local demos only)"
     )
     serve.add_argument(
+        "--api-docs",
+        action="store_true",
+        help="serve /docs and /openapi.json (default: $TRAINVITALS_API_DOCS, else off)",
+    )
+    serve.add_argument(
         "--log-level",
         choices=_LOG_LEVELS,
-        help="trainvitals and Uvicorn log level; debug logs every request "
-        "(default: $TRAINVITALS_LOG_LEVEL, else info)",
+        help="trainvitals and Uvicorn log level; debug logs every request (default: $TRAINVITALS_LOG_LEVEL, else info)",
     )
     serve.add_argument(
         "--workers",
@@ -467,7 +479,12 @@ def build_parser() -> argparse.ArgumentParser:
     create = tsub.add_parser("create", help="print a new token (stored hashed; creates the database if missing)")
     _add_db(create)
     create.add_argument("--project", required=True, help="the project the token may write or read")
-    create.add_argument("--scope", choices=("ingest", "read"), required=True, help="ingest (agents) or read")
+    create.add_argument(
+        "--scope",
+        choices=("ingest", "read", "admin"),
+        required=True,
+        help="ingest (agents), read (dashboards, queries) or admin (read, and delete runs)",
+    )
     create.add_argument("--name", help="a label for people (who or what uses it)")
     revoke = tsub.add_parser("revoke", help="revoke a token (effective within the collector's token cache time)")
     _add_db(revoke)
@@ -533,7 +550,9 @@ def build_parser() -> argparse.ArgumentParser:
         "rollback",
         "the generation to roll back to",
         extra=lambda p: p.add_argument(
-            "--before-step", type=int, help="newest usable generation before this step "
+            "--before-step",
+            type=int,
+            help="newest usable generation before this step "
             "(default: before the onset of the first page or ticket finding)",
         ),  # fmt: skip
     )

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from trainvitals.service.analysis import expectations
 from trainvitals.service.analysis.worker import AnalysisWorker
 from trainvitals.service.api.routes import advisors, health, ingest, runs
 from trainvitals.service.auth import TokenVerifier
 from trainvitals.service.exposition import TrainvitalsCollector, make_registry
+from trainvitals.service.http_limits import HEADER_TIMEOUT_KEY, BodyDeadline, BodyLimit
 from trainvitals.service.ingest.batch_writer import BatchWriter
 from trainvitals.service.logs import IngestSummary
 from trainvitals.service.self_metrics import ProcessMetrics, RequestMetrics
@@ -45,25 +47,39 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
 
     @asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
+        # /healthz pings the database on a thread of its own: it answers while every worker thread
+        # is busy (large bodies decoding, slow reads), so a liveness probe does not kill a busy collector.
+        app.state.health_executor = health_executor = ThreadPoolExecutor(1, thread_name_prefix="trainvitals-healthz")
         if settings.analysis_interval_seconds > 0 and settings.run_analysis:
             worker.start()
         writer.start()
         checkpointer.start()
         summary.start()
-        yield
+        yield {HEADER_TIMEOUT_KEY: settings.header_timeout_seconds}  # for serve's protocol (http_limits.py)
         summary.stop()
         writer.stop()  # writes what was already accepted before the process exits
         worker.stop()
         checkpointer.stop()
+        health_executor.shutdown(wait=False)
         engine.dispose()
 
-    app = FastAPI(title="trainvitals collector", version=f"wire-v{WIRE_VERSION}", lifespan=lifespan)
+    # The API's map only when asked for (--api-docs): it is not handed to whoever reaches the port.
+    docs = settings.api_docs
+    app = FastAPI(
+        title="trainvitals collector",
+        version=f"wire-v{WIRE_VERSION}",
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url=None,
+        openapi_url="/openapi.json" if docs else None,
+    )
     app.state.settings = settings
     app.state.engine = engine
     app.state.sessionmaker = sessions
     app.state.worker = worker
     app.state.batch_writer = writer
+    app.state.large_bodies = 0  # large ingest bodies being read now (routes/ingest.py _LargeBody)
     app.state.verifier = TokenVerifier(settings.token_cache_seconds)
     app.state.collector = TrainvitalsCollector(
         sessions,
@@ -80,6 +96,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router)
     app.exception_handler(RequestValidationError)(_validation_error)
 
+    app.add_middleware(BodyDeadline, seconds=settings.body_timeout_seconds)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=app.state.process_metrics)  # outermost: sees BodyLimit's 413
     return app
@@ -97,27 +114,3 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
         message += f"; and {len(problems) - 10} more"
     detail = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in errors[:100]]
     return JSONResponse({"message": message, "detail": detail}, status_code=422)
-
-
-class BodyLimit:
-    """413 for a request whose declared body exceeds the limit, before any of it is read.
-
-    Plain ASGI rather than @app.middleware("http"): Starlette's BaseHTTPMiddleware wraps every
-    request in a task group and memory streams, a measurable cost at hundreds of batches a second.
-    """
-
-    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            for name, value in scope["headers"]:
-                if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                    response = JSONResponse(
-                        {"detail": f"request body of {int(value)} bytes exceeds the limit of {self.max_bytes}"},
-                        status_code=413,
-                    )
-                    await response(scope, receive, send)
-                    return
-        await self.app(scope, receive, send)

@@ -34,7 +34,7 @@ _REASON_BY_STATUS = {
 }
 REFUSAL_REASONS = (
     "unauthenticated", "forbidden", "unknown_run", "conflict", "too_large", "invalid", "unstorable", "busy",
-    "storage_error", "other",
+    "busy_large", "storage_error", "other",
 )  # fmt: skip
 _REASON_KEY = "refusal_reason"  # in the ASGI scope state, set by refuse()
 
@@ -44,7 +44,8 @@ _BUCKETS = (0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 
 def refuse(request: Request, reason: str) -> None:
     """Name the reason of the refusal a route is about to raise (where the status alone is ambiguous:
-    409 unknown run vs conflicting registration, 422 invalid vs unstorable, 503 busy vs storage)."""
+    409 unknown run vs conflicting registration, 422 invalid vs unstorable, 503 busy vs too many large
+    bodies at once vs storage)."""
     assert reason in REFUSAL_REASONS, reason
     request.scope.setdefault("state", {})[_REASON_KEY] = reason
 

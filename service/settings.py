@@ -21,6 +21,23 @@ class Settings(BaseSettings):
     auth: bool = Field(True, description="require bearer tokens; off only for local demos (--insecure-no-auth)")
     token_cache_seconds: float = Field(30.0, ge=0, description="token lookups are cached this long")
     max_body_bytes: int = Field(32 * 1024 * 1024, description="larger requests get 413")
+    max_large_bodies: int = Field(
+        2, ge=1, description="ingest bodies over 1 MiB read and decoded at once per process; beyond, 503 (retry)"
+    )
+    header_timeout_seconds: float = Field(
+        10.0, gt=0, description="a request's line and headers must arrive within this, else the connection closes"
+    )
+    body_timeout_seconds: float = Field(
+        60.0, gt=0, description="a request's body must arrive within this after its headers, else 408"
+    )
+    keep_alive_seconds: int = Field(5, ge=1, description="idle keep-alive connections are closed after this")
+    max_connections: int = Field(
+        20_000,
+        ge=1,
+        description="open connections (or requests in progress) beyond which new requests get 503; "
+        "16,384 ranks on one collector plus operators; the open-files limit (ulimit -n) must allow it",
+    )
+    api_docs: bool = Field(False, description="serve /docs and /openapi.json (--api-docs)")
     ingest_writer_threads: int | None = Field(
         None, ge=1, description="group-commit writer threads; default 2 on PostgreSQL, 1 on SQLite"
     )

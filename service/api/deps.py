@@ -5,13 +5,27 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, HTTPException, Request, status
+from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request, status
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from trainvitals.service.auth import ANONYMOUS, Principal
 from trainvitals.service.store import queries
 from trainvitals.service.store.models import Run
+from trainvitals.wire.v1 import _RUN_ID_PATTERN as RUN_ID_PATTERN  # the one definition of a run id
+
+# Typed, bounded parameters: whatever a client sends is a 422 before the database sees it (an
+# integer beyond BIGINT, or a NUL byte that PostgreSQL refuses, would otherwise be a 500).
+MAX_STEP = 2**63 - 1  # the steps' column is a BIGINT
+_TEXT = r"^[^\x00]*$"  # any text but NUL, which PostgreSQL cannot store or compare
+RunId = Annotated[str, Path(min_length=1, max_length=128, pattern=RUN_ID_PATTERN, description="run id")]
+TensorName = Annotated[
+    str, Path(min_length=1, max_length=256, pattern=_TEXT, description="module fully-qualified name")
+]
+StepParam = Annotated[int | None, Query(ge=0, le=MAX_STEP, description="a step (inclusive bound)")]
+ProjectParam = Annotated[
+    str | None, Query(min_length=1, max_length=256, pattern=_TEXT, description="a project (default: the token's)")
+]
 
 
 def _session(request: Request) -> Iterator[Session]:
@@ -62,23 +76,25 @@ PrincipalDep = Annotated[Principal, Depends(authenticate)]
 
 def _authorized_run(session: Session, principal: Principal, run_id: str, scope: str) -> Run:
     run = queries.get_run(session, run_id=run_id)
-    if run is None:
+    # Another project's run answers exactly like an unknown one: run ids are global, and whether a
+    # project uses one is nobody else's business (a 403 would tell).
+    if run is None or (principal.project is not None and run.project != principal.project):
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
     require(principal, scope, run.project)
     return run
 
 
-def readable_run(run_id: str, session: SessionDep, principal: PrincipalDep) -> Run:
-    """The path's run: 404 when unknown, 403 unless the caller may read its project."""
+def readable_run(run_id: RunId, session: SessionDep, principal: PrincipalDep) -> Run:
+    """The path's run: 404 when unknown or another project's, 403 unless the caller may read it."""
     return _authorized_run(session, principal, run_id, "read")
 
 
-def writable_run(run_id: str, session: SessionDep, principal: PrincipalDep) -> Run:
-    """The path's run: 404 when unknown, 403 unless the caller may write (ingest) its project."""
-    return _authorized_run(session, principal, run_id, "ingest")
+def deletable_run(run_id: RunId, session: SessionDep, principal: PrincipalDep) -> Run:
+    """The path's run: 404 when unknown or another project's, 403 without the admin scope."""
+    return _authorized_run(session, principal, run_id, "admin")
 
 
-def readable_project(principal: PrincipalDep, project: str | None = None) -> str | None:
+def readable_project(principal: PrincipalDep, project: ProjectParam = None) -> str | None:
     """The project whose runs a caller sees: its token's (403 when `project` names another one),
     or `project` (None: every project) when auth is off."""
     if principal.project is None:
@@ -90,5 +106,5 @@ def readable_project(principal: PrincipalDep, project: str | None = None) -> str
 # A route that takes one of these gets the run (or project) already authorised; the session is
 # the request's one (FastAPI caches a dependency per request), so the run is not loaded twice.
 ReadableRun = Annotated[Run, Depends(readable_run)]
-WritableRun = Annotated[Run, Depends(writable_run)]
+DeletableRun = Annotated[Run, Depends(deletable_run)]
 ReadableProject = Annotated[str | None, Depends(readable_project)]

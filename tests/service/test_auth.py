@@ -26,8 +26,13 @@ def _h(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-BATCH = {"run": "ra", "rank": 0, "incarnation": 1, "seq": 0,
-         "records": [{"kind": "step", "step": 0, "ts": 1.0, "step_seconds": 0.5}]}
+BATCH = {
+    "run": "ra",
+    "rank": 0,
+    "incarnation": 1,
+    "seq": 0,
+    "records": [{"kind": "step", "step": 0, "ts": 1.0, "step_seconds": 0.5}],
+}
 
 
 def test_scopes_and_projects_are_enforced(app_and_tokens) -> None:
@@ -38,13 +43,17 @@ def test_scopes_and_projects_are_enforced(app_and_tokens) -> None:
     assert client.post("/v1/runs", json=reg, headers=_h(tok["a", "read"])).status_code == 403
     assert client.post("/v1/runs", json=reg, headers=_h(tok["b", "ingest"])).status_code == 403
     assert client.post("/v1/runs", json=reg, headers=_h(tok["a", "ingest"])).status_code == 201
-    # B's ingest token cannot write into A's run, a read token cannot write at all.
-    assert client.post("/v1/batches", json=BATCH, headers=_h(tok["b", "ingest"])).status_code == 403
+    # B's ingest token cannot write into A's run (answered as for a run that does not exist), a
+    # read token cannot write at all.
+    foreign = client.post("/v1/batches", json=BATCH, headers=_h(tok["b", "ingest"]))
+    unknown = client.post("/v1/batches", json={**BATCH, "run": "nope"}, headers=_h(tok["b", "ingest"]))
+    assert (foreign.status_code, foreign.json()) == (409, {"detail": "run 'ra' is not registered: POST /v1/runs first"})
+    assert (unknown.status_code, unknown.json()["detail"]) == (409, foreign.json()["detail"].replace("'ra'", "'nope'"))
     assert client.post("/v1/batches", json=BATCH, headers=_h(tok["a", "read"])).status_code == 403
     assert client.post("/v1/batches", json=BATCH, headers=_h(tok["a", "ingest"])).json()["accepted"] == 1
     # Reading: A's read token sees A's run; B's does not; an ingest token is not a read token.
     assert client.get("/v1/runs/ra", headers=_h(tok["a", "read"])).json()["step_records"] == 1
-    assert client.get("/v1/runs/ra", headers=_h(tok["b", "read"])).status_code == 403
+    assert client.get("/v1/runs/ra", headers=_h(tok["b", "read"])).status_code == 404  # as if there were none
     assert client.get("/v1/runs/ra/findings", headers=_h(tok["a", "ingest"])).status_code == 403
     assert client.get("/v1/runs", headers=_h(tok["b", "read"])).json() == []
     assert [r["run"] for r in client.get("/v1/runs", headers=_h(tok["a", "read"])).json()] == ["ra"]
@@ -73,3 +82,31 @@ def test_revoked_token_stops_working(db_url: str) -> None:
         assert auth.revoke_token(session, token=token)
         assert verifier.verify(session, token) is None
     engine.dispose()
+
+
+def test_a_run_id_taken_by_another_project_is_refused_for_good_without_naming_it(app_and_tokens) -> None:
+    """Run ids are global: B registering A's run id gets a 409 that says the id is taken and what to
+    do (the agent sets its data aside and says so once, agent/_refusals.py), not whose it is;
+    B's batches for it are answered as for an unknown run, and A's run is untouched."""
+    client, tok = app_and_tokens
+    assert (
+        client.post("/v1/runs", json={"run": "ra", "project": "a"}, headers=_h(tok["a", "ingest"])).status_code == 201
+    )
+    squat = client.post("/v1/runs", json={"run": "ra"}, headers=_h(tok["b", "ingest"]))
+    assert squat.status_code == 409
+    assert squat.json()["detail"] == (
+        "run id 'ra' is taken by another project: nothing of this job is stored. Give this job its own run id "
+        "(attach(run=...) or TRAINVITALS_RUN)"
+    )
+    assert "'a'" not in squat.text
+    assert client.post("/v1/batches", json=BATCH, headers=_h(tok["b", "ingest"])).status_code == 409
+    assert client.get("/v1/runs/ra", headers=_h(tok["a", "read"])).json()["step_records"] == 0
+
+
+def test_scope_grants() -> None:
+    admin, read, ingest = (auth.Principal(project="a", scope=s) for s in ("admin", "read", "ingest"))
+    assert admin.may("admin", "a") and admin.may("read", "a") and not admin.may("ingest", "a")
+    assert not admin.may("read", "b")
+    assert read.may("read", "a") and not read.may("admin", "a") and not read.may("ingest", "a")
+    assert ingest.may("ingest", "a") and not ingest.may("admin", "a") and not ingest.may("read", "a")
+    assert auth.ANONYMOUS.may("admin", "any")

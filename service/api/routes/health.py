@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import Metric
+from sqlalchemy.orm import Session, sessionmaker
 
-from trainvitals.service.api.deps import PrincipalDep, SessionDep, require
+from trainvitals.service.api.deps import PrincipalDep, require
 from trainvitals.service.api.schemas import HealthPublic
 from trainvitals.service.exposition import TrainvitalsCollector
 from trainvitals.service.self_metrics import ProcessMetrics
@@ -18,9 +20,17 @@ router = APIRouter(tags=["ops"])
 
 
 @router.get("/healthz", summary="Liveness: the process serves and the database answers")
-def healthz(session: SessionDep) -> HealthPublic:
-    queries.ping(session)
+async def healthz(request: Request) -> HealthPublic:
+    # On the event loop and a thread of its own (main.py), never queued behind the worker threads
+    # that decode large bodies or serve slow reads: a busy collector still answers its probe.
+    state = request.app.state
+    await asyncio.get_running_loop().run_in_executor(state.health_executor, _ping, state.sessionmaker)
     return HealthPublic(status="ok")
+
+
+def _ping(sessionmaker: sessionmaker[Session]) -> None:
+    with sessionmaker() as session:
+        queries.ping(session)
 
 
 @router.get(

@@ -5,13 +5,22 @@ default, `?format=csv` for CSV."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response, status
 from pydantic import BaseModel
 
 from trainvitals.service.analysis import on_request
-from trainvitals.service.api.deps import ReadableProject, ReadableRun, SessionDep, WritableRun
+from trainvitals.service.api.deps import (
+    MAX_STEP,
+    RUN_ID_PATTERN,
+    DeletableRun,
+    ReadableProject,
+    ReadableRun,
+    SessionDep,
+    StepParam,
+    TensorName,
+)
 from trainvitals.service.api.schemas import (
     AnalysisFindingPublic,
     CheckpointGenerationPublic,
@@ -78,10 +87,8 @@ def get_run(
     return _reply(RunOverviewPublic.model_validate(overview), format)
 
 
-@router.delete(
-    "/{run_id}", status_code=status.HTTP_204_NO_CONTENT, summary="Delete a run and all its records"
-)
-def delete_run(run: WritableRun, session: SessionDep) -> None:  # deleting is a write: the ingest scope
+@router.delete("/{run_id}", status_code=status.HTTP_204_NO_CONTENT, summary="Delete a run and all its records")
+def delete_run(run: DeletableRun, session: SessionDep) -> None:  # the admin scope: ingest and read cannot
     queries.delete_run(session, run_id=run.run_id)
 
 
@@ -94,8 +101,8 @@ def delete_run(run: WritableRun, session: SessionDep) -> None:  # deleting is a 
 def worst_tensors(
     run: ReadableRun,
     session: SessionDep,
-    start: int | None = None,
-    end: int | None = None,
+    start: StepParam = None,
+    end: StepParam = None,
     k: int = Query(10, ge=1, le=1000),
     format: Format = "json",
 ) -> list[WorstTensorPublic] | Response:
@@ -111,11 +118,11 @@ def worst_tensors(
 )
 def tensor_timeline(
     run: ReadableRun,
-    tensor: str,
+    tensor: TensorName,
     session: SessionDep,
     role: Literal["input", "weight", "grad_output"] | None = None,
-    start: int | None = None,
-    end: int | None = None,
+    start: StepParam = None,
+    end: StepParam = None,
     format: Format = "json",
 ) -> list[TensorStepPublic] | Response:
     rows = queries.tensor_timeline(session, run_id=run.run_id, tensor=tensor, role=role, start=start, end=end)
@@ -131,8 +138,8 @@ def tensor_timeline(
 def step_times(
     run: ReadableRun,
     session: SessionDep,
-    start: int = Query(ge=0),
-    end: int = Query(ge=0),
+    start: int = Query(ge=0, le=MAX_STEP),
+    end: int = Query(ge=0, le=MAX_STEP),
     format: Format = "json",
 ) -> StepTimeMatrixPublic | Response:
     if end < start or end - start > 100_000:
@@ -163,9 +170,15 @@ def findings(
 def analysis(
     run: ReadableRun,
     session: SessionDep,
-    baseline: str | None = Query(
-        None, max_length=128, description="run to compare with (same project); default: the registered baseline_run"
-    ),
+    baseline: Annotated[
+        str | None,
+        Query(
+            min_length=1,
+            max_length=128,
+            pattern=RUN_ID_PATTERN,
+            description="run to compare with (same project); default: the registered baseline_run",
+        ),
+    ] = None,
     format: Format = "json",
 ) -> list[AnalysisFindingPublic] | Response:
     try:
@@ -195,7 +208,7 @@ def checkpoints(
     responses=_CSV,
 )
 def rollback(
-    run: ReadableRun, session: SessionDep, before_step: int | None = None, format: Format = "json"
+    run: ReadableRun, session: SessionDep, before_step: StepParam = None, format: Format = "json"
 ) -> RollbackPublic | Response:
     target = queries.rollback_target(session, run_id=run.run_id, before_step=before_step)
     return _reply(RollbackPublic.model_validate(target), format)

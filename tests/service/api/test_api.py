@@ -12,7 +12,9 @@ from trainvitals.service.settings import Settings
 @pytest.fixture
 def client(db_url: str):
     with TestClient(
-        create_app(Settings(db=db_url, max_body_bytes=200_000, run_analysis=False, auth=False, settle_seconds=0))
+        create_app(
+            Settings(db=db_url, max_body_bytes=200_000, run_analysis=False, auth=False, settle_seconds=0, api_docs=True)
+        )
     ) as c:
         yield c
 
@@ -76,8 +78,10 @@ def test_short_run_overview_says_when_detection_starts(client: TestClient) -> No
     )
     stop = {"kind": "event", "ts": 2.0, "event": "stop"}
     client.post("/v1/batches", json={**_batch(seq=1, steps=range(0)), "records": [stop]})  # rank 0 closed
-    assert client.get("/v1/runs/r1").json()["detection"].startswith(
-        "the run ended at step 99, before detection would have started at step 300"
+    assert (
+        client.get("/v1/runs/r1")
+        .json()["detection"]
+        .startswith("the run ended at step 99, before detection would have started at step 300")
     )
     client.post("/v1/runs", json={"run": "r2", "detector_warmup_steps": 50})
     client.post("/v1/batches", json={**_batch(steps=range(100)), "run": "r2"})

@@ -1,5 +1,6 @@
 """Run authorisation as a dependency: every route under /v1/runs/{run_id} answers 401 without a
-token, 404 for an unknown run, 403 for another project's run or the wrong scope."""
+token, 404 for an unknown run and for another project's (the same answer: nothing tells a project
+which run ids another one uses), 403 for the wrong scope in the token's own project."""
 
 import pytest
 from fastapi.testclient import TestClient
@@ -39,11 +40,17 @@ def test_read_routes_authorise_the_run(client_and_tokens) -> None:
     for route in READ_ROUTES:
         own, unknown = route.format(run="ra"), route.format(run="nope")
         assert client.get(own).status_code == 401, route
-        assert client.get(unknown, headers=h["a", "read"]).status_code == 404, route
-        assert client.get(own, headers=h["b", "read"]).status_code == 403, route
+        missing = client.get(unknown, headers=h["a", "read"])
+        assert missing.status_code == 404, route
+        # Another project's run: word for word the answer for a run that does not exist.
+        foreign = client.get(route.format(run="nope").replace("nope", "ra"), headers=h["b", "read"])
+        assert (foreign.status_code, foreign.json()) == (404, {"detail": "no run 'ra'"}), route
+        assert missing.json() == {"detail": "no run 'nope'"}, route
         assert client.get(own, headers=h["a", "ingest"]).status_code == 403, route
-        # Authorised: the route's own answer (the advice has no saves to go on yet: its 422).
+        # Authorised (a read token, or an admin's, which reads too): the route's own answer (the
+        # advice has no saves to go on yet: its 422).
         assert client.get(own, headers=h["a", "read"]).status_code in (200, 422), route
+        assert client.get(own, headers=h["a", "admin"]).status_code in (200, 422), route
     assert client.get("/v1/runs/ra/advice/checkpoints", headers=h["a", "read"]).status_code == 422
 
 
@@ -51,8 +58,21 @@ def test_listing_and_deleting(client_and_tokens) -> None:
     client, h = client_and_tokens
     assert client.get("/v1/runs?project=b", headers=h["a", "read"]).status_code == 403
     assert [r["run"] for r in client.get("/v1/runs?project=a", headers=h["a", "read"]).json()] == ["ra"]
-    assert client.delete("/v1/runs/ra", headers=h["a", "read"]).status_code == 403  # deleting is a write
-    assert client.delete("/v1/runs/ra", headers=h["b", "ingest"]).status_code == 403
-    assert client.delete("/v1/runs/nope", headers=h["a", "ingest"]).status_code == 404
-    assert client.delete("/v1/runs/ra", headers=h["a", "ingest"]).status_code == 204
+    # Deleting needs the admin scope: neither the agents' ingest token nor a dashboard's read token.
+    for scope in ("read", "ingest"):
+        refused = client.delete("/v1/runs/ra", headers=h["a", scope])
+        assert refused.status_code == 403 and "this needs scope 'admin'" in refused.json()["detail"], scope
+    assert client.delete("/v1/runs/ra", headers=h["b", "admin"]).json() == {"detail": "no run 'ra'"}
+    assert client.delete("/v1/runs/nope", headers=h["a", "admin"]).status_code == 404
+    assert client.get("/v1/runs/ra", headers=h["a", "read"]).status_code == 200  # nothing deleted yet
+    assert client.delete("/v1/runs/ra", headers=h["a", "admin"]).status_code == 204
     assert client.get("/v1/runs/ra", headers=h["a", "read"]).status_code == 404
+
+
+def test_an_admin_token_cannot_ingest(client_and_tokens) -> None:
+    """admin reads and deletes; writing stays the agents' ingest tokens' (an admin token never
+    has to be handed to a job)."""
+    client, h = client_and_tokens
+    batch = {"run": "ra", "rank": 0, "incarnation": 1, "seq": 0, "records": []}
+    assert client.post("/v1/batches", json=batch, headers=h["a", "admin"]).status_code == 403
+    assert client.post("/v1/runs", json={"run": "rx", "project": "a"}, headers=h["a", "admin"]).status_code == 403

@@ -105,7 +105,7 @@ def test_aliases_become_keys_and_values_pass_through_unchanged() -> None:
 
 
 def test_openapi_documents_every_read_route(tmp_path: Path) -> None:
-    app = create_app(Settings(db=f"sqlite:///{tmp_path / 'tv.db'}", auth=False, run_analysis=False))
+    app = create_app(Settings(db=f"sqlite:///{tmp_path / 'tv.db'}", auth=False, run_analysis=False, api_docs=True))
     with TestClient(app) as client:
         spec = client.get("/openapi.json").json()
     gets = {path: ops["get"] for path, ops in spec["paths"].items() if path.startswith("/v1") and "get" in ops}
