@@ -1,0 +1,103 @@
+"""Two `trainvitals serve` replicas behind Debian's nginx on one PostgreSQL (docs/deployment.md).
+
+Batches go in through nginx and land on both replicas; afterwards the run overview, the findings
+and /metrics read the same whichever replica answers, and one replica's analysis child did the
+analysis for both. The nginx config, the replica and nginx processes and the comparison are the
+ones benchmarks/scaleout_16k.py runs at 16,384 ranks (imported from there, so the test proves the
+config the docs show).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import scaleout_16k as so  # noqa: E402 - benchmarks/ is a directory of scripts, not a package
+from ingest_throughput import create_token, free_port  # noqa: E402
+
+from trainvitals.wire.builders import batch_header, step_record  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+RUN, WORLD, STEPS, NAN_RANK, NAN_STEP = "scaleout-e2e", 8, 6, 3, 2
+# Analysis every 0.3 s, each step reduced as soon as every rank sent it: the test waits seconds, not minutes.
+FAST = {"TRAINVITALS_ANALYSIS_INTERVAL_SECONDS": "0.3", "TRAINVITALS_SETTLE_SECONDS": "0"}
+
+
+def _post(base: str, path: str, body: object, token: str) -> tuple[int, str]:
+    req = urllib.request.Request(
+        base + path, data=json.dumps(body).encode(),
+        headers={"content-type": "application/json", "authorization": f"Bearer {token}"},
+    )  # fmt: skip
+    with urllib.request.urlopen(req, timeout=30) as resp:  # a new connection per request
+        return resp.status, resp.headers.get(so.UPSTREAM_HEADER, "")
+
+
+def _batch(rank: int, seq: int, steps: range) -> dict[str, object]:
+    records = [
+        step_record(step=s, ts=time.time(), step_seconds=0.5, compute_seconds=0.4, wait_seconds=0.1,
+                    loss=float("nan") if (rank, s) == (NAN_RANK, NAN_STEP) else 2.5, tokens=4096, dp_rank=rank)
+        for s in steps
+    ]  # fmt: skip
+    return {**batch_header(run=RUN, rank=rank, incarnation=1, seq=seq), "records": records}
+
+
+def test_replicas_behind_nginx_agree(empty_pg_url: str, tmp_path: Path) -> None:
+    assert so.nginx_binary(), "nginx is missing: run tools/install-system-deps.sh"
+    ingest = create_token(empty_pg_url, project="bench", scope="ingest")  # also migrates, once
+    read = create_token(empty_pg_url, project="bench", scope="read")
+    ports = [free_port() for _ in range(3)]
+    bases = [f"http://127.0.0.1:{p}" for p in ports[1:]]
+    proxy = f"http://127.0.0.1:{ports[0]}"
+    with (
+        so.replica(empty_pg_url, ports[1], tmp_path / "a.log", env=FAST) as a,
+        so.replica(empty_pg_url, ports[2], tmp_path / "b.log", env=FAST) as b,
+        so.nginx(ports[0], ports[1:]),
+    ):
+        assert _post(proxy, "/v1/runs", {"run": RUN, "parallelism": {"world_size": WORLD}}, ingest)[0] == 201
+        upstreams = set()
+        for seq, steps in enumerate((range(0, 3), range(3, STEPS))):
+            for rank in range(WORLD):
+                status, upstream = _post(proxy, "/v1/batches", _batch(rank, seq, steps), ingest)
+                assert status == 200
+                upstreams.add(upstream)
+        assert upstreams == {f"127.0.0.1:{p}" for p in ports[1:]}, "nginx should spread batches over both"
+        # A batch retried through the proxy (the other replica may take it) is a duplicate, stored once.
+        assert _post(proxy, "/v1/batches", _batch(0, 0, range(0, 3)), ingest)[0] == 200
+
+        deadline = time.monotonic() + 40
+        while True:  # until the analysis (one replica's child) has reduced every step and found the NaN
+            view = so.views(bases[1], read, RUN)
+            if view["overview"]["steps"] == STEPS and any(f["kind"] == "loss_nonfinite" for f in view["findings"]):
+                break
+            assert time.monotonic() < deadline, view
+            time.sleep(0.5)
+
+        assert so.agreement(bases, read, RUN) == dict.fromkeys(("overview", "findings", "metrics"), "agree")
+        overview = view["overview"]
+        assert (overview["ranks"], overview["step_records"], overview["last_step"]) == (WORLD, WORLD * STEPS, STEPS - 1)
+        [nan] = [f for f in view["findings"] if f["kind"] == "loss_nonfinite"]
+        assert nan["onset_step"] == NAN_STEP
+        assert f'trainvitals_ingest_records_total{{run="{RUN}"}} {float(WORLD * STEPS)}' in view["metrics"]
+        assert 'trainvitals_ingest_batches_total{outcome="duplicate"} 1.0' in view["metrics"]
+        # The analysis lease: exactly one replica's analysis child holds the PostgreSQL advisory lock.
+        assert _lease_holders(empty_pg_url) == 1, "one analysis child analyses for both replicas"
+        assert a.poll() is None and b.poll() is None
+
+
+def _lease_holders(db_url: str) -> int:
+    import psycopg
+
+    name = db_url.rsplit("/", 1)[1]
+    with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{name}", autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(DISTINCT l.pid) FROM pg_locks l JOIN pg_database d ON d.oid = l.database "
+            "WHERE l.locktype = 'advisory' AND l.granted AND d.datname = current_database()"
+        ).fetchone()
+    return int(row[0]) if row else 0
