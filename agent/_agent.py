@@ -413,20 +413,20 @@ class Agent:
             self._errors.record("close", exc)
 
     def stats(self) -> dict[str, int]:
-        """Counters: agent errors, steps, records emitted / dropped (queue full) / delivered
-        (acknowledged by the collector), batches delivered / rejected / dropped (spool full),
-        failed delivery attempts."""
+        """Counters: agent errors, steps, records emitted / delivered (acknowledged by the
+        collector) / dropped (lost for good: in all, and `dropped_<reason>` by reason), batches
+        delivered / rejected (set aside), failed delivery attempts."""
         s = self._exporter.stats
         return {
             "errors": self._errors.errors,
             "steps": self._step,
             "emitted_records": s.emitted_records,
             "dropped_records": s.dropped_records,
+            **{f"dropped_{reason}": n for reason, n in s.dropped.items()},
             "delivered_batches": s.delivered_batches,
             "delivered_records": s.delivered_records,
             "failed_attempts": s.failed_attempts,
             "rejected_batches": s.rejected_batches,
-            "spool_dropped_batches": s.spool_dropped_batches,
         }
 
     @property

@@ -13,6 +13,12 @@ A message the collector refuses for good (agent/_refusals.py: malformed, another
 or an auth refusal that outlasted its retry window) is moved to the quarantine file next to the
 spool, so that delivery in order never lets one refusal hold back later data; what the user is
 told about it is agent/_notices.py. Every batch is also appended to `record_file` when one is set.
+
+When the spool cannot take a batch (an unwritable directory, a full disk, a file-size limit, or
+spill_max_bytes reached), the batch is kept in memory instead, behind the spool's lines and ahead
+of newer batches (so delivery stays in seq order), up to `hold_max_bytes`, and is sent from there;
+it moves to the spool as soon as the spool takes it again. A batch that fits nowhere, or is still
+only in memory when the process ends, is dropped and counted by reason (agent/_processor.py).
 """
 
 from __future__ import annotations
@@ -20,15 +26,24 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from trainvitals.agent import _refusals
 from trainvitals.agent._config import AgentConfig
 from trainvitals.agent._guard import ErrorBudget
 from trainvitals.agent._notices import Notices
-from trainvitals.agent._processor import BatchProcessor, DeliveryReport, EncodedBatch
+from trainvitals.agent._processor import (
+    EXIT_TIMEOUT,
+    QUARANTINE_ERROR,
+    QUARANTINE_FULL,
+    SPOOL_ERROR,
+    SPOOL_FULL,
+    BatchProcessor,
+    DeliveryReport,
+    EncodedBatch,
+)
 from trainvitals.agent._spool import Quarantine, Spool, spool_path
 from trainvitals.agent._transport import HttpTransport, Reply, Transport
 from trainvitals.wire.builders import JsonObject
@@ -37,6 +52,24 @@ MessageKind = Literal["registration", "batch"]
 _PATHS: dict[MessageKind, str] = {"registration": "/v1/runs", "batch": "/v1/batches"}
 
 _Outcome = Literal["delivered", "set_aside", "failed"]
+
+HOLD_MAX_BYTES = 64 << 20
+"""Encoded batches kept in memory while the spool cannot take them: ~3,000 of the default agent's
+~20 KiB batches, over 1.5 h of a 2 s send interval; a bound the training process can afford."""
+
+
+class _Held(NamedTuple):
+    """A batch kept in memory, and why it is not in the spool (its drop reason if it is lost)."""
+
+    batch: EncodedBatch
+    reason: str
+
+
+class _Spooled(NamedTuple):
+    """What one of this process's spool lines holds: wire records, queue items."""
+
+    records: int
+    items: int
 
 
 def _encode(obj: JsonObject) -> bytes:
@@ -65,6 +98,7 @@ class SpoolingDelivery:
         registration: JsonObject,
         transport: Transport | None = None,
         errors: ErrorBudget | None = None,
+        hold_max_bytes: int = HOLD_MAX_BYTES,
     ) -> None:
         self._cfg = config
         # A registration without a project takes the token's (the collector fills it in and says
@@ -90,6 +124,7 @@ class SpoolingDelivery:
             quarantine=self._quarantine.path,
             token=config.token,
             retry_backoff_s=config.retry_backoff_s,
+            hold_max_bytes=hold_max_bytes,
         )
         self._record_path = Path(config.record_file.replace("{rank}", str(rank))) if config.record_file else None
         self._next_attempt = 0.0
@@ -100,12 +135,19 @@ class SpoolingDelivery:
         self._refused_for_good = False
         # Record counts of the batches this process spooled, oldest first; lines that an earlier
         # process left (the first `_leftover_end` bytes of the file) are not this process's records.
-        self._spooled_records: deque[int] = deque()
+        self._spooled: deque[_Spooled] = deque()
+        # Batches the spool could not take, oldest first; all newer than every spool line.
+        self._held: deque[_Held] = deque()
+        self._held_bytes = 0
+        self._hold_max_bytes = hold_max_bytes
+        self._in_hand = 0  # queue items of the pass in progress not yet delivered, spooled or held
         self._leftover_end = len(self._spool)
         # An earlier process's lines travel under its own registration: if the collector refuses
         # that for good, they are set aside with it rather than stored under this process's.
         self._leftover_registration = self._spool.first_line() if self._leftover_end else None
         self._leftover_refused = False
+        if self._spool.torn_bytes:
+            self._notices.torn_tail(self._spool.torn_bytes)
 
     # ------------------------------------------------------------------ Delivery
 
@@ -118,29 +160,45 @@ class SpoolingDelivery:
         write_ahead: bool = False,
     ) -> DeliveryReport:
         report = DeliveryReport()
+        self._in_hand = sum(b.items for b in batches)
         if self._record_path is not None:
-            for batch in batches:
-                self._record(batch.body)
+            self._record(batches)
         can_send = self._transport is not None and (ignore_backoff or time.monotonic() >= self._next_attempt)
-        if not can_send or write_ahead or len(self._spool):
-            # Behind what already waits (seq order), or to disk first because the process ends.
-            self._to_spool(batches, report)
+        if not can_send or write_ahead:
+            # To disk first because the process ends (or nothing can be sent now).
+            self._keep(batches, report)
             if can_send:
                 self._drain(deadline, report)
             return report
+        if self.undelivered():
+            # What already waits goes first (seq order); new batches follow it only if it all went,
+            # so a full memory hold is emptied before a new batch would find no room in it.
+            self._drain(deadline, report)
+            if self.undelivered():
+                self._keep(batches, report)
+                return report
         for i, batch in enumerate(batches):
-            outcome = self._send_batch(batch.body, deadline, report, leftover=False)
+            outcome = self._send_batch(batch.body, deadline, report, leftover=False, items=batch.items)
             if outcome is None or outcome == "failed":
                 # Out of time or failed: this batch and the ones after it wait in the spool.
                 if outcome == "failed":
                     self._failed(report)
-                self._to_spool(batches[i:], report)
+                self._keep(batches[i:], report)
                 break
+            self._in_hand -= batch.items
             self._count("batch", outcome, batch.records, report)
         return report
 
     def undelivered(self) -> bool:
-        return len(self._spool) > 0
+        return bool(self._held) or len(self._spool) > 0
+
+    def unsaved(self) -> dict[str, int]:
+        lost: dict[str, int] = {}
+        for held in list(self._held):  # a copy: a hung worker may still be using the deque
+            lost[held.reason] = lost.get(held.reason, 0) + held.batch.items
+        if self._in_hand:
+            lost[EXIT_TIMEOUT] = lost.get(EXIT_TIMEOUT, 0) + self._in_hand
+        return lost
 
     def exit_wait(self, seconds: float, queued_batches: int) -> None:
         try:
@@ -148,10 +206,11 @@ class SpoolingDelivery:
         except OSError as exc:
             self._errors.record("exit_wait", exc)
 
-    def exit_report(self) -> None:
-        if self._transport is None:
-            return  # sending is off (collector ""): the spool is the output
+    def exit_report(self, dropped: Mapping[str, int]) -> None:
         try:
+            self._notices.exit_dropped(dropped)
+            if self._transport is None:
+                return  # sending is off (collector ""): the spool is the output
             self._notices.exit_report(waiting=self._spool.pending_batches(), set_aside=self._quarantine.batches)
         except OSError as exc:
             self._errors.record("exit_report", exc)
@@ -163,20 +222,29 @@ class SpoolingDelivery:
 
     # ------------------------------------------------------------------ sending
 
-    def _send_batch(self, body: bytes, deadline: float, report: DeliveryReport, *, leftover: bool) -> _Outcome | None:
+    def _send_batch(
+        self, body: bytes, deadline: float, report: DeliveryReport, *, leftover: bool, items: int | None
+    ) -> _Outcome | None:
         """One batch, preceded by this process's registration while the collector has not
         acknowledged it (an earlier process's batches follow their own, from the spool); None
-        when out of time before trying."""
+        when out of time before trying. items: see _set_aside."""
         if not leftover and self._refused_for_good:
-            return self._set_aside(body, report, leftover=False)
+            return self._set_aside(body, report, leftover=False, items=items)
         if not leftover and not self._registered:
             outcome = self._send("registration", self._registration, deadline, report, leftover=False)
             if outcome is None or outcome == "failed":
                 return outcome
-        return self._send("batch", body, deadline, report, leftover=leftover)
+        return self._send("batch", body, deadline, report, leftover=leftover, items=items)
 
     def _send(
-        self, kind: MessageKind, body: bytes, deadline: float, report: DeliveryReport, *, leftover: bool
+        self,
+        kind: MessageKind,
+        body: bytes,
+        deadline: float,
+        report: DeliveryReport,
+        *,
+        leftover: bool,
+        items: int | None = None,
     ) -> _Outcome | None:
         assert self._transport is not None
         timeout = min(self._cfg.http_timeout_s, deadline - time.monotonic())
@@ -226,7 +294,7 @@ class SpoolingDelivery:
             self._refused_for_good = True
         if kind == "registration":
             return "set_aside"  # a refused registration is not kept (see _accepted); the log says why
-        return self._set_aside(body, report, leftover=leftover)
+        return self._set_aside(body, report, leftover=leftover, items=items)
 
     def _acknowledged(self, reply: Reply) -> None:
         """The collector took this process's registration; note the project it filled in."""
@@ -244,12 +312,22 @@ class SpoolingDelivery:
             self._own_registrations.add(self._registration)
             self._accepted.add(self._registration)
 
-    def _set_aside(self, line: bytes, report: DeliveryReport, *, leftover: bool) -> _Outcome:
+    def _set_aside(self, line: bytes, report: DeliveryReport, *, leftover: bool, items: int | None) -> _Outcome:
+        """items: the batch's queue items, counted as dropped when the quarantine file cannot take
+        it; None for an earlier process's batch, which then counts its wire records."""
         registration = (self._leftover_registration or self._registration) if leftover else self._registration
         header = registration if registration in self._accepted else None
-        if not self._quarantine.add(line, registration=header):
-            report.spool_dropped_batches += 1
-            self._errors.record("quarantine", OSError(f"quarantine {self._quarantine.path} full; batch dropped"))
+        try:
+            if self._quarantine.add(line, registration=header):
+                return "set_aside"
+            reason = QUARANTINE_FULL
+            self._notices.file_full(self._quarantine.path, self._quarantine.max_bytes)
+        except OSError as exc:
+            reason = QUARANTINE_ERROR
+            self._notices.cannot_write(self._quarantine.path, exc)
+        n = _wire_records(line) if items is None else items
+        report.dropped[reason] += n
+        self._notices.dropped(reason, n)
         return "set_aside"
 
     def _failed(self, report: DeliveryReport) -> None:
@@ -268,25 +346,65 @@ class SpoolingDelivery:
 
     # ------------------------------------------------------------------ the spool
 
-    def _to_spool(self, batches: Sequence[EncodedBatch], report: DeliveryReport) -> None:
+    def _keep(self, batches: Sequence[EncodedBatch], report: DeliveryReport) -> None:
+        """Batches that cannot be delivered now: to the spool, else into memory, in seq order
+        (every spool line is older than every batch held in memory)."""
+        reason = self._spill_held()
         for batch in batches:
-            line = batch.body
-            if not self._spool.path.exists():
-                # A spool file always starts with the registration: on its own it is replayable, and
-                # its first line is known to be the registration. Written with the batch in one
-                # append: one fsync instead of two.
-                line = self._registration + b"\n" + line
-                self._leftover_end = 0
-            if self._spool.append(line):
-                self._spooled_records.append(batch.records)
-            else:
-                report.spool_dropped_batches += 1
-                self._errors.record("spool", OSError(f"spool {self._spool.path} full; batch dropped"))
+            if not self._held:
+                reason = self._to_spool(batch)
+            if reason is not None:
+                self._hold(batch, reason, report)
+        self._in_hand = 0
+
+    def _spill_held(self) -> str | None:
+        """Move batches kept in memory to the spool, oldest first, while it takes them; the
+        reason it does not, if it does not take them all."""
+        while self._held:
+            held = self._held[0]
+            reason = self._to_spool(held.batch)
+            if reason is not None:
+                return reason
+            self._held.popleft()
+            self._held_bytes -= len(held.batch.body)
+        return None
+
+    def _to_spool(self, batch: EncodedBatch) -> str | None:
+        """Append one batch; None when it is on disk, else the drop reason should it be lost."""
+        line = batch.body
+        if self._spool.empty():
+            # A spool file always starts with the registration: on its own it is replayable, and
+            # its first line is known to be the registration. Written with the batch in one
+            # append: one fsync instead of two.
+            line = self._registration + b"\n" + line
+            self._leftover_end = 0
+        try:
+            if not self._spool.append(line):
+                self._notices.file_full(self._spool.path, self._spool.max_bytes)
+                return SPOOL_FULL
+        except OSError as exc:
+            self._notices.cannot_write(self._spool.path, exc)
+            return SPOOL_ERROR
+        self._spooled.append(_Spooled(batch.records, batch.items))
+        return None
+
+    def _hold(self, batch: EncodedBatch, reason: str, report: DeliveryReport) -> None:
+        if self._held_bytes + len(batch.body) > self._hold_max_bytes:
+            # Nowhere to keep it: the newest goes, as when the spool is full. (A batch of the
+            # processor's 'dropped' event alone has no items: the next event says it all again.)
+            if batch.items:
+                report.dropped[reason] += batch.items
+                self._notices.dropped(reason, batch.items)
+            return
+        self._held.append(_Held(batch, reason))
+        self._held_bytes += len(batch.body)
 
     def _drain(self, deadline: float, report: DeliveryReport) -> None:
-        """Spooled messages to the collector, oldest first, until done, failing or out of time."""
+        """Waiting messages to the collector, oldest first (the spool, then the batches held in
+        memory), until done, failing or out of time."""
         for item in self._spool.pending():
             leftover = item.end <= self._leftover_end
+            ours = self._spooled[0] if not leftover and not item.first and self._spooled else None
             # The spool's structure says what a line is: its first line is the registration.
             kind: MessageKind = "registration" if item.first else "batch"
             outcome: _Outcome | None
@@ -297,26 +415,53 @@ class SpoolingDelivery:
                     outcome = self._send(kind, item.line, deadline, report, leftover=leftover)
                     self._leftover_refused = leftover and outcome == "set_aside"
             elif leftover and self._leftover_refused:
-                outcome = self._set_aside(item.line, report, leftover=True)
+                outcome = self._set_aside(item.line, report, leftover=True, items=None)
             else:
-                outcome = self._send_batch(item.line, deadline, report, leftover=leftover)
+                items = ours.items if ours else None
+                outcome = self._send_batch(item.line, deadline, report, leftover=leftover, items=items)
             if outcome is None:
                 return
             if outcome == "failed":
                 self._failed(report)
                 return
-            ours = kind == "batch" and not leftover and bool(self._spooled_records)
-            self._count(kind, outcome, self._spooled_records.popleft() if ours else 0, report)
+            if ours:
+                self._spooled.popleft()
+            self._count(kind, outcome, ours.records if ours else 0, report)
             self._spool.mark_delivered(item.end)
+        while self._held:
+            held = self._held[0]
+            outcome = self._send_batch(held.batch.body, deadline, report, leftover=False, items=held.batch.items)
+            if outcome is None:
+                return
+            if outcome == "failed":
+                self._failed(report)
+                return
+            self._held.popleft()
+            self._held_bytes -= len(held.batch.body)
+            self._count("batch", outcome, held.batch.records, report)
 
-    def _record(self, line: bytes) -> None:
+    def _record(self, batches: Sequence[EncodedBatch]) -> None:
+        """A copy of every batch for the user (record_file); its failure costs the copy only."""
         assert self._record_path is not None
-        new = not self._record_path.exists()
-        self._record_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self._record_path, "ab") as fh:
-            if new:
-                fh.write(self._registration + b"\n")
-            fh.write(line + b"\n")
+        try:
+            new = not self._record_path.exists()
+            self._record_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self._record_path, "ab") as fh:
+                if new:
+                    fh.write(self._registration + b"\n")
+                for batch in batches:
+                    fh.write(batch.body + b"\n")
+        except OSError as exc:
+            self._notices.cannot_write(self._record_path, exc)
+
+
+def _wire_records(line: bytes) -> int:
+    """Records in an encoded batch (an earlier process's, whose queue items are unknown)."""
+    try:
+        records = json.loads(line).get("records")
+    except (ValueError, AttributeError):
+        return 0
+    return len(records) if isinstance(records, list) else 0
 
 
 def spooling_exporter(
@@ -328,6 +473,7 @@ def spooling_exporter(
     registration: JsonObject,
     transport: Transport | None = None,
     errors: ErrorBudget | None = None,
+    hold_max_bytes: int = HOLD_MAX_BYTES,
 ) -> BatchProcessor:
     """The agent's exporter: a BatchProcessor delivering through a SpoolingDelivery.
 
@@ -337,7 +483,13 @@ def spooling_exporter(
     errors = errors or ErrorBudget(config.log_every_s)
     registration = {**registration, "incarnation": incarnation}
     delivery = SpoolingDelivery(
-        config=config, run=run, rank=rank, registration=registration, transport=transport, errors=errors
+        config=config,
+        run=run,
+        rank=rank,
+        registration=registration,
+        transport=transport,
+        errors=errors,
+        hold_max_bytes=hold_max_bytes,
     )
     return BatchProcessor(
         config=config, run=run, rank=rank, incarnation=incarnation, delivery=delivery, errors=errors

@@ -15,19 +15,26 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+_MAX_KINDS = 64  # (where, exception type) pairs rate-limited apart; past it they share one limit
+
+
 class ErrorBudget:
-    """Counts agent-internal errors and rate-limits their log lines."""
+    """Counts agent-internal errors and rate-limits their log lines, per kind (where it happened
+    and the exception's type): a repeating error never hides a new one."""
 
     def __init__(self, log_every_s: float = 60.0) -> None:
         self.errors = 0
         self._log_every_s = log_every_s
-        self._last_log = -float("inf")
+        self._last_log: dict[tuple[str, str], float] = {}
 
     def record(self, where: str, exc: BaseException) -> None:
         self.errors += 1
         now = time.monotonic()
-        if now - self._last_log >= self._log_every_s:
-            self._last_log = now
+        key = (where, type(exc).__name__)
+        if key not in self._last_log and len(self._last_log) >= _MAX_KINDS:
+            key = ("", "")
+        if now - self._last_log.get(key, -float("inf")) >= self._log_every_s:
+            self._last_log[key] = now
             logger.warning(
                 "trainvitals agent error in %s (%d so far; training continues): %r", where, self.errors, exc
             )

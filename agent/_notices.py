@@ -2,24 +2,38 @@
 
 WARNING lines on the `trainvitals.agent` logger (with no logging configured, Python prints them
 to stderr), each distinct message once per process, not once per batch: a misconfigured token
-costs one line, not one every two seconds. They name the collector (without credentials), the
-collector's own reason, the files where data waits and the command that delivers it; never a
-token. The texts are listed in docs/agent.md.
+costs one line, not one every two seconds, and a new kind of trouble (another errno, another drop
+reason) gets its own line however often an old one repeats. They name the collector (without
+credentials), the collector's own reason, the files where data waits and the command that
+delivers it; never a token. The texts are listed in docs/agent.md.
 """
 
 from __future__ import annotations
 
+import errno
 import re
 import shlex
 import urllib.parse
+from collections.abc import Mapping
 from pathlib import Path
 
 from trainvitals.agent._guard import logger
 from trainvitals.agent._refusals import Verdict
+from trainvitals.agent._spool import disk_full
 from trainvitals.agent._transport import Reply
 
 _TOKEN_LIKE = re.compile(r"tv_[A-Za-z0-9_-]{6,}")
-_MAX_DISTINCT = 256  # distinct messages remembered; past it new ones are not printed
+_MAX_DISTINCT = 256  # distinct messages remembered; past it, one line says so and new ones are not printed
+
+# What each drop reason (agent/_processor.py) means, in the exit message.
+_DROP_CAUSES: dict[str, str] = {
+    "queue_full": "the queue was full (queue_max_records)",
+    "spool_full": "the spool had reached spill_max_bytes and memory was full or the job ended first",
+    "spool_error": "the spool could not be written (the reason is above) and memory was full or the job ended first",
+    "quarantine_full": "refused by the collector, and the quarantine file had reached spill_max_bytes",
+    "quarantine_error": "refused by the collector, and the quarantine file could not be written",
+    "exit_timeout": "still unsent when close() stopped waiting for the collector (flush_timeout_s)",
+}
 
 
 def display_url(url: str) -> str:
@@ -43,13 +57,21 @@ class Notices:
     """
 
     def __init__(
-        self, *, collector: str, spool: Path, quarantine: Path, token: str | None, retry_backoff_s: float
+        self,
+        *,
+        collector: str,
+        spool: Path,
+        quarantine: Path,
+        token: str | None,
+        retry_backoff_s: float,
+        hold_max_bytes: int = 64 << 20,
     ) -> None:
         self.url = display_url(collector)
         self._spool = spool
         self._quarantine = quarantine
         self._token = token
         self._backoff_s = retry_backoff_s
+        self._hold = f"up to {hold_max_bytes / (1 << 20):g} MiB"
         self._said: set[tuple[str, ...]] = set()
         self._fenced = False  # the collector refused this process as another job (409 registration)
 
@@ -101,6 +123,68 @@ class Notices:
         # One line per distinct reason: a 422's field paths and run ids repeat, its indices may not.
         self._say((verdict, kind, str(reply.status), str(leftover), re.sub(r"\d+", "#", reason)), text)
 
+    def cannot_write(self, path: Path, exc: OSError) -> None:
+        """The spool, the quarantine or the record file could not be written; once per file and
+        errno, so a full disk after a permission problem is said too."""
+        code = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+        if path == self._spool:
+            then = (
+                f"batches the collector cannot take now are kept in memory ({self._hold}) and sent from "
+                "there; past that, or at exit, they are dropped and counted"
+            )
+        elif path == self._quarantine:
+            then = "batches the collector refuses for good are dropped and counted"
+        else:
+            then = "the record file misses these batches; delivery goes on"
+        if path not in (self._spool, self._quarantine):
+            fix = "fix the path of record_file"
+        elif disk_full(exc):
+            fix = (
+                "free space on that file system, raise the quota or file-size limit, or set "
+                "TRAINVITALS_SPILL_DIR to a node-local directory with room"
+            )
+        else:
+            fix = "set TRAINVITALS_SPILL_DIR (AgentConfig.spill_dir) to a node-local directory this user can write"
+        text = f"cannot write {path} ({type(exc).__name__}: {exc}); {then}. Fix: {fix}"
+        self._say(("cannot_write", str(path), code), text)
+
+    def file_full(self, path: Path, max_bytes: int) -> None:
+        self._say(
+            ("file_full", str(path)),
+            f"{path} has reached spill_max_bytes ({max_bytes} bytes); "
+            + (
+                f"batches the collector cannot take now are kept in memory ({self._hold}); past that they are "
+                "dropped and counted"
+                if path == self._spool
+                else "batches the collector refuses for good are dropped and counted"
+            ),
+        )
+
+    def dropped(self, reason: str, items: int) -> None:
+        """The first loss of each reason, when it happens (the totals come at exit)."""
+        self._say(
+            ("dropped", reason),
+            f"dropped {items} record(s) ({reason}: {_DROP_CAUSES.get(reason, reason)}); every loss is counted "
+            "in agent.stats(), sent to the collector as a 'dropped' event and totalled at exit",
+        )
+
+    def torn_tail(self, nbytes: int) -> None:
+        self._say(
+            ("torn_tail",),
+            f"cut off a torn last line ({nbytes} bytes) of {self._spool}: an earlier process of this rank "
+            "ended in the middle of writing it, and that batch is lost; the lines before it are delivered",
+        )
+
+    def exit_dropped(self, dropped: Mapping[str, int]) -> None:
+        lost = {reason: n for reason, n in dropped.items() if n}
+        if not lost:
+            return
+        why = "; ".join(f"{n} {reason} ({_DROP_CAUSES.get(reason, reason)})" for reason, n in lost.items())
+        self._say(
+            ("exit_dropped",),
+            f"{sum(lost.values())} record(s) of this process were lost and never reach the collector: {why}",
+        )
+
     def exit_wait(self, seconds: float, batches: int) -> None:
         self._say(
             ("exit_wait",),
@@ -129,9 +213,11 @@ class Notices:
             )
 
     def _say(self, key: tuple[str, ...], text: str) -> None:
-        if key in self._said or len(self._said) >= _MAX_DISTINCT:
+        if key in self._said or len(self._said) > _MAX_DISTINCT:
             return
         self._said.add(key)
+        if len(self._said) > _MAX_DISTINCT:
+            text = f"{_MAX_DISTINCT} distinct messages said; further ones are not printed (agent.stats() counts)"
         if self._token:
             text = text.replace(self._token, "<token>")
         logger.warning("trainvitals agent: %s", _TOKEN_LIKE.sub("tv_<redacted>", text))

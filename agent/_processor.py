@@ -7,6 +7,10 @@ A named daemon thread wakes every `send_interval_s`, cuts the queue into batches
 agent/_delivery.py), whose errors it catches per pass. `flush()` and `shutdown()` run the same
 pass synchronously; `shutdown()` is idempotent and bounded. A forked child (a DataLoader worker)
 stops exporting: the records are the parent's to send.
+
+Nothing is lost silently: every record that will never reach the collector is counted by reason
+(`ExporterStats.dropped`), the counts travel to the collector as a cumulative 'dropped' event with
+the next batch after they change, and the delivery says them at exit.
 """
 
 from __future__ import annotations
@@ -18,16 +22,33 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from trainvitals.agent._config import AgentConfig
 from trainvitals.agent._guard import ErrorBudget
-from trainvitals.wire import batch_header
+from trainvitals.wire import batch_header, event_record
 
 _QUIET_EXIT_S = 1.0
 """At exit, a collector that takes the last batches within this is not worth a message."""
+
+# Why a record was dropped (the keys of ExporterStats.dropped, of the 'dropped' event's domains).
+QUEUE_FULL = "queue_full"
+"""The queue was full (the exporter could not hand batches on as fast as they came): oldest first."""
+SPOOL_FULL = "spool_full"
+"""Could not be delivered now, the spool had reached spill_max_bytes, and the memory that stands in
+for it was full too (or the process ended before the collector took it)."""
+SPOOL_ERROR = "spool_error"
+"""As SPOOL_FULL, but the spool could not be written (an unwritable directory, a full disk, a quota,
+a file-size limit)."""
+QUARANTINE_FULL = "quarantine_full"
+"""Refused by the collector for good, and the quarantine file had reached spill_max_bytes."""
+QUARANTINE_ERROR = "quarantine_error"
+"""Refused by the collector for good, and the quarantine file could not be written."""
+EXIT_TIMEOUT = "exit_timeout"
+"""Still queued when shutdown gave up waiting for the exporter (a hung collector at exit)."""
+DROP_REASONS: tuple[str, ...] = (QUEUE_FULL, SPOOL_FULL, SPOOL_ERROR, QUARANTINE_FULL, QUARANTINE_ERROR, EXIT_TIMEOUT)
 
 
 def _dumps(obj: Any) -> str:
@@ -42,6 +63,9 @@ class EncodedBatch:
     seq: int
     body: bytes
     records: int
+    """Wire records (a step's gradient and FP8 records count one each)."""
+    items: int = 0
+    """Queue items (a step with its gradient and FP8 records counts one): what a drop counts."""
 
 
 @dataclass(slots=True)
@@ -56,8 +80,9 @@ class DeliveryReport:
     rejected_batches: int = 0
     """Batches the collector refused for good (agent/_refusals.py): set aside in the quarantine
     file next to the spool, so later batches flow."""
-    spool_dropped_batches: int = 0
-    """Batches that found the spool full (spill_max_bytes)."""
+    dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
+    """Queue items lost for good, by reason (DROP_REASONS); a batch an earlier process left in the
+    spool counts its wire records."""
 
 
 @dataclass(slots=True)
@@ -67,12 +92,19 @@ class ExporterStats(DeliveryReport):
     emitted_records: int = 0
     """Queue items: one per step (its gradient and FP8 records travel with it), event or
     checkpoint record."""
-    dropped_records: int = 0
-    """Queue items dropped because the queue was full (oldest first)."""
+
+    @property
+    def dropped_records(self) -> int:
+        """Queue items lost for good, all reasons."""
+        return sum(self.dropped.values())
 
     def add(self, report: DeliveryReport) -> None:
         for f in dataclasses.fields(DeliveryReport):
-            setattr(self, f.name, getattr(self, f.name) + getattr(report, f.name))
+            if f.name == "dropped":
+                for reason, n in report.dropped.items():
+                    self.dropped[reason] = self.dropped.get(reason, 0) + n
+            else:
+                setattr(self, f.name, getattr(self, f.name) + getattr(report, f.name))
 
 
 class Delivery(Protocol):
@@ -95,16 +127,32 @@ class Delivery(Protocol):
         """Whether anything handed over is still waiting for the collector."""
         ...
 
+    def unsaved(self) -> dict[str, int]:
+        """Queue items handed over that wait in memory only (the spool could not take them), by
+        the reason they are not on disk: lost when the process ends. Only reads."""
+        ...
+
     def exit_wait(self, seconds: float, queued_batches: int) -> None:
         """The process is ending and the last pass is still waiting for the collector: say how
         long it may wait, rather than hang silently (called from the thread that shuts down)."""
         ...
 
-    def exit_report(self) -> None:
-        """The process is ending: say what was not delivered and how to deliver it."""
+    def exit_report(self, dropped: Mapping[str, int]) -> None:
+        """The process is ending: say what was not delivered and how to deliver it, and what was
+        lost (`dropped`: this process's counts by reason)."""
         ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _DropEvent:
+    """The processor's own 'dropped' event in the queue (told apart from the job's records)."""
+
+    record: dict[str, Any]
+
+    def records(self) -> list[dict[str, Any]]:
+        return [self.record]
 
 
 class BatchProcessor:
@@ -144,6 +192,7 @@ class BatchProcessor:
         self._closed = False
         self._in_forked_child = False
         self.stats = ExporterStats()
+        self._reported_drops = dict(self.stats.dropped)  # what the last 'dropped' event said
         ref = weakref.ref(self)
 
         def after_fork_in_child() -> None:
@@ -161,7 +210,7 @@ class BatchProcessor:
             return
         if len(self._queue) >= self._cfg.queue_max_records:
             self._queue.popleft()
-            self.stats.dropped_records += 1
+            self.stats.dropped[QUEUE_FULL] += 1  # a key from the start: no resize under the worker
         self._queue.append(item)
         self.stats.emitted_records += 1
 
@@ -189,10 +238,17 @@ class BatchProcessor:
                 self._delivery.exit_wait(deadline - time.monotonic(), queued)
                 worker.join(max(0.0, deadline - time.monotonic()))
         if worker is None or not worker.is_alive():
-            # No worker (or it finished): one last synchronous pass within what is left.
+            # No worker (or it finished): one last synchronous pass within what is left, and one
+            # more for a 'dropped' event when that pass lost something the collector can still hear.
             self.run_once(deadline=deadline, ignore_backoff=True, write_ahead=True)
+            if self._drops_changed() and not self._delivery.unsaved():
+                self.run_once(deadline=deadline, ignore_backoff=True, write_ahead=True)
             self._delivery.close()
-        self._delivery.exit_report()
+        # What is still only in memory ends with the process: counted, and said.
+        self.stats.dropped[EXIT_TIMEOUT] += len(self._queue)
+        for reason, n in self._delivery.unsaved().items():
+            self.stats.dropped[reason] = self.stats.dropped.get(reason, 0) + n
+        self._delivery.exit_report(dict(self.stats.dropped))
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Deliver everything queued now; True when nothing is left undelivered afterwards."""
@@ -219,12 +275,28 @@ class BatchProcessor:
         """
         with self._lock:
             try:
+                if self._drops_changed():
+                    self._queue_drop_event()
                 report = self._delivery.deliver(
                     self._cut_batches(), deadline=deadline, ignore_backoff=ignore_backoff, write_ahead=write_ahead
                 )
                 self.stats.add(report)
             except Exception as exc:  # noqa: BLE001 - the exporter must outlive any bug
                 self._errors.record("exporter", exc)
+
+    def _drops_changed(self) -> bool:
+        return self.stats.dropped != self._reported_drops
+
+    def _queue_drop_event(self) -> None:
+        """The counts so far, cumulative for this process: a lost or late event costs nothing, the
+        collector keeps the newest (the largest) per (run, rank, incarnation). Not an emitted
+        record; may pass the queue's bound by one."""
+        counts = dict(self.stats.dropped)
+        lost = {reason: n for reason, n in counts.items() if n}
+        detail = "records lost by this process so far: " + ", ".join(f"{n} {r}" for r, n in lost.items())
+        domains = {r: str(n) for r, n in lost.items()}
+        self._queue.append(_DropEvent(event_record(ts=time.time(), event="dropped", detail=detail, domains=domains)))
+        self._reported_drops = counts
 
     def _cut_batches(self) -> list[EncodedBatch]:
         batches: list[EncodedBatch] = []
@@ -236,8 +308,11 @@ class BatchProcessor:
             # waits long for the GIL while a batch is being encoded.
             parts: list[str] = []
             count = 0
+            items = n
             for _ in range(n):
-                records = self._expand(self._queue.popleft())
+                item = self._queue.popleft()
+                items -= type(item) is _DropEvent  # not an emitted record: not counted if lost
+                records = self._expand(item)
                 if records:
                     parts.append(_dumps(records)[1:-1])
                     count += len(records)
@@ -245,7 +320,7 @@ class BatchProcessor:
                 run=self._run, rank=self._rank, incarnation=self._incarnation, seq=self._seq, sent_at=time.time()
             )
             body = (_dumps(header)[:-1] + ',"records":[' + ",".join(parts) + "]}").encode()
-            batches.append(EncodedBatch(self._seq, body, count))
+            batches.append(EncodedBatch(self._seq, body, count, items))
             self._seq += 1
         return batches
 

@@ -5,20 +5,35 @@ the file is removed once everything in it is delivered, so the next append start
 The exporter writes the run registration as a new file's first line (docs/agent.md), which makes
 every spool file a stream `trainvitals replay` ingests as it is, and tells a reader each line's
 kind from where it sits: the first line is the registration, every other line a batch.
+
+An append is all or nothing: a write the disk, a quota or a file-size limit cuts short is cut off
+again before the error is raised, so the next line never glues onto half a line. A torn last line
+that survives anyway (the process was killed mid-write) is cut off when a file is next opened for
+appending and when a spool is opened at the start of a process.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
+_DISK_FULL = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
+_TAIL_CHUNK = 64 * 1024  # read back from the end at a time when looking for a torn line's start
+
 
 def spool_path(spill_dir: str, run: str, rank: int) -> Path:
     safe_run = re.sub(r"[^A-Za-z0-9._-]", "_", run)
     return Path(spill_dir) / f"{safe_run}.rank{rank}.jsonl"
+
+
+def disk_full(exc: OSError) -> bool:
+    """Whether a failed write means no room (disk full, quota, RLIMIT_FSIZE) rather than no access."""
+    return exc.errno in _DISK_FULL
 
 
 class SpoolLine(NamedTuple):
@@ -39,7 +54,7 @@ class Spool:
     Usage::
 
         spool = Spool(path, max_bytes=512 << 20)
-        spool.append(b'{"run": "r1"}')
+        spool.append(b'{"run": "r1"}')      # False when full; OSError when it cannot be written
         for end, line in spool.pending():
             if send(line):
                 spool.mark_delivered(end)
@@ -49,16 +64,24 @@ class Spool:
         self.path = path
         self.max_bytes = max_bytes
         self._offset = 0  # bytes of the file already delivered
+        self.torn_bytes = 0
+        """Bytes of a torn last line an earlier process left, cut off when this spool was opened."""
+        try:
+            self.torn_bytes = cut_torn_tail(path)
+        except OSError:
+            pass  # unreadable: pending() skips a torn tail, and append() cuts it if it ever can
 
     def __len__(self) -> int:
-        """Undelivered bytes."""
-        try:
-            return max(0, self.path.stat().st_size - self._offset)
-        except FileNotFoundError:
-            return 0
+        """Undelivered bytes (0 when the file cannot be read)."""
+        return max(0, self._size() - self._offset)
+
+    def empty(self) -> bool:
+        """Whether the file is absent or empty: the next append starts it (with a registration)."""
+        return self._size() == 0
 
     def append(self, line: bytes) -> bool:
-        """Append one message (or several, newline-separated, with one fsync); False when full."""
+        """Append one message (or several, newline-separated, with one fsync); False when full.
+        Raises OSError when the file cannot be written, having left it as it was."""
         return _append(self.path, line, self.max_bytes)
 
     def first_line(self) -> bytes | None:
@@ -66,7 +89,7 @@ class Spool:
         try:
             with open(self.path, "rb") as fh:
                 line = fh.readline()
-        except FileNotFoundError:
+        except OSError:
             return None
         return line.rstrip(b"\n") if line.endswith(b"\n") else None
 
@@ -84,7 +107,7 @@ class Spool:
         first line must not have read (or hold) the rest."""
         try:
             fh = open(self.path, "rb")  # noqa: SIM115 - closed by the with below, also on early exit
-        except FileNotFoundError:
+        except OSError:
             return
         with fh:
             fh.seek(self._offset)
@@ -96,10 +119,19 @@ class Spool:
 
     def mark_delivered(self, offset: int) -> None:
         self._offset = offset
-        if self._offset >= self.path.stat().st_size:
+        if self._offset >= self._size():
             # Everything delivered: start the file afresh so it does not grow forever.
-            self.path.unlink(missing_ok=True)
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError:
+                return  # kept, and read on from the offset
             self._offset = 0
+
+    def _size(self) -> int:
+        try:
+            return self.path.stat().st_size
+        except OSError:
+            return 0
 
 
 class Quarantine:
@@ -123,7 +155,7 @@ class Quarantine:
 
     def add(self, line: bytes, *, registration: bytes | None) -> bool:
         """Set a batch aside, after `registration` unless that was the last one written; False
-        when the file is full."""
+        when the file is full. Raises OSError when it cannot be written, having left it as it was."""
         if registration is not None and registration != self._header:
             line = registration + b"\n" + line
         if not _append(self.path, line, self.max_bytes):
@@ -133,17 +165,66 @@ class Quarantine:
         return True
 
 
+def cut_torn_tail(path: Path) -> int:
+    """Cut off a last line without its newline (a write cut short by a kill or a crash); returns
+    the bytes cut. A missing file has none."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return 0
+    try:
+        size = os.fstat(fd).st_size
+        keep = _complete_lines_end(fd, size)
+        if keep < size:
+            os.ftruncate(fd, keep)
+        return size - keep
+    finally:
+        os.close(fd)
+
+
+def _complete_lines_end(fd: int, size: int) -> int:
+    """The offset just past the file's last newline (0 when it has none)."""
+    end = size
+    while end > 0:
+        start = max(0, end - _TAIL_CHUNK)
+        chunk = os.pread(fd, end - start, start)
+        i = chunk.rfind(b"\n")
+        if i >= 0:
+            return start + i + 1
+        end = start
+    return 0
+
+
 def _append(path: Path, data: bytes, max_bytes: int) -> bool:
-    """Append `data` and a newline with one fsync, unless the file would pass max_bytes."""
-    size = path.stat().st_size if path.exists() else 0
-    if size + len(data) + 1 > max_bytes:
-        return False
+    """Append `data` and a newline with one fsync, unless the file would pass max_bytes; on a
+    failed write the file is cut back to where it was and the OSError raised."""
     # Private to the user: a node-local spool usually sits under a shared /tmp.
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with open(path, "ab") as fh:
-        fh.write(data + b"\n")
-        fh.flush()
-        # What reached write() survives the process being killed (page cache); the fsync is for
-        # a crash of the node's kernel, and costs the exporter thread a disk flush per append.
-        os.fsync(fh.fileno())
-    return True
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            # A torn line this file kept (a kill mid-write, or a cut-back that failed): the next
+            # line must not glue onto it and make both unreadable. One 1-byte read per append.
+            size = _complete_lines_end(fd, size)
+            os.ftruncate(fd, size)
+        if size + len(data) + 1 > max_bytes:
+            return False
+        view = memoryview(data + b"\n")
+        try:
+            while view:  # a short write (RLIMIT_FSIZE, a nearly full disk) is followed by its error
+                view = view[os.write(fd, view) :]
+            # What reached write() survives the process being killed (page cache); the fsync is for
+            # a crash of the node's kernel, and costs the exporter thread a disk flush per append.
+            os.fsync(fd)
+        except OSError:
+            # All or nothing: shrinking needs no space and passes any file-size limit. Should it
+            # fail too, the next append (or the next process) cuts the torn line.
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+                if size == 0:
+                    path.unlink(missing_ok=True)
+            raise
+        return True
+    finally:
+        os.close(fd)

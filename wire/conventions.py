@@ -33,8 +33,9 @@ otherwise (TRAINVITALS_DETECTOR_WARMUP_STEPS)."""
 
 CheckpointStatus = Literal["started", "persisted", "failed", "verified"]
 EventKind = Literal[
-    "start", "restart", "resume", "failure", "node_replaced", "phase_change", "rollback", "stop", "note"
+    "start", "restart", "resume", "failure", "node_replaced", "phase_change", "rollback", "stop", "note", "dropped"
 ]
+"""'dropped': the agent's count of records it lost, by reason (docs/agent.md, "Nothing is lost silently")."""
 Recompute = Literal["none", "selective", "full"]
 AmaxAlgo = Literal["max", "most_recent"]
 
