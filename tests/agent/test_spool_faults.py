@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -139,6 +141,61 @@ def test_what_is_only_in_memory_at_exit_is_counted_and_said(unwritable: Path, ca
     assert _warnings(caplog)[-1].startswith("trainvitals agent: 50 record(s) of this process were lost")
 
 
+def test_a_spool_directory_the_job_may_not_write_loses_only_what_is_counted(collector) -> None:
+    """The attack run's case (a) with a real permission error: the spill directory is mode 0500,
+    and a child running as root runs without the capabilities that let root past mode bits
+    (setpriv drops them). Nothing reaches the disk; batches 0-2 wait in memory, 3-7 do not fit and
+    are counted; back online, memory, then the new batch; the last pass's write-ahead fails and
+    its 3 batches are sent from memory."""
+    base = Path(tempfile.mkdtemp(prefix="tv-unwritable-"))
+    try:
+        spill = base / "spool"
+        spill.mkdir(mode=0o500)
+        out = _run_child(collector, spill, limit=0, hold=2300, as_root_without_dac=os.geteuid() == 0)
+    finally:
+        shutil.rmtree(base)
+    assert out["phase1"] == {"spool": None, "dropped": {**NO_DROPS, "spool_error": 50}}
+    assert out["stats"] == {
+        "delivered_records": 70 + 2,  # the steps and two 'dropped' events (below)
+        "delivered_batches": 4 + 2 + 3,  # memory (3 and an event), the new one and an event, the last 3
+        "emitted_records": 120,
+        "dropped": {**NO_DROPS, "spool_error": 50},
+        "spool_left": False,
+    }
+    steps, events = _stored(collector.db_url, run="fsize")
+    assert steps == list(range(30)) + list(range(80, 120))  # 70 delivered + 50 dropped = 120 emitted
+    assert [e[2] for e in events] == [{"spool_error": "10"}, {"spool_error": "50"}]
+    assert "(PermissionError: [Errno 13] Permission denied" in out["log"][1]
+    assert "Fix: set TRAINVITALS_SPILL_DIR (AgentConfig.spill_dir) to a node-local directory" in out["log"][1]
+
+
+def _run_child(collector, spill: Path, *, limit: int, hold: int, as_root_without_dac: bool = False) -> dict:
+    """The child's three phases (fault_scripts/spool_fsize_child.py), the collector down for the
+    first; its first report under "phase1", its last as it is."""
+    collector.stop()
+    setpriv = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"] if as_root_without_dac else []
+    child = subprocess.Popen(
+        [*setpriv, sys.executable, str(CHILD), collector.url, str(spill), str(limit), str(hold)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline()
+        collector.start()
+        if not line:
+            raise AssertionError(child.communicate(timeout=60)[1])
+        out, err = child.communicate("go\n", timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 0, err
+    return {"phase1": json.loads(line), **json.loads(out)}
+
+
 # --------------------------------------------------------------------------- a full disk (file-size limit)
 
 
@@ -150,32 +207,11 @@ def test_a_file_size_limit_cuts_no_line_and_loses_only_what_is_counted(collector
     dropped and counted. Back online: 2 from the spool, 3 from memory, the new one, the event. The
     last pass writes 3 batches ahead: 2 fit, the 3rd is sent from memory."""
     spill = tmp_path / "spool"
-    collector.stop()
-    child = subprocess.Popen(
-        [sys.executable, str(CHILD), collector.url, str(spill), "1700", "2300"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert child.stdout is not None and child.stdin is not None
-        phase1 = json.loads(child.stdout.readline() or child.communicate(timeout=60)[1])
-        registration, *batches, end = phase1["spool"]
-        assert json.loads(registration)["run"] == "fsize" and end == ""  # every line whole
-        assert [[r["step"] for r in json.loads(b)["records"]] for b in batches] == [
-            list(range(0, 10)),
-            list(range(10, 20)),
-        ]
-        assert phase1["dropped"] == {**NO_DROPS, "spool_error": 30}
-        collector.start()
-        out, err = child.communicate("go\n", timeout=60)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-    assert child.returncode == 0, err
-    final = json.loads(out)
+    final = _run_child(collector, spill, limit=1700, hold=2300)
+    registration, *batches, end = final["phase1"]["spool"]
+    assert json.loads(registration)["run"] == "fsize" and end == ""  # every line whole
+    assert [[r["step"] for r in json.loads(b)["records"]] for b in batches] == [list(range(0, 10)), list(range(10, 20))]
+    assert final["phase1"]["dropped"] == {**NO_DROPS, "spool_error": 30}
     assert final["stats"] == {
         "delivered_records": 90 + 2,  # the steps and two 'dropped' events (below)
         "delivered_batches": 11,

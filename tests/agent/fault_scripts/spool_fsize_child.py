@@ -1,4 +1,5 @@
-"""One rank's exporter under a file-size limit (RLIMIT_FSIZE), as a full disk looks to the agent.
+"""One rank's exporter under a file-size limit (RLIMIT_FSIZE), as a full disk looks to the agent,
+or (limit 0) under no limit, for a spool directory the process may not write.
 
 Run by tests/agent/test_spool_faults.py: argv = collector URL, spill dir, the limit in bytes, the
 memory hold in bytes. SIGXFSZ is ignored, so a write past the limit returns EFBIG instead of
@@ -28,8 +29,9 @@ def _steps(exp: object, first: int, n: int) -> None:
 
 def main() -> None:
     url, spill_dir, limit, hold = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    if limit:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     said: list[str] = []
 
     class Keep(logging.Handler):
@@ -52,7 +54,8 @@ def main() -> None:
         _steps(exp, b * 10, 10)
         exp.run_once(deadline=time.monotonic() + 5)
     spool = Path(spill_dir) / "fsize.rank0.jsonl"
-    print(json.dumps({"spool": spool.read_text().split("\n"), "dropped": exp.stats.dropped}), flush=True)
+    lines = spool.read_text().split("\n") if spool.exists() else None
+    print(json.dumps({"spool": lines, "dropped": exp.stats.dropped}), flush=True)
     sys.stdin.readline()
     _steps(exp, 80, 10)
     exp.run_once(deadline=time.monotonic() + 10)
