@@ -23,12 +23,12 @@ from trainvitals.service.advisors.cadence import (
     optimal_interval,
     young_interval,
 )
+from trainvitals.service.advisors.calibration import calibrate
 from trainvitals.service.advisors.cost_model import (
     DEFAULT_CALIBRATION,
     Calibration,
     MfuPrediction,
     PlanResult,
-    calibrate,
     plan,
     predict_mfu,
 )

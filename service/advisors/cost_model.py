@@ -1,4 +1,4 @@
-"""Analytic step-time and MFU model for a parallelism config, calibrated on measured H200 runs.
+"""Analytic step-time and MFU model for a parallelism config, with a band from held-out error.
 
 Collector entry point (the MFU-gap detector calls this at run registration):
 
@@ -6,72 +6,104 @@ Collector entry point (the MFU-gap detector calls this at run registration):
         -> MfuPrediction
         registration: a dict with keys "model", "parallelism", "hardware" (wire format v1 run
         registration; unknown keys are ignored). Returns predicted/low/high MFU as fractions of
-        n_gpus x peak, plus the FLOP convention. Raises ValueError naming the bad key.
+        n_gpus x peak, the regime whose held-out error sets the band, and whether the config lies
+        outside the calibrated domain. Raises ValueError naming the bad key.
 
 `plan(plan_input)` returns the full report (memory by tenant, step-time breakdown, tokens/s, MFU
-band, binding wall).
+band, binding wall, the defaults taken for unstated fields).
 
-Model (stragglers_and_mfu.md, "Predicting MFU for a parallelism config"), per optimizer step:
-    T_comp = hardware_flops / (n_gpus * peak * eta * (tp_efficiency if tp > 1))
-    T_tp   = (L/p) m n_coll 2(t-1)/t (b s h 2 bytes) / BW_tp       n_coll = 4 (6 with full recompute)
-    T_pp   = 2 v m b s h 2 bytes / (t BW_inter)
-    T_dp   = FSDP: (d-1)/d P_stage (4 m + 4) bytes / BW;  ZeRO<3: 2(d-1)/d P_stage 2 bytes / BW
-    T_iter = (T_comp + T_tp + T_pp + T_ep) (1 + (p-1)/(v m)) + dp_exposed * T_dp
-    MFU    = tokens * (6 N_active + 12 L h S) / (T_iter * n_gpus * peak)
-eta, tp_efficiency and dp_exposed are fitted on seed 002 (`calibrate`, `SEED_002_ROWS`).
+Model, per optimizer step on the busiest rank (docs/advisors.md derives each term), m micro-batches
+of b sequences per pipeline, v virtual stages, L_s layers on the fullest stage, d = dp*cp:
+    T_comp = tokens * hw_flops/token / (n * peak * eta_gpu * w/(w + h0)) * imbalance, w = hidden/tp
+    T_tp   = L_s m n_coll 2(t-1)/t (b s h 2 B / cp) / BW_tp                     n_coll 4 (6 full AC)
+    T_cp   = L_s m max(0, 3 (c-1) KV_chunk / BW_cp - T_attention)               ring attention
+    T_pp   = 2 v m (b s h 2 B / (t cp)) / BW_pp                                 stage sends
+    bubble = (T_comp + T_tp + T_cp + T_pp + T_ep) (p-1)/(v m)                  interleaved 1F1B
+    T_dp   = traffic(zero) / BW_dp, exposed = max(0, T_dp - overlap * window(zero))
+             ZeRO-0: all-reduce 4 B/param/step, window = backward of the last micro-batch
+             ZeRO-1: reduce-scatter + all-gather 4 B/param/step, window = one micro-batch
+             ZeRO-2: reduce-scatter 2 B/param per micro-batch + all-gather 2 B/param/step
+             ZeRO-3/FSDP: all-gather fwd + bwd (bf16) + reduce-scatter (fp32) 8 B/param per
+             micro-batch, window = all compute
+    MFU    = tokens * (6 N_active + 12 L h S) / (T_iter * n * peak)
+eta_gpu (per GPU type), h0 and overlap are fitted (`calibration.calibrate`) on the fit split of
+`calibration_points.POINTS`; bandwidths are nominal times the fixed effective shares below.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
-from scipy.optimize import least_squares
 
 from trainvitals.service.advisors.memory import MemoryBreakdown, per_gpu_memory
 from trainvitals.service.advisors.model_config import PlanInput, parse_plan_input
 
 FLOP_CONVENTION = "6*N_active + 12*L*h*S per token (PaLM app. B; N counts embeddings, recompute excluded)"
-CALIBRATED_GPUS = ("H200", "H100-SXM")  # same GH100 compute die and peak: the fit transfers
 UNCALIBRATED_BAND = 0.30  # stragglers_and_mfu.md: uncalibrated analytic models miss by 20-30%
+BAND_FLOOR = 0.10  # a handful of held-out points per regime cannot vouch for less
+MIN_REGIME_POINTS = 3  # a thinner regime also takes the worst held-out error of its GPU type
+BAND_CAP = 0.60
+WIDEN_PER_DOUBLING = 0.05  # outside the calibrated domain: +5 points of band per doubling beyond it
+NVLINK_EFFECTIVE = 0.4  # nccl-tests all-reduce bus bandwidth / marketed NVLink (~360 of "900" GB/s)
+NETWORK_EFFECTIVE = 0.8  # bus bandwidth / NIC line rate on InfiniBand/RoCE (~40 of 50 GB/s)
+NEAREST_CALIBRATED = {"H100-PCIe": "H100-SXM", "B200": "H200", "GB200": "H200", "custom": "H100-SXM"}
+"""GPU types without calibration points borrow the efficiency of this one (and a wider band)."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Domain:
+    """The span of the calibration points of one GPU type."""
+
+    gpus: tuple[int, int]
+    """Smallest and largest GPU count."""
+    pp: int
+    """Deepest pipeline."""
+    cp: int
+    """Largest context-parallel degree."""
+    seq_len: int
+    """Longest sequence."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Calibration:
-    """Fitted efficiencies and the prediction band they earned."""
+    """Fitted efficiencies, the held-out error by regime (the band), and the calibrated domain."""
 
-    eta: float
-    """Achieved fraction of peak on GEMM-bound compute (no TP)."""
+    eta: Mapping[str, float]
+    """Achieved fraction of peak on large GEMMs, per calibrated "GPU framework" pair."""
     tp_efficiency: float
-    """Multiplier on eta when tp > 1: smaller GEMM shards and un-overlapped TP collectives."""
-    dp_exposed: float
-    """Fraction of data-parallel/FSDP traffic time not hidden behind compute."""
-    band: float
-    """Relative half-width of the prediction interval on calibrated GPUs (max leave-one-out error)."""
-    mean_abs_error: float
-    """In-sample mean |predicted/measured - 1| on the calibration rows."""
-    max_abs_error: float
-    """In-sample max |predicted/measured - 1|."""
-    loo_mean_abs_error: float
-    """Leave-one-out mean |predicted/measured - 1|."""
-    loo_max_abs_error: float
-    """Leave-one-out max |predicted/measured - 1|."""
+    """Multiplier on eta with tp > 1 under the fsdp framework (DTensor TP: unfused, un-overlapped
+    collectives; Megatron's TP cost is the bandwidth term alone)."""
+    gemm_h0: float
+    """GEMM width at which efficiency halves: eta * w/(w + h0), w = hidden/tp per GPU."""
+    gemm_m0: float = 0.0
+    """Micro-batch tokens per GPU at which efficiency halves: x M/(M + m0), M = b s / cp."""
+    overlap: float
+    """Share of the available compute window that hides data-parallel/ZeRO traffic."""
+    regime_error: Mapping[str, float]
+    """Max |predicted/published - 1| over the held-out points of each regime ("GPU layout")."""
+    regime_points: Mapping[str, int]
+    """Held-out points per regime."""
+    domain: Mapping[str, Domain]
+    """Per calibrated GPU type, the span of its calibration points."""
+    fit_mean_abs_error: float
+    """Mean |predicted/published - 1| on the fit points."""
+    heldout_mean_abs_error: float
+    """Mean |predicted/published - 1| on the held-out points."""
+    heldout_max_abs_error: float
+    """Max |predicted/published - 1| on the held-out points."""
     source: str
-    """Where the rows came from."""
+    """Where the points came from."""
 
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class CalibrationRow:
-    """One measured run: the config and its measured MFU (fraction)."""
-
-    label: str
-    """Short name, e.g. "7B FSDP=4"."""
-    config: Mapping[str, Any]
-    """Plan dict (model/parallelism/hardware)."""
-    mfu: float
-    """Measured MFU, fraction of n_gpus x peak."""
+    def eta_for(self, gpu: str, framework: str) -> float:
+        """The pair's eta; else the same GPU under the other framework; else the nearest GPU's."""
+        near = NEAREST_CALIBRATED.get(gpu, "H100-SXM")
+        for key in (f"{gpu} {framework}", *(k for k in self.eta if k.split(" ")[0] == gpu),
+                    f"{near} {framework}", *(k for k in self.eta if k.split(" ")[0] == near)):
+            if key in self.eta:
+                return self.eta[key]
+        return 0.5
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -79,7 +111,7 @@ class StepTime:
     """Predicted time of one optimizer step, seconds, by component."""
 
     compute_s: float
-    """GEMM-bound compute at the calibrated efficiency."""
+    """GEMM-bound compute at the calibrated efficiency (fullest pipeline stage)."""
     tp_comm_s: float
     """Tensor-parallel collectives (on the critical path)."""
     pp_comm_s: float
@@ -87,17 +119,20 @@ class StepTime:
     ep_comm_s: float
     """Expert-parallel all-to-all (MoE)."""
     dp_comm_exposed_s: float
-    """Data-parallel/FSDP traffic not hidden behind compute."""
+    """Data-parallel/ZeRO traffic not hidden behind compute."""
     dp_comm_total_s: float
-    """All data-parallel/FSDP traffic time, hidden or not."""
+    """All data-parallel/ZeRO traffic time, hidden or not."""
     bubble_s: float
     """Pipeline bubble."""
+    cp_comm_s: float = 0.0
+    """Ring-attention KV exchange not hidden behind attention compute."""
 
     @property
     def total_s(self) -> float:
         return (
             self.compute_s
             + self.tp_comm_s
+            + self.cp_comm_s
             + self.pp_comm_s
             + self.ep_comm_s
             + self.bubble_s
@@ -108,6 +143,7 @@ class StepTime:
         return {
             "compute_s": self.compute_s,
             "tp_comm_s": self.tp_comm_s,
+            "cp_comm_s": self.cp_comm_s,
             "pp_comm_s": self.pp_comm_s,
             "ep_comm_s": self.ep_comm_s,
             "dp_comm_exposed_s": self.dp_comm_exposed_s,
@@ -128,17 +164,31 @@ class MfuPrediction:
     high: float
     """Upper end of the prediction interval."""
     calibrated: bool
-    """True when the GPU type is covered by the calibration data."""
+    """True when the GPU type has calibration points."""
     convention: str = FLOP_CONVENTION
     """FLOP counting convention of the number."""
+    band: float = UNCALIBRATED_BAND
+    """Relative half-width: held-out error of the regime, widened outside the calibrated domain."""
+    regime: str = ""
+    """The regime whose held-out error set the band ("H100-SXM tp+pp", ...)."""
+    outside: tuple[str, ...] = ()
+    """Why the config is outside the calibrated domain (empty: inside)."""
 
-    def as_dict(self) -> dict[str, float | bool | str]:
+    @property
+    def in_domain(self) -> bool:
+        return self.calibrated and not self.outside
+
+    def as_dict(self) -> dict[str, Any]:
         return {
             "predicted": self.predicted,
             "low": self.low,
             "high": self.high,
             "calibrated": self.calibrated,
             "convention": self.convention,
+            "band": self.band,
+            "regime": self.regime,
+            "in_domain": self.in_domain,
+            "outside": list(self.outside),
         }
 
 
@@ -155,7 +205,7 @@ class PlanResult:
     mfu: MfuPrediction
     """Predicted MFU band."""
     binding_wall: str
-    """The constraint that binds: memory, compute, tp_comm, pp_bubble, dp_comm, ep_comm."""
+    """The constraint that binds: memory, compute, tp_comm, cp_comm, pp_bubble, dp_comm, ep_comm."""
     model_flops_per_token: float
     """Model FLOPs per token (convention in mfu.convention)."""
     params_total: float
@@ -164,6 +214,8 @@ class PlanResult:
     """Parameters touched per token."""
     warnings: tuple[str, ...] = field(default_factory=tuple)
     """Things the user should know (e.g. does not fit)."""
+    defaults: tuple[str, ...] = field(default_factory=tuple)
+    """Unstated fields and the value assumed for each."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -176,6 +228,7 @@ class PlanResult:
             "params_total": self.params_total,
             "params_active": self.params_active,
             "warnings": list(self.warnings),
+            "defaults": list(self.defaults),
         }
 
 
@@ -196,79 +249,190 @@ def hardware_flops_per_token(plan: PlanInput) -> float:
     return base
 
 
-def _dp_group_in_node(plan: PlanInput) -> bool:
-    # Rank order tp (innermost), cp, dp, pp: the dp group stays in a node when tp*cp*dp fits.
+def _bandwidths(plan: PlanInput) -> tuple[float, float]:
+    gpu = plan.hardware.gpu
+    return gpu.intra_node_gbps * 1e9 * NVLINK_EFFECTIVE, gpu.inter_node_gbps * 1e9 * NETWORK_EFFECTIVE
+
+
+def _within_node(plan: PlanInput, span: int) -> bool:
+    # Rank order tp (innermost), cp, dp, pp: a group of consecutive `span` ranks stays in one node.
+    return span <= plan.hardware.gpus_per_node
+
+
+def group_bandwidth(plan: PlanInput, *, stride: int, size: int) -> float:
+    """Per-rank bus bandwidth of a collective over `size` ranks spaced `stride` apart.
+
+    Inside a node: NVLink. Across nodes NCCL runs one ring per NIC with NVLink inside each node,
+    so the k members of the group that share a node share k NICs: min(NVLink, k x NIC)."""
+    intra, inter = _bandwidths(plan)
+    node = plan.hardware.gpus_per_node
+    if stride * size <= node:
+        return intra
+    members_per_node = max(1, min(size, node // stride))
+    return min(intra, members_per_node * inter)
+
+
+def _dp_traffic(plan: PlanInput, t_mb: float, bw: float, overlap: float) -> tuple[float, float]:
+    """(total, exposed) seconds of data-parallel/ZeRO traffic per step for one rank."""
     p = plan.parallelism
-    return p.tp * p.cp * p.dp <= plan.hardware.gpus_per_node
+    d = p.dp * p.cp
+    if d == 1:
+        return 0.0, 0.0
+    params = plan.stage_params
+    ring = (d - 1) / d
+    micro = p.micro_batches
+    if p.zero == 0:  # one bf16 all-reduce, hidden behind the last micro-batch's backward
+        volume, window = 2 * ring * params * 2, t_mb * 2 / 3
+    elif p.zero == 1:  # reduce-scatter grads (last backward) + all-gather params (first forward)
+        volume, window = ring * params * 4, t_mb
+    elif p.zero == 2:  # reduce-scatter per micro-batch backward + one all-gather per step
+        volume, window = ring * params * (2 * micro + 2), t_mb * (2 / 3 * micro + 1 / 3)
+    else:  # FSDP: gather for forward and backward, fp32 reduce-scatter, every micro-batch
+        volume, window = ring * params * 8 * micro, t_mb * micro
+    total = volume / bw
+    exposed = max(0.0, total - overlap * window) if p.overlap_dp_comm else total
+    return total, exposed
 
 
 def predict_step(plan: PlanInput, calibration: Calibration) -> StepTime:
-    """Step-time breakdown for one optimizer step."""
+    """Step-time breakdown for one optimizer step on the busiest rank."""
     m, p, hw = plan.model, plan.parallelism, plan.hardware
-    intra, inter = hw.gpu.intra_node_gbps * 1e9, hw.gpu.inter_node_gbps * 1e9
+    intra, inter = _bandwidths(plan)
     tokens = p.global_batch * m.seq_len
-    eta = calibration.eta * (calibration.tp_efficiency if p.tp > 1 else 1.0)
-    compute = tokens * hardware_flops_per_token(plan) / (p.gpus * hw.peak_flops * eta)
-
-    mb_act_bytes = p.micro_batch * m.seq_len * m.hidden * 2 / p.cp  # one micro-batch, bf16
+    width = m.hidden / p.tp
+    rows = p.micro_batch * m.seq_len / p.cp
+    eta = (
+        calibration.eta_for(hw.gpu.name, p.framework)
+        * width / (width + calibration.gemm_h0)
+        * rows / (rows + calibration.gemm_m0)
+    )
+    if p.tp > 1 and p.framework == "fsdp":
+        eta *= calibration.tp_efficiency
+    rate = hw.peak_flops * eta
+    imbalance = plan.stage_layers / (m.layers / p.pp)
+    compute = tokens * hardware_flops_per_token(plan) / (p.gpus * rate) * imbalance
     micro = p.micro_batches
+    t_mb = compute / micro
+    layers = plan.stage_layers
+
+    act_bytes = p.micro_batch * m.seq_len * m.hidden * 2 / p.cp  # one micro-batch's activations, bf16
     tp_comm = 0.0
     if p.tp > 1:
         n_coll = 6 if p.recompute == "full" else 4
-        bw = intra if p.tp <= hw.gpus_per_node else inter
-        tp_comm = (m.layers / p.pp) * micro * n_coll * 2 * (p.tp - 1) / p.tp * mb_act_bytes / bw
-    pp_comm = 2 * p.vpp * micro * mb_act_bytes / (p.tp * inter) if p.pp > 1 else 0.0
+        bw = group_bandwidth(plan, stride=1, size=p.tp)
+        tp_comm = layers * micro * n_coll * 2 * (p.tp - 1) / p.tp * act_bytes / bw
+
+    cp_comm = 0.0
+    if p.cp > 1:
+        # Ring attention: c-1 KV chunks pass each rank in forward, KV and dKV in backward (3x),
+        # overlapped with the attention core of the local chunk.
+        kv_dim = m.kv_heads * m.head_dim / min(p.tp, m.kv_heads)
+        chunk = 2 * p.micro_batch * (m.seq_len / p.cp) * kv_dim * 2
+        bw = group_bandwidth(plan, stride=p.tp, size=p.cp)
+        ring = 3 * (p.cp - 1) * chunk / bw
+        attention = p.micro_batch * (m.seq_len / p.cp) * 12 * m.hidden * m.seq_len / p.tp / rate
+        cp_comm = layers * micro * max(0.0, ring - attention)
+
+    pp_comm = 0.0
+    if p.pp > 1:
+        bw = intra if _within_node(plan, p.tp * p.cp * p.dp * 2) else inter
+        sent = act_bytes / (p.tp if p.sequence_parallel else 1)
+        pp_comm = 2 * p.vpp * micro * sent / bw
+
     ep_comm = 0.0
     if p.ep > 1:
         n_a2a = 6 if p.recompute == "full" else 4
-        bw = intra if p.ep * p.tp * p.cp <= hw.gpus_per_node else inter
-        ep_comm = (
-            (m.layers / p.pp)
-            * micro
-            * n_a2a
-            * m.active_experts
-            * (p.ep - 1)
-            / p.ep
-            * mb_act_bytes
-            / p.tp
-            / bw
-        )
+        bw = group_bandwidth(plan, stride=p.tp * p.cp, size=p.ep)
+        ep_comm = layers * micro * n_a2a * m.active_experts * (p.ep - 1) / p.ep * act_bytes / p.tp / bw
 
-    dense = m.params_total - m.expert_params
-    stage_params = dense / (p.tp * p.pp) + m.expert_params / (p.tp * p.pp * p.ep)
-    d = p.dp * p.cp
-    dp_total = 0.0
-    if d > 1:
-        if p.zero >= 3:  # all-gather (bf16) in forward and backward per micro-batch, one fp32 reduce-scatter
-            volume = (d - 1) / d * stage_params * (4 * micro + 4)
-        else:  # one bf16 all-reduce (or reduce-scatter + all-gather) of the gradients per step
-            volume = 2 * (d - 1) / d * stage_params * 2
-        dp_total = volume / (intra if _dp_group_in_node(plan) else inter)
+    dp_bw = group_bandwidth(plan, stride=p.tp, size=p.cp * p.dp)
+    dp_total, dp_exposed = _dp_traffic(plan, t_mb, dp_bw, calibration.overlap)
 
-    critical = compute + tp_comm + pp_comm + ep_comm
+    critical = compute + tp_comm + cp_comm + pp_comm + ep_comm
     bubble = critical * (p.pp - 1) / (p.vpp * micro) if p.pp > 1 else 0.0
     return StepTime(
         compute_s=compute,
         tp_comm_s=tp_comm,
+        cp_comm_s=cp_comm,
         pp_comm_s=pp_comm,
         ep_comm_s=ep_comm,
-        dp_comm_exposed_s=calibration.dp_exposed * dp_total,
+        dp_comm_exposed_s=dp_exposed,
         dp_comm_total_s=dp_total,
         bubble_s=bubble,
     )
 
 
-def _mfu_from_step(plan: PlanInput, step: StepTime) -> float:
+def mfu_from_step(plan: PlanInput, step: StepTime) -> float:
     p = plan.parallelism
     tokens = p.global_batch * plan.model.seq_len
     return tokens * model_flops_per_token(plan) / (step.total_s * p.gpus * plan.hardware.peak_flops)
 
 
-def _binding_wall(plan: PlanInput, memory: MemoryBreakdown, step: StepTime) -> str:
+def layout_of(plan: PlanInput) -> str:
+    """The layout class of a config: dp, tp, tp+pp or cp (the regimes errors are reported by)."""
+    p = plan.parallelism
+    if p.cp > 1:
+        return "cp"
+    if p.pp > 1:
+        return "tp+pp"
+    return "tp" if p.tp > 1 else "dp"
+
+
+def regime_of(plan: PlanInput) -> str:
+    return f"{plan.hardware.gpu.name} {layout_of(plan)}"
+
+
+def _doublings(value: float, limit: float) -> float:
+    return math.log2(value / limit) if value > limit else 0.0
+
+
+def band_for(plan: PlanInput, calibration: Calibration) -> tuple[float, str, tuple[str, ...], bool]:
+    """(band, regime, reasons outside the domain, calibrated) for a config."""
+    gpu = plan.hardware.gpu.name
+    p, m = plan.parallelism, plan.model
+    regime = regime_of(plan)
+    domain = calibration.domain.get(gpu)
+    if domain is None:
+        near = NEAREST_CALIBRATED.get(gpu, "H100-SXM")
+        return UNCALIBRATED_BAND, regime, (f"{gpu} has no calibration points (efficiency borrowed from {near})",), False
+    errors = calibration.regime_error
+    worst_of_gpu = max((v for k, v in errors.items() if k.split(" ")[0] == gpu), default=UNCALIBRATED_BAND)
+    if regime not in errors:  # nearest regime: the worst one of the same GPU type
+        base = worst_of_gpu
+        regime = f"{gpu} (no held-out {layout_of(plan)} points: worst {gpu} regime)"
+    elif calibration.regime_points.get(regime, 0) < MIN_REGIME_POINTS:
+        base = max(errors[regime], worst_of_gpu)
+        regime = f"{regime} ({calibration.regime_points.get(regime, 0)} held-out points: with the worst {gpu} regime)"
+    else:
+        base = errors[regime]
+    band = max(base, BAND_FLOOR)
+    reasons: list[str] = []
+    widen = 0.0
+    for name, value, limit in (
+        ("gpus", p.gpus, domain.gpus[1]),
+        ("pp", p.pp, domain.pp),
+        ("cp", p.cp, domain.cp),
+        ("seq_len", m.seq_len, domain.seq_len),
+    ):
+        if value > limit:
+            reasons.append(f"{name}={value} > {limit}, the largest calibrated on {gpu}")
+            widen += _doublings(value, limit)
+    if p.gpus < domain.gpus[0]:
+        reasons.append(f"gpus={p.gpus} < {domain.gpus[0]}, the smallest calibrated on {gpu}")
+        widen += _doublings(domain.gpus[0], p.gpus)
+    if plan.hardware.precision != "bf16":
+        reasons.append(f"precision {plan.hardware.precision}: calibrated on bf16 runs only")
+        widen += 1.0
+    band = min(BAND_CAP, band + WIDEN_PER_DOUBLING * widen)
+    return band, regime, tuple(reasons), True
+
+
+def _binding_wall(memory: MemoryBreakdown, step: StepTime) -> str:
     if not memory.fits:
         return "memory"
     overheads = {
         "tp_comm": step.tp_comm_s,
+        "cp_comm": step.cp_comm_s,
         "pp_bubble": step.bubble_s + step.pp_comm_s,
         "dp_comm": step.dp_comm_exposed_s,
         "ep_comm": step.ep_comm_s,
@@ -281,17 +445,26 @@ def _binding_wall(plan: PlanInput, memory: MemoryBreakdown, step: StepTime) -> s
     return "compute"
 
 
+def predict_mfu_band(plan_input: PlanInput, step: StepTime, calibration: Calibration) -> MfuPrediction:
+    predicted = mfu_from_step(plan_input, step)
+    band, regime, outside, calibrated = band_for(plan_input, calibration)
+    return MfuPrediction(
+        predicted=predicted,
+        low=predicted * (1 - band),
+        high=predicted * (1 + band),
+        calibrated=calibrated,
+        band=band,
+        regime=regime,
+        outside=outside,
+    )
+
+
 def plan(plan_input: PlanInput, calibration: Calibration | None = None) -> PlanResult:
     """Predict memory, step time, throughput and MFU for one config."""
     cal = calibration or DEFAULT_CALIBRATION
     memory = per_gpu_memory(plan_input)
     step = predict_step(plan_input, cal)
-    predicted = _mfu_from_step(plan_input, step)
-    calibrated = plan_input.hardware.gpu.name in CALIBRATED_GPUS
-    band = cal.band if calibrated else UNCALIBRATED_BAND
-    mfu = MfuPrediction(
-        predicted=predicted, low=predicted * (1 - band), high=predicted * (1 + band), calibrated=calibrated
-    )
+    mfu = predict_mfu_band(plan_input, step, cal)
     warnings: list[str] = []
     if not memory.fits:
         warnings.append(
@@ -299,16 +472,21 @@ def plan(plan_input: PlanInput, calibration: Calibration | None = None) -> PlanR
             f"{(memory.capacity - memory.overhead) / 2**30:.1f} GiB usable "
             f"({plan_input.hardware.usable_hbm_fraction:.0%} of HBM)"
         )
-    if not calibrated:
+    if mfu.outside:
         warnings.append(
-            f"{plan_input.hardware.gpu.name} is not in the calibration set; band widened "
-            f"to +-{UNCALIBRATED_BAND:.0%}"
+            "outside the calibrated domain (" + "; ".join(mfu.outside) + f"): band widened to +-{mfu.band:.0%}"
         )
     p = plan_input.parallelism
     if p.pp > 1 and p.micro_batches < 4 * p.pp:
+        bubble = (p.pp - 1) / (p.vpp * p.micro_batches + p.pp - 1)
         warnings.append(
-            f"only {p.micro_batches} micro-batches for pp={p.pp}: bubble "
-            f"{(p.pp - 1) / (p.micro_batches + p.pp - 1):.0%}; aim for m >= 4*pp"
+            f"only {p.micro_batches} micro-batches for pp={p.pp} (vpp={p.vpp}): bubble {bubble:.0%}; "
+            "aim for m >= 4*pp or interleave"
+        )
+    if p.uneven_stages and plan_input.model.layers % p.pp:
+        warnings.append(
+            f"uneven stages: {plan_input.stage_layers:.0f} layers on the fullest of {p.pp} stages "
+            f"({plan_input.model.layers / p.pp:.2f} on average) set the pace"
         )
     tokens = p.global_batch * plan_input.model.seq_len
     return PlanResult(
@@ -316,11 +494,12 @@ def plan(plan_input: PlanInput, calibration: Calibration | None = None) -> PlanR
         step=step,
         tokens_per_s=tokens / step.total_s,
         mfu=mfu,
-        binding_wall=_binding_wall(plan_input, memory, step),
+        binding_wall=_binding_wall(memory, step),
         model_flops_per_token=model_flops_per_token(plan_input),
         params_total=plan_input.model.params_total,
         params_active=plan_input.model.params_active,
         warnings=tuple(warnings),
+        defaults=plan_input.defaults,
     )
 
 
@@ -329,125 +508,46 @@ def predict_mfu(registration: Mapping[str, Any], *, calibration: Calibration | N
     return plan(parse_plan_input(registration, strict=False), calibration).mfu
 
 
-# --- calibration on seed 002 -------------------------------------------------------------------
-
-
-def _kf_row(label: str, model: str, gpus: int, tp: int, mfu_pct: float) -> CalibrationRow:
-    # KempnerForge MFU benchmark (2026-04-05): Llama-3 shapes, seq 4096, full AC, FSDP2, 4 H200/node.
-    shapes = {
-        "7B": {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn_hidden": 14336},
-        "13B": {"layers": 40, "hidden": 5120, "heads": 40, "kv_heads": 8, "ffn_hidden": 17920},
-        "70B": {"layers": 80, "hidden": 8192, "heads": 64, "kv_heads": 8, "ffn_hidden": 28672},
-    }
-    micro, accum = {"7B": (4, 2), "13B": (4, 4), "70B": (2, 4)}[model]
-    if model == "7B" and gpus <= 2 and tp == 1:
-        micro, accum = 2, 4
-    dp = gpus // tp
-    config = {
-        "model": {**shapes[model], "vocab": 128256, "seq_len": 4096, "gated_mlp": True},
-        "parallelism": {
-            "gpus": gpus,
-            "tp": tp,
-            "dp": dp,
-            "zero": "fsdp",
-            "micro_batch": micro,
-            "global_batch": micro * accum * dp,
-            "recompute": "full",
-        },
-        "hardware": {"gpu": "H200", "gpus_per_node": 4},
-    }
-    return CalibrationRow(label=label, config=config, mfu=mfu_pct / 100)
-
-
-SEED_002_ROWS: tuple[CalibrationRow, ...] = (
-    _kf_row("7B FSDP=4 (4 GPUs)", "7B", 4, 1, 53.8),
-    _kf_row("7B TP=4 (4 GPUs)", "7B", 4, 4, 34.7),
-    _kf_row("13B FSDP=8 (8 GPUs)", "13B", 8, 1, 44.4),
-    _kf_row("13B TP4xFSDP4 (16 GPUs)", "13B", 16, 4, 33.7),
-    _kf_row("13B TP4xFSDP8 (32 GPUs)", "13B", 32, 4, 32.7),
-    _kf_row("70B TP4xFSDP8 (32 GPUs)", "70B", 32, 4, 25.4),
-    _kf_row("7B TP4xFSDP8 (32 GPUs)", "7B", 32, 4, 26.9),
-)
-"""The seven measured H200 runs quoted in seed 002 (fit set)."""
-
-HELD_OUT_ROWS: tuple[CalibrationRow, ...] = (
-    _kf_row("7B 1 GPU", "7B", 1, 1, 57.8),
-    _kf_row("7B FSDP=2 (2 GPUs)", "7B", 2, 1, 51.7),
-    _kf_row("7B TP=2 (2 GPUs)", "7B", 2, 2, 36.4),
-    _kf_row("7B TP2xFSDP2 (4 GPUs)", "7B", 4, 2, 35.9),
-    _kf_row("7B TP4xFSDP2 (8 GPUs)", "7B", 8, 4, 30.6),
-    _kf_row("13B TP4xFSDP2 (8 GPUs)", "13B", 8, 4, 34.3),
-    _kf_row("7B TP4xFSDP4 (16 GPUs)", "7B", 16, 4, 28.6),
-)
-"""The other seven rows of the same benchmark report, not quoted in seed 002 (validation set)."""
-
-
-def _predict_rows(params: np.ndarray, plans: Sequence[PlanInput]) -> np.ndarray:
-    cal = Calibration(
-        eta=float(params[0]),
-        tp_efficiency=float(params[1]),
-        dp_exposed=float(params[2]),
-        band=0.0,
-        mean_abs_error=0.0,
-        max_abs_error=0.0,
-        loo_mean_abs_error=0.0,
-        loo_max_abs_error=0.0,
-        source="",
-    )
-    return np.array([_mfu_from_step(pl, predict_step(pl, cal)) for pl in plans])
-
-
-def _fit(plans: Sequence[PlanInput], measured: np.ndarray) -> np.ndarray:
-    # Fit in log space so a 10% miss on a 25% run weighs like a 10% miss on a 55% run.
-    result = least_squares(
-        lambda x: np.log(_predict_rows(x, plans) / measured),
-        x0=np.array([0.6, 0.7, 0.5]),
-        bounds=([0.05, 0.05, 0.0], [1.0, 1.0, 1.0]),
-    )
-    return result.x
-
-
-def relative_errors(calibration: Calibration, rows: Sequence[CalibrationRow]) -> np.ndarray:
-    """predicted/measured - 1 for each row."""
-    plans = [parse_plan_input(r.config) for r in rows]
-    params = np.array([calibration.eta, calibration.tp_efficiency, calibration.dp_exposed])
-    return _predict_rows(params, plans) / np.array([r.mfu for r in rows]) - 1
-
-
-def calibrate(rows: Sequence[CalibrationRow] = SEED_002_ROWS, *, source: str = "seed 002") -> Calibration:
-    """Fit eta, tp_efficiency and dp_exposed on measured rows; band = max leave-one-out error."""
-    plans = [parse_plan_input(r.config) for r in rows]
-    measured = np.array([r.mfu for r in rows])
-    params = _fit(plans, measured)
-    in_sample = np.abs(_predict_rows(params, plans) / measured - 1)
-    loo = []
-    for i in range(len(rows)):
-        keep = [j for j in range(len(rows)) if j != i]
-        sub = _fit([plans[j] for j in keep], measured[keep])
-        loo.append(abs(_predict_rows(sub, [plans[i]])[0] / measured[i] - 1))
-    loo_arr = np.array(loo)
-    return Calibration(
-        eta=float(params[0]),
-        tp_efficiency=float(params[1]),
-        dp_exposed=float(params[2]),
-        band=float(loo_arr.max()),
-        mean_abs_error=float(in_sample.mean()),
-        max_abs_error=float(in_sample.max()),
-        loo_mean_abs_error=float(loo_arr.mean()),
-        loo_max_abs_error=float(loo_arr.max()),
-        source=source,
-    )
-
-
 DEFAULT_CALIBRATION = Calibration(
-    eta=0.7424,
-    tp_efficiency=0.6874,
-    dp_exposed=0.6446,
-    band=0.1175,
-    mean_abs_error=0.0500,
-    max_abs_error=0.0924,
-    loo_mean_abs_error=0.0829,
-    loo_max_abs_error=0.1175,
-    source="seed 002",
+    eta={
+        "A100 megatron": 0.88,
+        "A100 fsdp": 0.7161,
+        "H100-SXM megatron": 0.7306,
+        "H100-SXM fsdp": 0.5085,
+        "H200 fsdp": 0.7261,
+    },
+    tp_efficiency=0.9491,
+    gemm_h0=418.4,
+    gemm_m0=335.8,
+    overlap=0.8432,
+    regime_error={
+        "A100 dp": 0.1454,
+        "A100 tp": 0.1122,
+        "A100 tp+pp": 0.1054,
+        "H100-SXM cp": 0.0341,
+        "H100-SXM dp": 0.1891,
+        "H100-SXM tp+pp": 0.0547,
+        "H200 dp": 0.1788,
+        "H200 tp": 0.0985,
+    },
+    regime_points={
+        "A100 dp": 6,
+        "A100 tp": 2,
+        "A100 tp+pp": 4,
+        "H100-SXM cp": 1,
+        "H100-SXM dp": 7,
+        "H100-SXM tp+pp": 1,
+        "H200 dp": 2,
+        "H200 tp": 5,
+    },
+    domain={
+        "H200": Domain(gpus=(1, 32), pp=1, cp=1, seq_len=4096),
+        "H100-SXM": Domain(gpus=(8, 16384), pp=16, cp=16, seq_len=131072),
+        "A100": Domain(gpus=(8, 512), pp=64, cp=1, seq_len=32768),
+    },
+    fit_mean_abs_error=0.06651,
+    heldout_mean_abs_error=0.08777,
+    heldout_max_abs_error=0.1891,
+    source="calibration_points.POINTS: KempnerForge (seed 002), llm-foundry, Korthikanti et al. 2022, Llama 3",
 )
-"""`calibrate(SEED_002_ROWS)` frozen as constants (a test checks they still match the fit)."""
+"""`calibration.calibrate()` frozen as constants (a test checks they still match the fit)."""

@@ -110,6 +110,9 @@ def activation_bytes_per_layer(plan: PlanInput) -> float:
     b, s, h = p.micro_batch, m.seq_len, m.hidden
     split = p.tp * p.cp
     selective = ACTIVATION_K * BYTES_ACT * b * s * h / split
+    if p.tp > 1 and not p.sequence_parallel:
+        # Without SP the norm/dropout inputs (10 of Korthikanti's 34 sbh) are whole on every TP rank.
+        selective *= 24 / 34 + 10 / 34 * p.tp
     if p.recompute == "selective":
         return selective
     if p.recompute == "none":
@@ -122,14 +125,13 @@ def activation_bytes_per_layer(plan: PlanInput) -> float:
 def per_gpu_memory(plan: PlanInput) -> MemoryBreakdown:
     """Peak memory on the most loaded GPU (first pipeline stage) for a parallel layout."""
     m, p, hw = plan.model, plan.parallelism, plan.hardware
-    dense = m.params_total - m.expert_params
-    stage_params = dense / (p.tp * p.pp) + m.expert_params / (p.tp * p.pp * p.ep)
+    stage_params = plan.stage_params  # the fullest stage when stages are uneven
     sharded = m.params_total / p.gpus  # ZeRO shards over dp*cp; ep only regroups experts
     params = BYTES_PARAM * (sharded + stage_params if p.zero >= 3 else stage_params)
     grads = BYTES_GRAD * (sharded if p.zero >= 2 else stage_params)
     optimizer = BYTES_OPTIM * (sharded if p.zero >= 1 else stage_params)
 
-    layers_per_stage = m.layers / p.pp
+    layers_per_stage = plan.stage_layers
     in_flight: float = min(p.micro_batches, p.pp)
     if p.vpp > 1 and p.pp > 1:
         in_flight *= 1 + (p.pp - 1) / (p.pp * p.vpp)  # interleaving keeps extra warm-up chunks

@@ -23,6 +23,9 @@ from typing import Any
 from trainvitals.service.advisors.hardware import GpuSpec, gpu_spec
 
 RECOMPUTE_MODES = ("none", "selective", "full")
+FRAMEWORKS = ("megatron", "fsdp")
+PARAMS_OVERRIDE_LIMIT = 10.0
+"""An explicit `model.params` more than this factor off the architecture's count is refused."""
 
 # Registration payloads written by other tools use other names for the same fields (alias: key).
 MODEL_ALIASES = {
@@ -57,6 +60,7 @@ MODEL_KEYS = frozenset({
 })
 PARALLELISM_KEYS = frozenset({
     "gpus", "tp", "pp", "dp", "cp", "ep", "vpp", "zero", "micro_batch", "global_batch", "recompute",
+    "uneven_stages", "sequence_parallel", "overlap_dp_comm", "framework",
 })
 HARDWARE_KEYS = frozenset({
     "gpu", "gpus", "gpus_per_node", "peak_tflops", "peak_fp8_tflops", "hbm_gib", "intra_node_gbps",
@@ -102,6 +106,14 @@ class ModelConfig:
             raise ValueError(
                 f"model.active_experts: {self.active_experts} exceeds model.experts={self.experts}"
             )
+        if self.params_override is not None:
+            ratio = self._scale
+            counted = self.params_override / ratio
+            if not 1 / PARAMS_OVERRIDE_LIMIT <= ratio <= PARAMS_OVERRIDE_LIMIT:
+                raise ValueError(
+                    f"model.params: {self.params_override:.3g} is {ratio:.3g}x the {counted:.3g} parameters "
+                    "the shape (layers, hidden, ffn_hidden, vocab, experts) gives; fix one or drop model.params"
+                )
 
     @property
     def head_dim(self) -> int:
@@ -180,6 +192,18 @@ class ParallelismConfig:
     """Sequences per optimizer step across the job."""
     recompute: str = "selective"
     """Activation recomputation: "none", "selective" or "full"."""
+    uneven_stages: bool = False
+    """Pipeline stages may hold different layer counts (the stage with the most sets the pace)."""
+    sequence_parallel: bool = True
+    """With tp > 1, activations outside the TP regions are split along the sequence (Megatron SP);
+    TP collectives become all-gather/reduce-scatter of the same volume."""
+    overlap_dp_comm: bool = True
+    """Data-parallel/ZeRO collectives overlap backward (grad reduce) and forward (param gather);
+    False: all of that traffic is on the critical path."""
+    framework: str = "megatron"
+    """Kernel/runtime stack, which sets the achieved GEMM efficiency: "megatron" (Megatron-LM, NeMo
+    and similar 3D-parallel stacks with fused kernels) or "fsdp" (PyTorch FSDP/FSDP2 with DTensor
+    TP: torchtitan, llm-foundry, KempnerForge)."""
 
     def __post_init__(self) -> None:
         if self.tp * self.cp * self.pp * self.dp != self.gpus:
@@ -190,6 +214,8 @@ class ParallelismConfig:
             raise ValueError(f"parallelism.ep: {self.ep} does not divide parallelism.dp={self.dp}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"parallelism.zero: must be 0-3 or 'fsdp', got {self.zero!r}")
+        if self.framework not in FRAMEWORKS:
+            raise ValueError(f"parallelism.framework: must be one of {FRAMEWORKS}, got {self.framework!r}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(
                 f"parallelism.recompute: must be one of {RECOMPUTE_MODES}, got {self.recompute!r}"
@@ -204,6 +230,10 @@ class ParallelismConfig:
     def micro_batches(self) -> int:
         """Micro-batches each pipeline runs per optimizer step (m)."""
         return self.global_batch // (self.micro_batch * self.dp)
+
+    @property
+    def zero_name(self) -> str:
+        return {0: "ZeRO-0 (DDP)", 1: "ZeRO-1 (distributed optimizer)", 2: "ZeRO-2", 3: "ZeRO-3/FSDP"}[self.zero]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -222,6 +252,11 @@ class HardwareConfig:
     def __post_init__(self) -> None:
         if self.precision not in ("bf16", "fp8"):
             raise ValueError(f"hardware.precision: must be 'bf16' or 'fp8', got {self.precision!r}")
+        if self.precision == "fp8" and self.gpu.peak_fp8_tflops is None:
+            raise ValueError(
+                f"hardware.precision: fp8 on {self.gpu.name}, which has no FP8 tensor cores; "
+                "use precision: bf16 (or give hardware.peak_fp8_tflops)"
+            )
         if not 0 < self.usable_hbm_fraction <= 1:
             raise ValueError(
                 f"hardware.usable_hbm_fraction: must be in (0, 1], got {self.usable_hbm_fraction!r}"
@@ -243,6 +278,33 @@ class PlanInput:
     """Layout of the job."""
     hardware: HardwareConfig
     """GPU type and node size."""
+    defaults: tuple[str, ...] = ()
+    """Fields the config left unstated and the value assumed for each, with why (shown in the output)."""
+
+    @property
+    def stage_layers(self) -> float:
+        """Layers on the fullest pipeline stage: L/pp, or ceil(L/pp) with uneven stages."""
+        p, layers = self.parallelism, self.model.layers
+        return float(-(-layers // p.pp)) if p.uneven_stages else layers / p.pp
+
+    @property
+    def stage_params(self) -> float:
+        """Parameters one GPU holds before ZeRO sharding: its TP/EP share of the fullest stage."""
+        m, p = self.model, self.parallelism
+        dense = m.params_total - m.expert_params
+        per_stage = dense / (p.tp * p.pp) + m.expert_params / (p.tp * p.pp * p.ep)
+        return per_stage * self.stage_layers / (m.layers / p.pp)
+
+    def __post_init__(self) -> None:
+        p, layers = self.parallelism, self.model.layers
+        if p.pp * p.vpp > layers:
+            raise ValueError(f"parallelism.pp: pp*vpp = {p.pp * p.vpp} exceeds model.layers={layers}")
+        if not p.uneven_stages and layers % (p.pp * p.vpp):
+            what = f"pp={p.pp}" if p.vpp == 1 else f"pp*vpp={p.pp}*{p.vpp}"
+            raise ValueError(
+                f"parallelism.pp: {what} does not divide model.layers={layers}; pick a divisor "
+                "or set parallelism.uneven_stages: true (the fullest stage sets the pace)"
+            )
 
 
 def _section(
@@ -377,7 +439,7 @@ def parse_hardware(data: Mapping[str, Any], *, strict: bool = True) -> HardwareC
 
 
 def _zero(sec: dict[str, Any]) -> int:
-    value = sec.get("zero", 3)
+    value = sec["zero"]
     if isinstance(value, str) and value.lower() == "fsdp":
         return 3
     if isinstance(value, bool) or not isinstance(value, int) or value not in (0, 1, 2, 3):
@@ -385,30 +447,84 @@ def _zero(sec: dict[str, Any]) -> int:
     return value
 
 
+def default_zero(*, tp: int, pp: int, cp: int, dp: int) -> tuple[int, str]:
+    """The sharding large runs use when the config does not say (and why)."""
+    if dp == 1:
+        return 0, "one data-parallel replica: nothing to shard"
+    if tp * pp * cp > 1:
+        return 1, "Megatron-LM/NeMo practice with model parallelism: distributed optimizer"
+    return 3, "pure data parallelism: PyTorch FSDP is the usual stack"
+
+
+def default_vpp(*, layers: int, pp: int, micro_batches: int) -> tuple[int, str]:
+    """Interleaved 1F1B as Megatron runs it at scale: chunks of >= 2 layers, m a multiple of pp."""
+    if pp == 1:
+        return 1, "no pipeline"
+    if micro_batches % pp:
+        return 1, f"m={micro_batches} is not a multiple of pp={pp} (interleaving needs it)"
+    per_stage = -(-layers // pp)  # uneven stages: the fullest one
+    v = max((d for d in range(1, per_stage // 2 + 1) if per_stage % d == 0), default=1)
+    return v, f"interleaved 1F1B, {per_stage // v} layers per virtual stage"
+
+
 def parse_parallelism(
     data: Mapping[str, Any], model: ModelConfig, *, strict: bool = True, gpus_fallback: int | None = None
-) -> ParallelismConfig:
+) -> tuple[ParallelismConfig, tuple[str, ...]]:
+    """The layout and the defaults it took for unstated fields ("key: value (why)")."""
     sec = _section(data, "parallelism", PARALLELISM_ALIASES, PARALLELISM_KEYS, strict)
     p = "parallelism"
+    defaults: list[str] = []
     gpus = _int(sec, p, "gpus", gpus_fallback)
     tp, pp, cp = _int(sec, p, "tp", 1), _int(sec, p, "pp", 1), _int(sec, p, "cp", 1)
     if gpus % (tp * pp * cp):
         raise ValueError(f"parallelism.gpus: {gpus} is not divisible by tp*pp*cp = {tp * pp * cp}")
     dp = _int(sec, p, "dp", gpus // (tp * pp * cp))
-    ep, vpp = _int(sec, p, "ep", 1), _int(sec, p, "vpp", 1)
+    ep = _int(sec, p, "ep", 1)
     if model.heads % tp:
         raise ValueError(f"parallelism.tp: {tp} does not divide model.heads={model.heads}")
-    if pp * vpp > model.layers:
-        raise ValueError(f"parallelism.pp: pp*vpp = {pp * vpp} exceeds model.layers={model.layers}")
+    if pp > model.layers:
+        raise ValueError(f"parallelism.pp: {pp} exceeds model.layers={model.layers}")
     if model.experts % ep:
         raise ValueError(f"parallelism.ep: {ep} does not divide model.experts={model.experts}")
     if model.seq_len % cp:
         raise ValueError(f"parallelism.cp: {cp} does not divide model.seq_len={model.seq_len}")
+    if "micro_batch" not in sec:
+        defaults.append("micro_batch: 1")
     micro = _int(sec, p, "micro_batch", 1)
+    if "global_batch" not in sec:
+        defaults.append(f"global_batch: {micro * dp} (one micro-batch per data-parallel rank)")
+    global_batch = _int(sec, p, "global_batch", micro * dp)
     recompute = sec.get("recompute", "selective")
+    if "recompute" not in sec:
+        defaults.append("recompute: selective (Megatron default with sequence parallelism)")
     if not isinstance(recompute, str):
         raise ValueError(f"parallelism.recompute: must be a string, got {recompute!r}")
-    return ParallelismConfig(
+    if "zero" in sec and sec["zero"] is not None:
+        zero = _zero(sec)
+    else:
+        zero, why = default_zero(tp=tp, pp=pp, cp=cp, dp=dp)
+        defaults.append(f"zero: {zero} ({why})")
+    if "vpp" in sec and sec["vpp"] is not None:
+        vpp = _int(sec, p, "vpp", 1)
+    else:
+        m = global_batch // (micro * dp) if micro * dp and global_batch % (micro * dp) == 0 else 0
+        vpp, why = default_vpp(layers=model.layers, pp=pp, micro_batches=m) if m else (1, "")
+        if pp > 1:
+            defaults.append(f"vpp: {vpp} ({why})")
+    sequence_parallel = _bool(sec, p, "sequence_parallel", True)
+    if tp > 1 and "sequence_parallel" not in sec:
+        defaults.append("sequence_parallel: true (Megatron/torchtitan practice with TP)")
+    overlap = _bool(sec, p, "overlap_dp_comm", True)
+    if dp * cp > 1 and "overlap_dp_comm" not in sec:
+        defaults.append("overlap_dp_comm: true (grad reduce-scatter in backward, param gather in forward)")
+    framework = sec.get("framework")
+    if framework is None:
+        framework = "fsdp" if zero == 3 else "megatron"
+        why = "ZeRO-3/FSDP is the PyTorch-native stack" if zero == 3 else "TP/PP/distributed-optimizer stack"
+        defaults.append(f"framework: {framework} ({why})")
+    if not isinstance(framework, str):
+        raise ValueError(f"parallelism.framework: must be a string, got {framework!r}")
+    config = ParallelismConfig(
         gpus=gpus,
         tp=tp,
         pp=pp,
@@ -416,11 +532,16 @@ def parse_parallelism(
         cp=cp,
         ep=ep,
         vpp=vpp,
-        zero=_zero(sec),
+        zero=zero,
         micro_batch=micro,
-        global_batch=_int(sec, p, "global_batch", micro * dp),
+        global_batch=global_batch,
         recompute=recompute,
+        uneven_stages=_bool(sec, p, "uneven_stages", False),
+        sequence_parallel=sequence_parallel,
+        overlap_dp_comm=overlap,
+        framework=framework,
     )
+    return config, tuple(defaults)
 
 
 def parse_plan_input(data: Mapping[str, Any], *, strict: bool = True) -> PlanInput:
@@ -436,7 +557,7 @@ def parse_plan_input(data: Mapping[str, Any], *, strict: bool = True) -> PlanInp
     model = parse_model(data, strict=strict)
     hardware = parse_hardware(data, strict=strict)
     hw_gpus = data["hardware"].get("gpus", data["hardware"].get("count"))
-    parallelism = parse_parallelism(
+    parallelism, defaults = parse_parallelism(
         data, model, strict=strict, gpus_fallback=hw_gpus if isinstance(hw_gpus, int) else None
     )
-    return PlanInput(model=model, parallelism=parallelism, hardware=hardware)
+    return PlanInput(model=model, parallelism=parallelism, hardware=hardware, defaults=defaults)

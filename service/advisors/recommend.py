@@ -18,7 +18,7 @@ checked against the usable share of HBM (75% by default, seed 001).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,12 +29,15 @@ from trainvitals.service.advisors.model_config import (
     ModelConfig,
     ParallelismConfig,
     PlanInput,
+    default_vpp,
     parse_hardware,
     parse_model,
 )
 
 STATIC_BYTES_PER_PARAM = BYTES_PARAM + BYTES_GRAD + BYTES_OPTIM  # 16 for bf16 + AdamW
 DEFAULT_CRITICAL_BATCH_TOKENS = 2 * 1024 * 1024  # seed 000: "a 2M-token critical batch"
+LONG_SEQUENCE = 32768  # from here on, a sequence's activations can outgrow the weights (seed 003)
+LONG_SEQUENCE_HEADROOM = 0.9
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -84,6 +87,7 @@ class Recommendation:
                 "micro_batch": c.micro_batch,
                 "global_batch": c.global_batch,
                 "recompute": c.recompute,
+                "uneven_stages": c.uneven_stages,
             }
         return {
             "feasible": self.feasible,
@@ -110,26 +114,42 @@ def _layout(
     micro_batch: int,
     global_tokens: float,
     recompute: str,
-) -> PlanInput:
-    dp = gpus // (tp * pp)
+    cp: int = 1,
+    interleave: bool = True,
+) -> PlanInput | None:
+    """The layout, or None when it is not a valid one (ep not dividing dp, ...)."""
+    dp = gpus // (tp * pp * cp)
+    if dp < 1 or gpus % (tp * pp * cp) or dp % ep:
+        return None
     # Micro-batches per pipeline: as many as the target global batch allows, at least one.
     m = max(1, round(global_tokens / (model.seq_len * micro_batch * dp)))
+    vpp = default_vpp(layers=model.layers, pp=pp, micro_batches=m)[0] if interleave else 1
+    uneven = bool(model.layers % pp)
+    if not uneven and model.layers % (pp * vpp):
+        vpp = 1
+    # One framework for every candidate, so the choice between them weighs traffic, not kernels.
     par = ParallelismConfig(
         gpus=gpus,
         tp=tp,
         pp=pp,
         dp=dp,
+        cp=cp,
         ep=ep,
+        vpp=vpp,
         zero=zero,
         micro_batch=micro_batch,
         global_batch=micro_batch * dp * m,
         recompute=recompute,
+        uneven_stages=uneven,
+        framework="megatron",
     )
     return PlanInput(model=model, parallelism=par, hardware=hardware)
 
 
-def _fits(p: PlanInput) -> bool:
-    return per_gpu_memory(p).fits
+def _fits(p: PlanInput, headroom: float = 1.0) -> bool:
+    """Fits, with the tenants at most `headroom` of the usable HBM."""
+    mem = per_gpu_memory(p)
+    return mem.fits and mem.tenants <= headroom * (mem.capacity - mem.overhead)
 
 
 def _gib(x: float) -> str:
@@ -140,6 +160,45 @@ def _divisors(n: int, limit: int) -> Iterator[int]:
     yield from (d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
+def _shard_name(zero: int) -> str:
+    return {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP"}[zero]
+
+
+@dataclass(kw_only=True, slots=True)
+class _Choice:
+    """The fastest fitting candidate of a rung, and what the others would have cost."""
+
+    layout: PlanInput | None
+    comparison: str
+
+
+def _best(candidates: Iterable[PlanInput | None], calibration: Calibration | None, headroom: float = 1.0
+          ) -> _Choice:
+    # The sharding (and interleaving) is chosen on the cost model's own step time, not by rule.
+    scored: list[tuple[float, PlanInput]] = []
+    notes: list[str] = []
+    for c in candidates:
+        if c is None:
+            continue
+        name = _shard_name(c.parallelism.zero) + (f" vpp={c.parallelism.vpp}" if c.parallelism.vpp > 1 else "")
+        if not _fits(c, headroom):
+            notes.append(f"{name}: does not fit" + (f" in {headroom:.0%} of usable HBM" if headroom < 1 else ""))
+            continue
+        tokens = plan(c, calibration).tokens_per_s
+        scored.append((tokens, c))
+        notes.append(f"{name}: {tokens:,.0f} tok/s")
+    if not scored:
+        return _Choice(layout=None, comparison="; ".join(notes))
+    return _Choice(layout=max(scored, key=lambda sc: sc[0])[1], comparison="; ".join(notes))
+
+
+def _note_choice(steps: list[LadderStep], choice: _Choice) -> None:
+    if choice.layout is not None and steps:
+        last = steps[-1]
+        steps[-1] = LadderStep(wall=last.wall, axis=last.axis,
+                               detail=f"{last.detail}; chose by predicted throughput ({choice.comparison})")
+
+
 def _climb(
     model: ModelConfig,
     hardware: HardwareConfig,
@@ -147,22 +206,32 @@ def _climb(
     micro_batch: int,
     global_tokens: float,
     recompute: str,
+    calibration: Calibration | None = None,
 ) -> tuple[PlanInput | None, list[LadderStep]]:
     steps: list[LadderStep] = []
     usable = hardware.gpu.hbm_bytes * hardware.usable_hbm_fraction
     static = STATIC_BYTES_PER_PARAM * model.params_total
 
-    def layout(*, tp: int, pp: int, ep: int, zero: int) -> PlanInput:
-        return _layout(model, hardware, gpus=gpus, tp=tp, pp=pp, ep=ep, zero=zero, micro_batch=micro_batch,
-                       global_tokens=global_tokens, recompute=recompute)
+    def layout(*, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, zero: int, interleave: bool = True
+               ) -> PlanInput | None:
+        return _layout(model, hardware, gpus=gpus, tp=tp, pp=pp, ep=ep, cp=cp, zero=zero,
+                       micro_batch=micro_batch, global_tokens=global_tokens, recompute=recompute,
+                       interleave=interleave)
 
-    ddp = layout(tp=1, pp=1, ep=1, zero=1)
-    if static <= usable and _fits(ddp):
-        return ddp, steps
+    # A long sequence's activation tensors fragment the allocator (seed 001: 5-15%): keep 10% spare.
+    headroom = LONG_SEQUENCE_HEADROOM if model.seq_len >= LONG_SEQUENCE else 1.0
+
+    def best(*, tp: int = 1, cp: int = 1) -> _Choice:
+        return _best((layout(tp=tp, cp=cp, zero=z) for z in (1, 2, 3)), calibration, headroom)
+
+    if static <= usable:
+        choice = _best((layout(zero=z) for z in (0, 1)), calibration)
+        if choice.layout is not None:
+            return choice.layout, steps
     steps.append(
         LadderStep(
             wall="state > 1 GPU",
-            axis="FSDP/ZeRO-3",
+            axis="ZeRO/FSDP sharding",
             detail=f"{STATIC_BYTES_PER_PARAM} B/param x {model.params_total:.3g} = "
             f"{_gib(static)} > {_gib(usable)} usable per GPU",
         )
@@ -177,25 +246,49 @@ def _climb(
             )
         )
         return None, steps
-    fsdp = layout(tp=1, pp=1, ep=1, zero=3)
-    if _fits(fsdp):
-        return fsdp, steps
+    choice = best()
+    if choice.layout is not None:
+        _note_choice(steps, choice)
+        return choice.layout, steps
 
     # TP: the largest head-dividing degree that stays inside one node.
     tp = max(d for d in _divisors(gpus, hardware.gpus_per_node) if model.heads % d == 0)
-    working = per_gpu_memory(fsdp)
+    fsdp = layout(zero=3)
+    working = per_gpu_memory(fsdp) if fsdp is not None else None
     steps.append(
         LadderStep(
             wall="weights/GPU",
-            axis="TP + FSDP",
-            detail=f"FSDP alone: {_gib(working.tenants)} per GPU (gathered weights "
-            f"{_gib(working.params)}, activations {_gib(working.activations)}); "
-            f"tp={tp} splits both",
+            axis="TP + sharding",
+            detail=(f"FSDP alone: {_gib(working.tenants)} per GPU (gathered weights "
+                    f"{_gib(working.params)}, activations {_gib(working.activations)}); " if working else "")
+            + f"tp={tp} splits both",
         )
     )
-    with_tp = layout(tp=tp, pp=1, ep=1, zero=3)
-    if _fits(with_tp):
-        return with_tp, steps
+    choice = best(tp=tp)
+    if choice.layout is not None:
+        _note_choice(steps, choice)
+        return choice.layout, steps
+
+    # CP: a long sequence whose activations, not weights, fill the GPU (seed 003's 128K case).
+    cps = [1]
+    probe_layout = layout(tp=tp, zero=3)
+    probe = per_gpu_memory(probe_layout) if probe_layout is not None else None
+    if (probe is not None and model.seq_len >= LONG_SEQUENCE
+            and probe.activations > probe.params + probe.grads + probe.optimizer):
+        cps = [c for c in _divisors(gpus // tp, gpus) if model.seq_len % c == 0]
+        steps.append(
+            LadderStep(
+                wall="activations/GPU (long sequence)",
+                axis="+ CP (ring attention)",
+                detail=f"seq_len={model.seq_len}: activations {_gib(probe.activations)} per GPU at tp={tp} "
+                f"> weights + state {_gib(probe.params + probe.grads + probe.optimizer)}; CP splits the sequence",
+            )
+        )
+        for cp in cps[1:]:
+            choice = best(tp=tp, cp=cp)
+            if choice.layout is not None:
+                _note_choice(steps, choice)
+                return choice.layout, steps
 
     ep_options = [1]
     if model.experts > 1:
@@ -209,29 +302,43 @@ def _climb(
                 f"{model.params_total:.3g} params; EP shards the experts",
             )
         )
-    pp_steps_added = False
-    for pp in _divisors(gpus // tp, model.layers):
-        for ep in ep_options:
-            if (gpus // (tp * pp)) % ep:
-                continue
-            # With PP, ZeRO-1 first: FSDP would re-gather the stage weights for every micro-batch
-            # over the inter-node fabric (seed 004, section 4); fall back to ZeRO-3 for memory.
-            zeros = (1, 3) if pp > 1 else (3,)
-            candidates = [layout(tp=tp, pp=pp, ep=ep, zero=z) for z in zeros]
-            if pp > 1 and not pp_steps_added:
-                at_tp = per_gpu_memory(layout(tp=tp, pp=1, ep=max(ep_options), zero=3))
-                steps.append(
-                    LadderStep(
-                        wall="weights > TP alone",
-                        axis="+ PP",
-                        detail=f"tp={tp} still needs {_gib(at_tp.tenants)} per GPU "
-                        f"(weights {_gib(at_tp.params)})",
+    # PP: degrees that divide the layers first; uneven stages (and their cost) only when none fits.
+    degrees = [d for d in _divisors(gpus // tp, model.layers) if d > 1]
+    ordered = [d for d in degrees if model.layers % d == 0] + [d for d in degrees if model.layers % d]
+    pp_step_added = False
+    for pp in ordered:
+        for cp in cps:
+            for ep in ep_options:
+                if not pp_step_added:
+                    probe_tp = layout(tp=tp, ep=max(ep_options), zero=3) or layout(tp=tp, zero=3)
+                    assert probe_tp is not None  # tp divides gpus, so the plain TP layout exists
+                    at_tp = per_gpu_memory(probe_tp)
+                    steps.append(
+                        LadderStep(
+                            wall="weights > TP alone",
+                            axis="+ PP",
+                            detail=f"tp={tp} still needs {_gib(at_tp.tenants)} per GPU "
+                            f"(weights {_gib(at_tp.params)})",
+                        )
                     )
-                )
-                pp_steps_added = True
-            for candidate in candidates:
-                if _fits(candidate):
-                    return candidate, steps
+                    pp_step_added = True
+                candidates = [layout(tp=tp, pp=pp, cp=cp, ep=ep, zero=z, interleave=i)
+                              for z in (1, 2, 3) for i in (True, False)]
+                choice = _best(candidates, calibration, headroom)
+                if choice.layout is None:
+                    continue
+                _note_choice(steps, choice)
+                if model.layers % pp:
+                    fullest = -(-model.layers // pp)
+                    steps.append(
+                        LadderStep(
+                            wall=f"no pp dividing {model.layers} layers fits",
+                            axis="uneven stages",
+                            detail=f"pp={pp}: the fullest stage holds {fullest} layers vs "
+                            f"{model.layers / pp:.2f} on average (+{fullest / (model.layers / pp) - 1:.1%} step time)",
+                        )
+                    )
+                return choice.layout, steps
     return None, steps
 
 
@@ -250,7 +357,7 @@ def recommend(
     if gpus < 1:
         raise ValueError(f"parallelism.gpus: must be >= 1, got {gpus}")
     target = global_batch_tokens or critical_batch_tokens
-    chosen, steps = _climb(model, hardware, gpus, micro_batch, target, recompute)
+    chosen, steps = _climb(model, hardware, gpus, micro_batch, target, recompute, calibration)
     warnings: list[str] = []
     if chosen is None:
         min_gpus = _min_gpus(model, hardware, gpus, micro_batch, target, recompute)

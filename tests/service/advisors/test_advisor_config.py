@@ -27,10 +27,54 @@ def test_unknown_gpu_names_key() -> None:
 
 def test_derived_dp_and_defaults() -> None:
     p = parse_plan_input(_cfg(tp=2, pp=2))
-    assert (p.parallelism.dp, p.parallelism.zero, p.parallelism.recompute) == (4, 3, "selective")
+    assert (p.parallelism.dp, p.parallelism.zero, p.parallelism.recompute) == (4, 1, "selective")
     assert p.parallelism.global_batch == 4  # one micro-batch per data-parallel rank
+    assert p.parallelism.framework == "megatron" and p.parallelism.sequence_parallel
+    # Every unstated field that changes the prediction is named with the value taken and why.
+    stated = {d.split(":")[0] for d in p.defaults}
+    assert {"zero", "vpp", "recompute", "micro_batch", "global_batch", "sequence_parallel",
+            "framework", "overlap_dp_comm"} <= stated
+    assert any(d.startswith("zero: 1 (") and "distributed optimizer" in d for d in p.defaults)
+    assert parse_plan_input(_cfg()).parallelism.zero == 3  # pure data parallelism: FSDP
+    assert not any(d.startswith("zero") for d in parse_plan_input(_cfg(zero=2)).defaults)
     assert round(p.model.params_total / 1e9, 2) == 8.03  # Llama-3 8B shape
     assert p.hardware.gpus_per_node == 8
+
+
+def test_default_vpp_interleaves_when_the_schedule_allows() -> None:
+    # 32 layers on pp=2: 16 per stage -> 8 virtual stages of 2 layers, m = 8 is a multiple of pp.
+    p = parse_plan_input(_cfg(tp=2, pp=2, global_batch=32))
+    assert p.parallelism.vpp == 8 and any(d.startswith("vpp: 8 (interleaved") for d in p.defaults)
+    odd = parse_plan_input(_cfg(tp=2, pp=2, global_batch=12))  # m = 3: Megatron cannot interleave
+    assert odd.parallelism.vpp == 1 and any("not a multiple of pp=2" in d for d in odd.defaults)
+    assert parse_plan_input(_cfg(tp=2, pp=2, vpp=2, global_batch=32)).parallelism.vpp == 2
+
+
+def test_pp_must_divide_layers_unless_uneven() -> None:
+    with pytest.raises(ValueError, match=r"parallelism\.pp: pp=3 does not divide model\.layers=32; .*uneven_stages"):
+        parse_plan_input(_cfg(gpus=12, pp=3))
+    p = parse_plan_input(_cfg(gpus=12, pp=3, uneven_stages=True))
+    assert p.stage_layers == 11
+    with pytest.raises(ValueError, match=r"pp\*vpp=2\*3 does not divide model\.layers=32"):
+        parse_plan_input(_cfg(pp=2, vpp=3))
+
+
+def test_params_that_contradict_the_shape_are_refused() -> None:
+    cfg = _cfg()
+    cfg["model"]["params"] = 8e12  # 1000x the 8.03e9 the shape gives
+    with pytest.raises(ValueError, match=r"model\.params: 8e\+12 is 996x the 8.03e\+09 parameters"):
+        parse_plan_input(cfg)
+    cfg["model"]["params"] = 8e9
+    assert parse_plan_input(cfg).model.params_total == pytest.approx(8e9)
+
+
+def test_fp8_on_a_gpu_without_fp8_is_refused() -> None:
+    cfg = _cfg()
+    cfg["hardware"] = {"gpu": "A100", "precision": "fp8"}
+    with pytest.raises(ValueError, match=r"hardware\.precision: fp8 on A100, which has no FP8 tensor cores"):
+        parse_plan_input(cfg)
+    cfg["hardware"] = {"gpu": "H100", "precision": "fp8"}
+    assert parse_plan_input(cfg).hardware.peak_flops == 1979e12
 
 
 def test_llama_ffn_rule() -> None:

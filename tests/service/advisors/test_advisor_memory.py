@@ -56,7 +56,7 @@ def _plan(**par: object) -> dict:
 
 def test_seed000_rung2_per_gpu_numbers() -> None:
     # tp=8, dp=32 FSDP: gathered weights 2*70e9/8 = 17.5 GB, sharded state 16*70e9/256 = 4.375 GB.
-    mem = per_gpu_memory(parse_plan_input(_plan(tp=8)))
+    mem = per_gpu_memory(parse_plan_input(_plan(tp=8, zero="fsdp")))
     assert mem.params == pytest.approx(17.5e9 + 2 * 70e9 / 256)
     assert mem.grads + mem.optimizer == pytest.approx(14 * 70e9 / 256)
     assert mem.fits and mem.overhead == pytest.approx(0.25 * 80 * GIB)
@@ -76,9 +76,21 @@ def test_recompute_modes_order_activations() -> None:
 
 def test_pipeline_keeps_first_stage_activations() -> None:
     base = parse_plan_input(_plan(tp=8, global_batch=256))
-    piped = parse_plan_input(_plan(tp=8, pp=4, global_batch=256))
+    piped = parse_plan_input(_plan(tp=8, pp=4, vpp=1, global_batch=256))
     # 1F1B: pp micro-batches of L/pp layers in flight -> same activations, quarter of the weights.
     assert per_gpu_memory(piped).activations == pytest.approx(per_gpu_memory(base).activations)
     assert per_gpu_memory(piped).params < per_gpu_memory(base).params / 3
     wider = dataclasses.replace(piped.hardware, usable_hbm_fraction=1.0)
     assert per_gpu_memory(dataclasses.replace(piped, hardware=wider)).overhead == 0
+
+
+def test_interleaving_sequence_parallel_and_uneven_stages_cost_memory() -> None:
+    plain = per_gpu_memory(parse_plan_input(_plan(tp=8, pp=4, vpp=1, global_batch=256)))
+    interleaved = per_gpu_memory(parse_plan_input(_plan(tp=8, pp=4, vpp=5, global_batch=256)))
+    assert interleaved.activations > plain.activations  # warm-up keeps extra chunks in flight
+    no_sp = per_gpu_memory(parse_plan_input(_plan(tp=8, pp=4, vpp=1, global_batch=256, sequence_parallel=False)))
+    assert no_sp.activations > 2 * plain.activations  # norm/dropout inputs whole on all 8 TP ranks
+    uneven = per_gpu_memory(parse_plan_input(_plan(tp=8, pp=3, vpp=1, global_batch=256 * 3 // 4,
+                                                   gpus=192, uneven_stages=True)))
+    even = per_gpu_memory(parse_plan_input(_plan(tp=8, pp=4, vpp=1, global_batch=256)))
+    assert uneven.params > even.params * 4 / 3  # 27 of 80 layers on the fullest of 3 stages

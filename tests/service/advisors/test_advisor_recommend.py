@@ -24,8 +24,10 @@ def _walls(rec: object) -> list[tuple[str, str]]:
 def test_rung0_7b_on_8() -> None:
     rec = recommend(model=M7, hardware=H100, gpus=8)
     c = rec.config
-    assert rec.feasible and (c.tp, c.pp, c.dp, c.zero) == (1, 1, 8, 3)
-    assert _walls(rec) == [("state > 1 GPU", "FSDP/ZeRO-3")]
+    # ZeRO-1 does not fit; ZeRO-2 and FSDP both hide their traffic in NVLink: the lighter one wins.
+    assert rec.feasible and (c.tp, c.pp, c.dp, c.zero) == (1, 1, 8, 2)
+    assert _walls(rec) == [("state > 1 GPU", "ZeRO/FSDP sharding")]
+    assert "ZeRO-1: does not fit" in rec.steps[0].detail
 
 
 def test_rung1_70b_on_one_node_is_infeasible() -> None:
@@ -38,8 +40,8 @@ def test_rung1_70b_on_one_node_is_infeasible() -> None:
 def test_rung2_70b_on_256() -> None:
     rec = recommend(model=M70, hardware=H100, gpus=256)
     c = rec.config
-    assert (c.tp, c.pp, c.dp) == (8, 1, 32)
-    assert _walls(rec)[-1] == ("weights/GPU", "TP + FSDP")
+    assert (c.tp, c.pp, c.dp, c.zero) == (8, 1, 32, 1)  # ZeRO-1: FSDP's per-micro-batch gathers cost more
+    assert _walls(rec)[-1] == ("weights/GPU", "TP + sharding")
     assert not any("useful data-parallel" in w for w in rec.warnings)  # dp=32: under the 2M cap
 
 
@@ -47,7 +49,10 @@ def test_rung3_405b_on_2048_then_the_bubble() -> None:
     rec = recommend(model=M405, hardware=H100, gpus=2048, global_batch_tokens=1024 * 8192)
     c = rec.config
     assert (c.tp, c.pp, c.dp, c.micro_batches) == (8, 16, 16, 64)
-    assert _walls(rec)[-1] == ("weights > TP alone", "+ PP")
+    # 126 layers: only pp=1 and 2 divide them among the degrees 256 GPUs allow, and neither fits.
+    assert c.uneven_stages and _walls(rec)[-2:] == [("weights > TP alone", "+ PP"),
+                                                    ("no pp dividing 126 layers fits", "uneven stages")]
+    assert "the fullest stage holds 8 layers vs 7.88 on average (+1.6% step time)" in rec.steps[-1].detail
     assert any("pipeline bubble 19%" in w for w in rec.warnings)  # 15/79, as in seed 000
     assert rec.result is not None and rec.result.step.bubble_s > 0.1 * rec.result.step.total_s
 
@@ -83,3 +88,36 @@ def test_70b_on_32_h200_picks_seed002_layout() -> None:
     rec = recommend(model=model, hardware=h200, gpus=32, micro_batch=2, recompute="full",
                     global_batch_tokens=64 * 4096)
     assert (rec.config.tp, rec.config.dp) == (4, 8)  # KempnerForge's "70B needs TP": TP=4 x FSDP=8
+
+
+def test_seed003_long_sequence_takes_a_cp_rung() -> None:
+    # 7B at 128K tokens on 64 H100: TP8 alone leaves no room for the activations; CP splits them.
+    m = _model(layers=32, hidden=4096, heads=32, params=7e9, seq_len=131072)
+    rec = recommend(model=m, hardware=H100, gpus=64, global_batch_tokens=4 * 2**20)
+    c = rec.config
+    assert ("activations/GPU (long sequence)", "+ CP (ring attention)") in _walls(rec)
+    assert (c.tp, c.cp, c.pp, c.dp, c.zero) == (8, 2, 1, 4, 1)  # seed 003: TP8, CP, DP4, ZeRO-1
+    assert rec.result is not None and rec.result.step.cp_comm_s == 0  # ring hidden behind attention
+
+
+def test_pipeline_degrees_divide_the_layers_when_one_fits() -> None:
+    # 768 GPUs / tp 8 = 96 allows pp = 3, 6, 12, 24, ...; of those only powers of 2 divide 128 layers.
+    m = _model(layers=128, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248, params=405e9)
+    rec = recommend(model=m, hardware=H100, gpus=768, global_batch_tokens=2**22)
+    c = rec.config
+    assert c.pp > 2 and 128 % c.pp == 0 and not c.uneven_stages
+    assert not any(s.axis == "uneven stages" for s in rec.steps)
+
+
+def test_sharding_is_the_fastest_fitting_candidate() -> None:
+    from trainvitals.service.advisors.cost_model import plan
+    from trainvitals.service.advisors.memory import per_gpu_memory
+    from trainvitals.service.advisors.recommend import _layout
+
+    rec = recommend(model=M70, hardware=H100, gpus=256)
+    c = rec.config
+    rivals = [_layout(M70, H100, gpus=256, tp=c.tp, pp=c.pp, ep=1, zero=z, micro_batch=1,
+                      global_tokens=2 * 2**20, recompute="selective") for z in (1, 2, 3)]
+    fitting = [r for r in rivals if r is not None and per_gpu_memory(r).fits]
+    fastest = max(fitting, key=lambda r: plan(r).tokens_per_s)
+    assert c.zero == fastest.parallelism.zero and len(fitting) == 3
