@@ -1,10 +1,14 @@
-"""Print the checkpoint-cadence simulator table (and the cost model's fit on seed 002).
+"""Print the checkpoint-cadence simulator table and the cost model's calibration report.
 
 For each trace family: the advisor's interval (fitted on a separate history trace) against the
 interval with the least simulated waste on a long evaluation trace, and what plain Young/Daly
 (M = exposure / raw events, as LLNL SCR counts it) loses.
 
+Cost model: every published calibration point (calibration_points.py) with its prediction and
+error, the fitted constants, and the held-out error by regime (hardware, layout, GPU count, source).
+
     python benchmarks/advisor_report.py [--seed 7] [--eval-mtbfs 20000] [--history-mtbfs 400]
+    python benchmarks/advisor_report.py --cost-model     # the cost-model part only (a second)
 """
 
 from __future__ import annotations
@@ -12,12 +16,8 @@ from __future__ import annotations
 import argparse
 
 from trainvitals.service.advisors.cadence import CadenceInputs, advise_cadence
-from trainvitals.service.advisors.cost_model import (
-    DEFAULT_CALIBRATION,
-    HELD_OUT_ROWS,
-    SEED_002_ROWS,
-    relative_errors,
-)
+from trainvitals.service.advisors.calibration import REGIME_KEYS, calibrate, error_table, point_errors
+from trainvitals.service.advisors.calibration_points import SOURCES
 from trainvitals.service.advisors.failure_log import analyze_log
 from trainvitals.service.advisors.simulator import (
     evaluate_family,
@@ -34,7 +34,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--eval-mtbfs", type=float, default=20000, help="evaluation trace length in M")
     parser.add_argument("--history-mtbfs", type=float, default=400, help="history trace length in M")
+    parser.add_argument("--cost-model", action="store_true", help="print only the cost-model calibration")
     args = parser.parse_args()
+    if args.cost_model:
+        cost_model_report()
+        return
 
     print(f"Simulator: M = {M / 3600:.0f} h, stall 60 s, detect 60 s + restart 540 s, seed {args.seed}")
     print(f"history {args.history_mtbfs:.0f} M for fitting, evaluation {args.eval_mtbfs:.0f} M\n")
@@ -62,17 +66,31 @@ def main() -> None:
     print(f"weibull: fitted shape {shape:.2f}; hazard-adapted schedule after a restart "
           f"{', '.join(f'{s / 60:.0f}' for s in schedule)} min saves {gain:.2%} of wall time (model)")
 
-    print("\nCost model fit on seed 002 (H200, KempnerForge configs):")
-    for label, rows in (("fit set (seed 002)", SEED_002_ROWS), ("held-out rows", HELD_OUT_ROWS)):
-        errs = relative_errors(DEFAULT_CALIBRATION, rows)
-        for row, err in zip(rows, errs, strict=True):
-            print(f"  {row.label:<28} measured {row.mfu:6.1%}  predicted {row.mfu * (1 + err):6.1%}  "
-                  f"error {err:+6.1%}")
-        print(f"  {label}: mean |error| {abs(errs).mean():.1%}, max {abs(errs).max():.1%}")
-    c = DEFAULT_CALIBRATION
-    print(f"  leave-one-out on the fit set: mean {c.loo_mean_abs_error:.1%}, max {c.loo_max_abs_error:.1%}; "
-          f"eta {c.eta:.3f}, tp_efficiency {c.tp_efficiency:.3f}, dp_exposed {c.dp_exposed:.3f}")
+    print()
+    cost_model_report()
 
+
+def cost_model_report() -> None:
+    cal = calibrate()
+    print("Cost model calibration (fit on split=fit, errors = predicted/published - 1):")
+    errors = point_errors(cal)
+    for e in errors:
+        print(f"  {e.point.split:<8} {e.point.label:<58} published {e.point.mfu:6.1%}  "
+              f"predicted {e.predicted:6.1%}  error {e.error:+6.1%}")
+    eta = ", ".join(f"{k} {v:.3f}" for k, v in cal.eta.items())
+    print(f"\n  fitted: eta {{{eta}}}; tp_efficiency (fsdp) {cal.tp_efficiency:.3f}; "
+          f"h0 {cal.gemm_h0:.0f}; m0 {cal.gemm_m0:.0f}; overlap {cal.overlap:.3f}")
+    fit = [e for e in errors if e.point.split == "fit"]
+    held = [e for e in errors if e.point.split == "held_out"]
+    for name, group in (("fit", fit), ("held-out", held)):
+        abs_err = [abs(e.error) for e in group]
+        print(f"  {name}: {len(group)} points, mean |error| {sum(abs_err) / len(abs_err):.1%}, "
+              f"max {max(abs_err):.1%}")
+    for key, by in REGIME_KEYS.items():
+        print(f"\n  held-out error by {key}:")
+        for group, n, mean, worst in error_table(held, by):
+            print(f"    {group:<22} {n:>3} points  mean {mean:6.1%}  max {worst:6.1%}")
+    print("\n  sources: " + "; ".join(f"{k} = {v}" for k, v in SOURCES.items()))
 
 if __name__ == "__main__":
     main()
