@@ -22,7 +22,20 @@ import numpy as np
 from scipy.optimize import brentq, minimize_scalar
 from scipy.special import gamma, lambertw
 
-from trainvitals.service.advisors.failure_log import RADIUS_LEVELS, LogAnalysis, analyze_log, parse_event
+from trainvitals.service.advisors.failure_log import (
+    MIN_INCIDENTS,
+    RADIUS_LEVELS,
+    LogAnalysis,
+    analyze_log,
+    parse_event,
+)
+
+# Input ranges (docs/advisors.md): wide enough for any real job, narrow enough that every formula
+# stays finite. Seconds: 1 ms to ~31.7 years; bytes: up to 1 EB.
+MIN_SECONDS = 1e-3
+MAX_SECONDS = 1e9
+MAX_BYTES = 1e18
+MAX_TIERS = 16
 
 # --- closed forms ------------------------------------------------------------------------------
 
@@ -101,7 +114,8 @@ def expected_waste(
     cycle = interval_s + stall_s
     offset = downtime_s + persist_s
     if shape == 1.0:
-        kept = math.exp(-offset / mtbf_s) / math.expm1(cycle / mtbf_s)
+        # e^(-offset/M) / (e^(cycle/M) - 1), in logs: a stall many times M must not overflow.
+        kept = math.exp(-offset / mtbf_s - _log_expm1(cycle / mtbf_s))
     else:
         eta = weibull_scale(mtbf_s, shape)
         horizon = offset + eta * 50.0 ** (1 / shape)  # S < e^-50 beyond this
@@ -109,6 +123,11 @@ def expected_waste(
         k = np.arange(1, n + 1, dtype=float)
         kept = float(np.exp(-(((offset + k * cycle) / eta) ** shape)).sum())
     return 1.0 - interval_s * kept / mtbf_s
+
+
+def _log_expm1(x: float) -> float:
+    """log(e^x - 1) for x > 0, without overflow for large x."""
+    return x + math.log(-math.expm1(-x)) if x > 1 else math.log(math.expm1(x))
 
 
 def optimal_interval_renewal(
@@ -175,13 +194,29 @@ def schedule_waste(
     return 1.0 - kept / mtbf_s
 
 
+def _check_seconds(key: str, value: float, *, low: float) -> None:
+    """ValueError naming the key unless low <= value <= MAX_SECONDS (a NaN fails too)."""
+    if not low <= value <= MAX_SECONDS:
+        raise ValueError(f"{key}: must be between {low:g} and {MAX_SECONDS:g} seconds, got {value!r}")
+
+
 # --- retention ---------------------------------------------------------------------------------
 
 
 def irrecoverable_probability(k: int, *, interval_s: float, latency_s: float) -> float:
     """P_irr(k) = (L/T) e^(-kT/L) (e^(T/L) - 1): an SDC caught after all k generations are bad."""
     r = interval_s / latency_s
-    return math.exp(-k * r) * math.expm1(r) / r
+    return math.exp(-k * r + _log_expm1(r) - math.log(r))
+
+
+def _generations_for_risk(*, interval_s: float, latency_s: float, risk: float) -> int:
+    """Smallest k >= 1 with P_irr(k) <= risk, in closed form (a loop would run for L/T steps):
+    k >= (log((e^r - 1)/r) - log(risk)) / r with r = T/L."""
+    r = interval_s / latency_s
+    k = max(1, math.ceil((_log_expm1(r) - math.log(r) - math.log(risk)) / r - 1e-9))
+    while k > 1 and irrecoverable_probability(k - 1, interval_s=interval_s, latency_s=latency_s) <= risk:
+        k -= 1  # guard the rounding of the closed form
+    return k
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -220,7 +255,9 @@ def advise_retention(
     limit = None
     if checkpoint_bytes and storage_budget_bytes:
         limit = int(storage_budget_bytes // checkpoint_bytes)
-    if latency_s is None or latency_s <= 0:
+    if latency_s is not None and not latency_s > 0:
+        raise ValueError(f"sdc_latency_s: must be > 0 (omit it when SDC is not a concern), got {latency_s!r}")
+    if latency_s is None:
         keep = 2 if limit is None else max(1, min(2, limit))
         return RetentionAdvice(
             keep=keep,
@@ -232,9 +269,7 @@ def advise_retention(
             promote_after_s=None,
             notes=("no SDC latency given: keep 2 (a save can be cut off mid-write)",),
         )
-    k_risk = 1
-    while irrecoverable_probability(k_risk, interval_s=interval_s, latency_s=latency_s) > acceptable_risk:
-        k_risk += 1
+    k_risk = _generations_for_risk(interval_s=interval_s, latency_s=latency_s, risk=acceptable_risk)
     k_det = 1 + math.ceil(latency_s / interval_s)
     keep = max(2, k_risk)
     notes: list[str] = []
@@ -292,8 +327,7 @@ class TierSpec:
             raise ValueError(
                 f"tier {self.name}: survives must be one of {RADIUS_LEVELS}, got {self.survives!r}"
             )
-        if not self.cost_s > 0:
-            raise ValueError(f"tier {self.name}: cost_s must be > 0, got {self.cost_s!r}")
+        _check_seconds(f"tier {self.name}: cost_s", self.cost_s, low=MIN_SECONDS)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -334,7 +368,8 @@ class CadenceInputs:
     persist_s: float = 0.0
     """Async lag until the checkpoint is durable (P); 0 for synchronous saves."""
     mtbf_s: float | None = None
-    """Job-level mean time between interruptions, when no event log is given."""
+    """Job-level mean time between interruptions; with a log, the prior used when the log has
+    fewer than MIN_INCIDENTS incidents."""
     log: LogAnalysis | None = None
     """Analysed failure log (incidents, rate with bounds, Poisson tests)."""
     restart_s: float = 600.0
@@ -352,19 +387,40 @@ class CadenceInputs:
     tiers: tuple[TierSpec, ...] = ()
     """Checkpoint tiers, fastest first."""
     radius_mix: dict[str, float] | None = None
-    """Share of incidents per blast radius when there is no log (default: all "node")."""
+    """Share of incidents per blast radius when there is no log (default: all "node"); normalised."""
     basin_tolerance: float = 0.05
     """Extra variable waste accepted in the flat-basin band."""
 
     def __post_init__(self) -> None:
-        if not self.stall_s > 0:
-            raise ValueError(f"stall_s: must be > 0, got {self.stall_s!r}")
-        if self.persist_s < 0 or self.restart_s < 0 or self.detect_s < 0:
-            raise ValueError("persist_s, restart_s and detect_s must be >= 0")
+        # Every value is checked here, so the CLI and the HTTP route refuse the same inputs with
+        # the same one-line message (exit 2 / 422) instead of computing with inf or NaN.
+        _check_seconds("stall_s", self.stall_s, low=MIN_SECONDS)
+        for key in ("persist_s", "restart_s", "detect_s"):
+            _check_seconds(key, getattr(self, key), low=0.0)
         if self.mtbf_s is None and self.log is None:
             raise ValueError("mtbf_s: give an MTBF or an event log")
-        if self.mtbf_s is not None and not self.mtbf_s > 0:
-            raise ValueError(f"mtbf_s: must be > 0, got {self.mtbf_s!r}")
+        if self.mtbf_s is not None:
+            _check_seconds("mtbf_s", self.mtbf_s, low=MIN_SECONDS)
+        if self.sdc_latency_s is not None:
+            _check_seconds("sdc_latency_s", self.sdc_latency_s, low=MIN_SECONDS)
+        if not 0 < self.acceptable_risk < 1:
+            raise ValueError(f"acceptable_risk: must be in (0, 1), got {self.acceptable_risk!r}")
+        for key in ("checkpoint_bytes", "storage_budget_bytes"):
+            value = getattr(self, key)
+            if value is not None and not 0 < value <= MAX_BYTES:
+                raise ValueError(f"{key}: must be > 0 and at most {MAX_BYTES:g}, got {value!r}")
+        if not 0 < self.basin_tolerance <= 1:
+            raise ValueError(f"basin_tolerance: must be in (0, 1], got {self.basin_tolerance!r}")
+        if len(self.tiers) > MAX_TIERS:
+            raise ValueError(f"tiers: at most {MAX_TIERS}, got {len(self.tiers)}")
+        if self.radius_mix is not None:
+            for radius, share in self.radius_mix.items():
+                if radius not in RADIUS_LEVELS:
+                    raise ValueError(f"radius_mix: unknown radius {radius!r} ({', '.join(RADIUS_LEVELS)})")
+                if not 0 <= share <= 1e9:
+                    raise ValueError(f"radius_mix.{radius}: must be a share >= 0, got {share!r}")
+            if not sum(self.radius_mix.values()) > 0:
+                raise ValueError("radius_mix: the shares add up to 0")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -395,6 +451,8 @@ class CadenceAdvice:
     """D + R used per incident."""
     shape: float
     """Failure-time shape used (1 = exponential)."""
+    incidents: int | None
+    """Incidents of the log the failure rate rests on (None when M was given directly)."""
     retention: RetentionAdvice
     """Generations to keep."""
     tiers: tuple[TierAdvice, ...]
@@ -425,6 +483,7 @@ class CadenceAdvice:
             "mtbf_s": self.mtbf_s,
             "downtime_s": self.downtime_s,
             "shape": self.shape,
+            "incidents": self.incidents,
             "retention": {
                 "keep": r.keep,
                 "keep_for_risk": r.keep_for_risk,
@@ -489,9 +548,10 @@ def _failure_model_from_mtbf(i: CadenceInputs) -> _FailureModel:
 
 def _failure_model_from_log(log: LogAnalysis, i: CadenceInputs) -> _FailureModel:
     """M with its Garwood bounds from the log's incidents, R from its median downtime when logged;
-    then each rejected test adjusts the model (or only warns), in a fixed order."""
+    then each rejected test adjusts the model (or only warns), in a fixed order. A log of fewer
+    than MIN_INCIDENTS counted incidents gives M from the prior or the rate's upper bound instead."""
     fm = _FailureModel(
-        mtbf_s=1 / log.rate_per_s,
+        mtbf_s=1 / log.rate_per_s if log.rate_per_s > 0 else math.inf,
         rate_lo=log.rate_ci_per_s[0],
         rate_hi=log.rate_ci_per_s[1],
         restart_s=i.restart_s,
@@ -501,9 +561,13 @@ def _failure_model_from_log(log: LogAnalysis, i: CadenceInputs) -> _FailureModel
         fm.assumptions.append(
             f"R from the log's median incident downtime ({log.median_downtime_s:.0f} s incl. detection)"
         )
+    if log.n_counted < MIN_INCIDENTS:
+        _thin_log(fm, log, prior_s=i.mtbf_s)
+        return fm
+    opened = "" if log.exposure_given else " (the first opens the window: no exposure given)"
     fm.assumptions.append(
-        f"M = {fm.mtbf_s / 3600:.2f} h from {log.n_incidents} incidents ({log.n_events} raw "
-        f"events, cluster factor {log.cluster_factor:.2f}) over "
+        f"M = {fm.mtbf_s / 3600:.2f} h from {log.n_counted} of {log.n_incidents} incidents{opened} "
+        f"({log.n_events} raw events, cluster factor {log.cluster_factor:.2f}) over "
         f"{log.exposure_s / 3600:.0f} h"
     )
     trending = _use_current_intensity(fm, log)
@@ -514,6 +578,35 @@ def _failure_model_from_log(log: LogAnalysis, i: CadenceInputs) -> _FailureModel
         fm.warnings.append(f"inter-arrival CV {cv.estimate:.2f} > 1: failures cluster beyond incident merging")
     fm.rate_lo = max(fm.rate_lo, 1e-12)
     return fm
+
+
+def _thin_log(fm: _FailureModel, log: LogAnalysis, *, prior_s: float | None) -> None:
+    """Too few incidents for the log's own rate: M from the stated prior, else from the upper end
+    of the rate's exact interval (zero failures in T still bound it: rate < 3.0 / T at 95%)."""
+    seen = f"only {log.n_counted} incident(s) in {log.exposure_s / 3600:.3g} h (fewer than {MIN_INCIDENTS})"
+    if prior_s is not None:
+        fm.mtbf_s = prior_s
+        fm.rate_lo, fm.rate_hi = min(fm.rate_lo, 1 / prior_s), max(fm.rate_hi, 1 / prior_s)
+        fm.warnings.append(f"{seen}: using the stated prior M = {prior_s / 3600:.3g} h")
+    elif not log.exposure_given:
+        # A thin log's own span is chosen by its failures: no rate, not even a bound, comes of it.
+        raise ValueError(
+            f"events: only {log.n_counted} counted incident(s) (fewer than {MIN_INCIDENTS}) and no "
+            "exposure: give the period the log covers (exposure) or an MTBF prior"
+        )
+    else:
+        fm.mtbf_s = 1 / fm.rate_hi
+        fm.warnings.append(
+            f"{seen}: M = {fm.mtbf_s / 3600:.3g} h is the rate's upper confidence bound (a "
+            "conservative, short interval); give an MTBF prior or a longer log"
+        )
+    if not log.exposure_given:
+        fm.warnings.append(
+            f"no exposure given: the window is the log's own span ({log.exposure_s:.0f} s); "
+            "give the period the log covers"
+        )
+    fm.assumptions.append(f"M = {fm.mtbf_s / 3600:.3g} h; the log counted {log.n_counted} incident(s)")
+    fm.rate_lo = max(fm.rate_lo, 1e-12)
 
 
 def _use_current_intensity(fm: _FailureModel, log: LogAnalysis) -> bool:
@@ -611,12 +704,13 @@ def _tier_advice(i: CadenceInputs, mtbf_s: float) -> tuple[TierAdvice, ...]:
     by radius_mix (default: every incident takes one node)."""
     if not i.tiers:
         return ()
+    mix: Mapping[str, float]
     if i.log is not None and i.log.radius_counts:
-        total = sum(i.log.radius_counts.values())
-        mix = {r: c / total for r, c in i.log.radius_counts.items()}
+        mix = {r: float(c) for r, c in i.log.radius_counts.items()}
     else:
         mix = i.radius_mix or {"node": 1.0}
-    return advise_tiers(i.tiers, {r: share / mtbf_s for r, share in mix.items()})
+    total = sum(mix.values())  # shares are normalised: counts, or a mix that need not add to 1
+    return advise_tiers(i.tiers, {r: share / total / mtbf_s for r, share in mix.items()})
 
 
 def advise_cadence(inputs: CadenceInputs) -> CadenceAdvice:
@@ -660,6 +754,7 @@ def advise_cadence(inputs: CadenceInputs) -> CadenceAdvice:
         mtbf_s=mtbf,
         downtime_s=downtime,
         shape=shape,
+        incidents=i.log.n_counted if i.log is not None else None,
         retention=advise_retention(
             interval_s=recommended,
             latency_s=i.sdc_latency_s,
@@ -700,7 +795,9 @@ def advise_from_records(
 
     checkpoints: dicts with stall_s (or write_stall_s), optional persist_s, size_bytes and status
     ("ok"/"failed"); medians of successful saves are used. failures: event dicts as accepted by
-    `failure_log.parse_event`. Without failures, mtbf_s must be given.
+    `failure_log.parse_event`. mtbf_s is used directly without failures, and as the prior for a
+    log of fewer than MIN_INCIDENTS incidents; with neither failures nor mtbf_s, zero failures
+    over exposure_s bound the rate.
     """
     ok = [c for c in checkpoints if str(c.get("status", "ok")).lower() in _OK_STATUSES]
     stalls = [float(c.get("stall_s", c.get("write_stall_s", 0.0)) or 0.0) for c in ok]
@@ -710,15 +807,16 @@ def advise_from_records(
     persists = [float(c["persist_s"]) for c in ok if c.get("persist_s") is not None]
     sizes = [float(c["size_bytes"]) for c in ok if c.get("size_bytes")]
     log = None
-    if failures:
+    if failures or (mtbf_s is None and exposure_s):
+        # No failure in a known exposure still bounds the rate (see analyze_log).
         log = analyze_log([parse_event(f) for f in failures], exposure_s=exposure_s)
     elif mtbf_s is None:
-        raise ValueError("failures: no failure events and no mtbf_s given")
+        raise ValueError("failures: no failure events, no exposure and no mtbf_s given")
     advice = advise_cadence(
         CadenceInputs(
             stall_s=float(np.median(stalls)),
             persist_s=float(np.median(persists)) if persists else 0.0,
-            mtbf_s=None if log is not None else mtbf_s,
+            mtbf_s=mtbf_s,
             log=log,
             restart_s=restart_s,
             detect_s=detect_s,

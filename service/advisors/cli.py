@@ -137,6 +137,8 @@ def _format_advice(a: CadenceAdvice) -> str:
         f"young {mins(a.young_interval_s)}, daly {mins(a.daly_interval_s)}, exact optimum "
         f"{mins(a.optimal_interval_s)}",
         f"expected waste: {a.expected_waste:.2%} of wall time (young: {a.expected_waste_young:.2%})",
+        f"failure rate: MTBF {a.mtbf_s / 3600:.3g} h "
+        + ("(given)" if a.incidents is None else f"from {a.incidents} incident(s) of the log"),
         f"retention: keep {a.retention.keep} generations (risk {a.retention.risk_at_keep:.2g})"
         + (f", 1 of every {a.retention.keep_every}" if a.retention.keep_every > 1 else ""),
     ]
@@ -156,14 +158,15 @@ def run_advise(args: argparse.Namespace) -> int:
     try:
         log = None
         if args.events:
-            exposure = args.exposure_h * 3600 if args.exposure_h else None
+            # `is not None` throughout: a 0 given is refused by the advisor, not read as "not given".
+            exposure = args.exposure_h * 3600 if args.exposure_h is not None else None
             log = analyze_log(
                 load_events(args.events),
                 exposure_s=exposure,
                 window_s=args.window_s,
                 domain_window_s=args.domain_window_s,
             )
-        mtbf = args.mtbf_s if args.mtbf_s is not None else (args.mtbf_h * 3600 if args.mtbf_h else None)
+        mtbf = args.mtbf_s if args.mtbf_s is not None else (args.mtbf_h * 3600 if args.mtbf_h is not None else None)
         if log is None and mtbf is None:
             raise ValueError("give --mtbf-s/--mtbf-h or --events FILE")
         latency = (
@@ -175,14 +178,16 @@ def run_advise(args: argparse.Namespace) -> int:
             CadenceInputs(
                 stall_s=args.stall_s,
                 persist_s=args.persist_s,
-                mtbf_s=mtbf if log is None else None,
+                mtbf_s=mtbf,  # with a log: the prior for one of too few incidents
                 log=log,
                 restart_s=args.restart_s,
                 detect_s=args.detect_s,
                 sdc_latency_s=latency,
                 acceptable_risk=args.risk,
-                checkpoint_bytes=args.checkpoint_gib * GIB if args.checkpoint_gib else None,
-                storage_budget_bytes=args.storage_budget_gib * GIB if args.storage_budget_gib else None,
+                checkpoint_bytes=args.checkpoint_gib * GIB if args.checkpoint_gib is not None else None,
+                storage_budget_bytes=(
+                    args.storage_budget_gib * GIB if args.storage_budget_gib is not None else None
+                ),
                 tiers=tuple(args.tier or ()),
                 radius_mix=args.radius_mix,
             )
@@ -196,8 +201,10 @@ def run_advise(args: argparse.Namespace) -> int:
             out["log"] = {
                 "events": log.n_events,
                 "incidents": log.n_incidents,
+                "counted": log.n_counted,
                 "cluster_factor": log.cluster_factor,
                 "exposure_s": log.exposure_s,
+                "exposure_given": log.exposure_given,
                 "rate_per_hour": log.rate_per_s * 3600,
                 "rate_ci_per_hour": [r * 3600 for r in log.rate_ci_per_s],
                 "radius_counts": log.radius_counts,
@@ -247,7 +254,7 @@ def add_advise_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--stall-s", type=float, required=True, help="training blocked per checkpoint, s")
     p.add_argument("--persist-s", type=float, default=0.0, help="async lag until durable, s (0 = sync)")
     p.add_argument("--mtbf-s", type=float, help="job-level mean time between interruptions, s")
-    p.add_argument("--mtbf-h", type=float, help="the same in hours")
+    p.add_argument("--mtbf-h", type=float, help="the same in hours (with --events: the prior for a thin log)")
     p.add_argument("--events", help="failure event log (CSV or JSON)")
     p.add_argument("--exposure-h", type=float, help="observed period of the log, hours")
     p.add_argument("--window-s", type=float, help="incident merge window (default max(300, median restart))")
