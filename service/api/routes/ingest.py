@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 from fastapi import APIRouter, HTTPException, Request, Response, status
@@ -34,9 +34,11 @@ _LARGE_BODY_BYTES = 1 << 20
 
 # A body the fast decoder refuses is validated again for a better message or a laxer reading.
 # pydantic collects every error of every record (seconds and hundreds of MB for a 16 MB body with
-# an error per record), so it is asked only about bodies up to this size; a larger one is read by
-# json.loads (which takes NaN and Infinity, as pydantic does) and msgspec's lax conversion, which
-# stops at the first error: about 0.2 s for an 18 MB body, against 0.5-4 s for pydantic.
+# an error per record), so it is asked only about bodies up to this size. A larger one gets the
+# fast decoder's first error, unless the lax rules could take it: NaN or Infinity (the agent's
+# json.dumps writes them) or a number as a string. Only then is it read by json.loads (which takes
+# NaN and Infinity, as pydantic does) and msgspec's lax conversion, which stops at the first
+# error: about 0.2 s for an 18 MB body, against 0.5-4 s for pydantic.
 _REVALIDATE_MAX_BYTES = 256 << 10
 
 _MSGSPEC_PATH = re.compile(r"\[(\d+)\]|\.([^.\[]+)")
@@ -48,9 +50,16 @@ def _decode(body: bytes) -> AnyBatch:
     still take what only the lax rules accept (NaN constants, numbers as strings)."""
     try:
         return decode_batch(body)
-    except (msgspec.ValidationError, msgspec.DecodeError):
-        pass
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        refused = exc
     if len(body) > _REVALIDATE_MAX_BYTES:
+        lax_may_take = (
+            b"NaN" in body or b"Infinity" in body
+            if isinstance(refused, msgspec.DecodeError)
+            else "got `str`" in str(refused)
+        )
+        if not lax_may_take:
+            _raise_first_error(refused)
         return _decode_large_lax(body)
     try:
         return Batch.model_validate_json(body)
@@ -72,9 +81,16 @@ def _decode_large_lax(body: bytes) -> AnyBatch:
     try:
         return msgspec.convert(plain, FastBatch, strict=False)
     except msgspec.ValidationError as exc:
-        message, _, where = str(exc).partition(" - at `$")
-        loc = tuple(int(i) if i else name for i, name in _MSGSPEC_PATH.findall(where.rstrip("`")))
-        raise RequestValidationError([{"loc": ("body", *loc), "msg": message, "type": "invalid"}]) from None
+        _raise_first_error(exc)
+
+
+def _raise_first_error(exc: msgspec.ValidationError | msgspec.DecodeError) -> NoReturn:
+    """msgspec's error as FastAPI's 422, its place as a location (`$.records[3].step` ->
+    body.records.3.step)."""
+    message, _, where = str(exc).partition(" - at `$")
+    loc = tuple(int(i) if i else name for i, name in _MSGSPEC_PATH.findall(where.rstrip("`")))
+    kind = "json_invalid" if isinstance(exc, msgspec.DecodeError) else "invalid"
+    raise RequestValidationError([{"loc": ("body", *loc), "msg": message, "type": kind}]) from None
 
 
 async def _batch_from_body(request: Request) -> AnyBatch:
@@ -83,12 +99,10 @@ async def _batch_from_body(request: Request) -> AnyBatch:
     Errors are raised as FastAPI's, with the same `body.` locations, so the 422 message still
     names the offending field (records.3.step.step_seconds).
     """
-    state = request.app.state
-    limit = state.settings.max_body_bytes
+    limit = request.app.state.settings.max_body_bytes
     declared = request.headers.get("content-length", "")
     large = _LargeBody(request)
-    if declared.isdigit() and int(declared) > _LARGE_BODY_BYTES:
-        large.enter()  # refused before a byte of it is read
+    admitted = not (declared.isdigit() and int(declared) > _LARGE_BODY_BYTES) or large.enter()
     try:
         chunks: list[bytes] = []
         size = 0
@@ -96,9 +110,14 @@ async def _batch_from_body(request: Request) -> AnyBatch:
             size += len(chunk)
             if size > limit:
                 raise HTTPException(413, f"request body exceeds the limit of {limit} bytes")
-            if size > _LARGE_BODY_BYTES:
-                large.enter()
-            chunks.append(chunk)
+            if admitted and size > _LARGE_BODY_BYTES:
+                admitted = large.enter()
+            if admitted:
+                chunks.append(chunk)
+            else:  # refused: read to the end but keep nothing, so the client can read the 503
+                chunks.clear()
+        if not admitted:
+            large.refuse()
         body = b"".join(chunks)
         del chunks
         if large.entered:
@@ -110,25 +129,31 @@ async def _batch_from_body(request: Request) -> AnyBatch:
 
 class _LargeBody:
     """A slot among the `max_large_bodies` large bodies read and decoded at once (per process;
-    the count lives on app.state and is touched only on the event loop, so needs no lock)."""
+    the count lives on app.state and is touched only on the event loop, so needs no lock).
+
+    A refused body is still read, and dropped: a client such as http.client sends the whole body
+    before it reads the answer, and a connection closed under it reads as a reset, not a 503."""
 
     def __init__(self, request: Request) -> None:
         self._request = request
         self.entered = False
 
-    def enter(self) -> None:
-        if self.entered:
-            return
+    def enter(self) -> bool:
+        """Take a slot; False when all are taken."""
         state = self._request.app.state
-        if state.large_bodies >= state.settings.max_large_bodies:
-            refuse(self._request, "busy_large")
-            raise HTTPException(
-                status.HTTP_503_SERVICE_UNAVAILABLE,
-                f"{state.large_bodies} large batches (over {_LARGE_BODY_BYTES} bytes) are being read: retry shortly",
-                headers={"Retry-After": "1"},
-            )
-        state.large_bodies += 1
-        self.entered = True
+        if not self.entered and state.large_bodies < state.settings.max_large_bodies:
+            state.large_bodies += 1
+            self.entered = True
+        return self.entered
+
+    def refuse(self) -> None:
+        refuse(self._request, "busy_large")
+        raise HTTPException(
+            status.HTTP_503_SERVICE_UNAVAILABLE,
+            f"{self._request.app.state.large_bodies} large batches (over {_LARGE_BODY_BYTES} bytes) are being "
+            "decoded: nothing stored, retry shortly",
+            headers={"Retry-After": "1"},
+        )
 
     def leave(self) -> None:
         if self.entered:

@@ -150,14 +150,14 @@ def test_unknown_run_and_oversized_body(client: TestClient) -> None:
     resp = client.post("/v1/batches", json=_batch())
     assert resp.status_code == 409 and "not registered" in resp.json()["detail"]
     client.post("/v1/runs", json={"run": "r1"})
-    big = _batch(steps=range(3000))
+    big = _batch(steps=range(4000))
     resp = client.post("/v1/batches", content=json.dumps(big), headers={"content-type": "application/json"})
     assert resp.status_code == 413 and "exceeds" in resp.json()["detail"]
 
 
 def test_chunked_body_without_length_is_held_to_the_limit_too(client: TestClient) -> None:
     client.post("/v1/runs", json={"run": "r1"})
-    big = json.dumps(_batch(steps=range(3000))).encode()
+    big = json.dumps(_batch(steps=range(4000))).encode()
 
     def chunks():  # no Content-Length: the body limit must be enforced while reading
         for i in range(0, len(big), 4096):
@@ -196,3 +196,26 @@ def test_csv_columns_follow_the_response_models(client: TestClient) -> None:
     # A number on both backends (PostgreSQL's sum() of a bigint column is a NUMERIC).
     assert client.get("/v1/runs/r1/checkpoints").json()[0]["bytes"] == 10**9
     assert client.get("/v1/runs/r1/rollback").json()["target"]["bytes"] == 10**9
+
+
+def test_a_large_body_refused_by_the_fast_decoder_costs_one_pass(db_url: str) -> None:
+    """Over 256 KiB, a body msgspec refuses is not re-validated record by record by pydantic: it
+    gets msgspec's first error, or, when the lax rules may take it (NaN as the agent's json.dumps
+    writes it, a number as a string), one json.loads and a lax conversion: taken, nothing lost."""
+    settings = Settings(db=db_url, run_analysis=False, auth=False, settle_seconds=0)
+    with TestClient(create_app(settings)) as client:
+        client.post("/v1/runs", json={"run": "r1"})
+        batch = _batch(steps=range(4000))
+        assert len(json.dumps(batch)) > 256 << 10
+        batch["records"][3999]["loss"] = float("nan")  # json.dumps writes NaN
+        batch["records"][3998]["step_seconds"] = "0.5"
+        body = json.dumps(batch)
+        ok = client.post("/v1/batches", content=body, headers={"content-type": "application/json"})
+        assert ok.json() == {"accepted": 4000, "duplicate": False}
+        bad = _batch(seq=1, steps=range(4000))
+        bad["records"][7]["step"] = -1
+        bad["records"][9]["step"] = -1
+        refused = client.post("/v1/batches", json=bad)
+        assert refused.status_code == 422
+        assert refused.json()["message"] == "invalid request, nothing stored: records.7.step: Expected `int` >= 0"
+        assert client.get("/v1/runs/r1").json()["step_records"] == 4000
