@@ -3,7 +3,13 @@ and a test keeps the two in sync)."""
 
 from __future__ import annotations
 
+import types
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+import annotated_types
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+from pydantic.types import AllowInfNan
 
 from trainvitals.wire import v1
 
@@ -37,6 +43,30 @@ JSON lines (an agent spool file or `record_file` is such a file).
 Units: seconds (`*_seconds`, `ts` as Unix epoch seconds), bytes, bits (`*_bits`, log2 ratios),
 FLOPs, tokens.
 
+## Ranges
+
+Every field is checked before anything is stored, and a value outside its range is refused with a
+422 naming the field (`values` column below): no value is stored changed. Integers have the range
+of the column they land in: 0 .. 2^31-1 for ranks, pipeline/TP/DP positions, staleness, checkpoint
+generations, world size and the other degrees; 0 .. 2^63-1 for incarnations, `seq`, tokens, bytes
+and non-finite counts; steps 0 .. 2^53-1 (exact in a float64, which the detectors' series use).
+Times, durations and FLOPs must be finite: they are summed, averaged and written to JSON columns.
+A non-finite loss, gradient norm, sum of squares, amax or headroom is accepted: it is what the
+detectors report (`nonfinite` counts are summed over ranks, saturating at 2^63-1).
+
+## Delivery: what `seq` guarantees
+
+An agent numbers its batches per (run, rank, incarnation) from 0 without gaps, and resends a batch
+until it is acknowledged. The collector uses `seq` only to store each batch once: a batch whose
+(run, rank, incarnation, seq) is already stored is acknowledged with `duplicate: true` and nothing
+is stored again, however long after the first delivery it comes (a spool replayed after a restart
+of the collector or of the rank). It does not wait for, or ask for, a missing `seq`: batches are
+stored in the order they arrive, gaps and reordering included (a spool replays its oldest batches
+after newer ones were sent live), and records are ordered by `step`, never by `seq`. A `seq`
+never delivered is records the collector never saw; steps that some rank did not send are reduced
+once the other ranks have sent them and the settle time has passed, with the ranks that did.
+A batch is stored whole or not at all; the acknowledgement comes after the commit that holds it.
+
 ## Run ids
 
 A run id names one job. Registering an id the collector already holds is one of two things:
@@ -69,11 +99,66 @@ history; give every experiment its own run id.
 """
 
 
-def _type_name(annotation: object) -> str:
-    text = str(annotation).replace("typing.", "")
-    for prefix in ("trainvitals.wire.v1.",):
-        text = text.replace(prefix, "")
-    return text.replace("<class '", "").replace("'>", "")
+def _type_name(tp: Any) -> str:
+    """The annotation as a reader writes it: constraints (the `values` column) left out."""
+    origin = get_origin(tp)
+    if origin is Annotated:
+        return _type_name(get_args(tp)[0])
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if origin in (list, dict):
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in get_args(tp))}]"
+    if tp is type(None):
+        return "None"
+    if origin is Literal:
+        return f"Literal[{', '.join(repr(a) for a in get_args(tp))}]"
+    return tp.__name__ if isinstance(tp, type) else str(tp)
+
+
+def constraints(tp: Any, metadata: list[Any]) -> list[Any]:
+    """Every constraint on a field: its own and those of the Annotated aliases it is built from."""
+    out: list[Any] = []
+    for c in metadata:
+        out.extend(c.metadata if isinstance(c, FieldInfo) else [c])
+    if get_origin(tp) is Annotated:
+        inner, *extra = get_args(tp)
+        out.extend(constraints(inner, extra))
+    elif get_origin(tp) in (Union, types.UnionType):
+        for member in get_args(tp):
+            out.extend(constraints(member, []))
+    return out
+
+
+def _values(tp: Any, metadata: list[Any]) -> str:
+    """What the collector accepts beyond the type: the range (refused with a 422 naming the field)."""
+    lo: str | None = None
+    hi: Any = None
+    finite = False
+    parts = []
+    for c in constraints(tp, metadata):
+        if isinstance(c, annotated_types.Ge | annotated_types.Gt):
+            lo = f">= {c.ge}" if isinstance(c, annotated_types.Ge) else f"> {c.gt}"
+        elif isinstance(c, annotated_types.Le):
+            hi = c.le
+        elif isinstance(c, annotated_types.MaxLen):
+            parts.append(f"at most {c.max_length} {'characters' if _is_str(tp) else 'items'}")
+        elif isinstance(c, AllowInfNan) and not c.allow_inf_nan:
+            finite = True
+    if hi is not None:
+        bound = _LIMITS.get(hi, str(hi))
+        parts.insert(0, f"{lo.split()[1]} .. {bound}" if lo and lo.startswith(">=") else f"<= {bound}")
+    elif lo is not None:
+        parts.insert(0, lo)
+    if "float" in _type_name(tp):
+        parts.append("finite" if finite else "NaN, Infinity accepted")
+    return ", ".join(parts)
+
+
+def _is_str(tp: Any) -> bool:
+    return "str" in _type_name(tp)
+
+
+_LIMITS: dict[object, str] = {v1.INT32_MAX: "2^31-1", v1.INT64_MAX: "2^63-1", v1.MAX_STEP: "2^53-1"}
 
 
 def render() -> str:
@@ -83,7 +168,7 @@ def render() -> str:
         doc = (model.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
         if doc:
             out.append(doc + "\n")
-        out.append("| field | type | default | meaning |\n|---|---|---|---|")
+        out.append("| field | type | values | default | meaning |\n|---|---|---|---|---|")
         for name, info in model.model_fields.items():
             value = None if info.is_required() else info.get_default(call_default_factory=True)
             default = (
@@ -93,7 +178,7 @@ def render() -> str:
             )
             desc = (info.description or "").replace("|", "/")
             type_name = _type_name(info.annotation).replace("|", "\\|")
-            out.append(f"| `{name}` | `{type_name}` | {default} | {desc} |")
+            out.append(f"| `{name}` | `{type_name}` | {_values(info.annotation, info.metadata)} | {default} | {desc} |")
     return "\n".join(out) + "\n"
 
 

@@ -32,9 +32,30 @@ from trainvitals.wire.conventions import (
 _Name = Annotated[str, Field(min_length=1, max_length=256)]
 _RUN_ID_PATTERN = r"^[A-Za-z0-9._:\-]+$"
 _RunId = Annotated[str, Field(min_length=1, max_length=128, pattern=_RUN_ID_PATTERN)]
-_NonNeg = Annotated[float, Field(ge=0)]
-_Count = Annotated[int, Field(ge=0)]
-_Step = Annotated[int, Field(ge=0)]
+
+# Every integer has the range of the column it lands in (service/store/models.py), so a value the
+# database would wrap or refuse is a 422 naming the field instead (PostgreSQL's int4 once stored
+# 2**31 as -2**31 with a 200). Values kept only in the registration's JSON get the 64-bit range,
+# or the 32-bit one where they count ranks or devices (bounded by world_size, an int4 column).
+INT32_MAX = 2**31 - 1
+"""Integer columns (rank, pipeline/TP/DP position, staleness, checkpoint generation, world size)."""
+INT64_MAX = 2**63 - 1
+"""BigInteger columns (incarnation, seq, tokens, bytes, non-finite counts)."""
+MAX_STEP = 2**53 - 1
+"""Steps: stored as 64-bit, but kept where every step is exact as a float64 (the detectors' series)
+and where the analysis can add to the newest step without leaving the column's range."""
+_Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
+_Count32 = Annotated[int, Field(ge=0, le=INT32_MAX)]
+_Degree = Annotated[int, Field(ge=1, le=INT32_MAX)]
+_Positive = Annotated[int, Field(ge=1, le=INT64_MAX)]
+_Step = Annotated[int, Field(ge=0, le=MAX_STEP)]
+# Times and amounts must be finite: they are summed, averaged and written to JSON columns, where an
+# Infinity once stopped a run's analysis. A non-finite loss, gradient or amax stays accepted: that
+# is what the detectors are for.
+_Finite = Annotated[float, Field(allow_inf_nan=False)]
+_NonNeg = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+_Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+_PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
 class _Strict(BaseModel):
@@ -47,35 +68,35 @@ class _Strict(BaseModel):
 
 
 class ModelDims(_Strict):
-    layers: int | None = Field(None, ge=1, description="transformer blocks")
-    hidden: int | None = Field(None, ge=1, description="model width d")
-    heads: int | None = Field(None, ge=1, description="attention heads")
-    kv_heads: int | None = Field(None, ge=1, description="key/value heads (GQA)")
-    ffn_hidden: int | None = Field(None, ge=1, description="MLP inner width")
-    vocab: int | None = Field(None, ge=1, description="vocabulary size")
-    seq_len: int | None = Field(None, ge=1, description="tokens per sequence")
-    params: int | None = Field(None, ge=1, description="total parameters")
-    non_embedding_params: int | None = Field(None, ge=1, description="N in 6N + 12LHQT")
+    layers: _Positive | None = Field(None, description="transformer blocks")
+    hidden: _Positive | None = Field(None, description="model width d")
+    heads: _Positive | None = Field(None, description="attention heads")
+    kv_heads: _Positive | None = Field(None, description="key/value heads (GQA)")
+    ffn_hidden: _Positive | None = Field(None, description="MLP inner width")
+    vocab: _Positive | None = Field(None, description="vocabulary size")
+    seq_len: _Positive | None = Field(None, description="tokens per sequence")
+    params: _Positive | None = Field(None, description="total parameters")
+    non_embedding_params: _Positive | None = Field(None, description="N in 6N + 12LHQT")
 
 
 class Parallelism(_Strict):
-    world_size: int = Field(1, ge=1, description="ranks in the job")
-    tp: int = Field(1, ge=1, description="tensor-parallel degree")
-    pp: int = Field(1, ge=1, description="pipeline-parallel degree")
-    dp: int | None = Field(None, ge=1, description="data-parallel degree (derived when absent)")
-    cp: int = Field(1, ge=1, description="context-parallel degree")
-    ep: int = Field(1, ge=1, description="expert-parallel degree")
+    world_size: _Degree = Field(1, description="ranks in the job")
+    tp: _Degree = Field(1, description="tensor-parallel degree")
+    pp: _Degree = Field(1, description="pipeline-parallel degree")
+    dp: _Degree | None = Field(None, description="data-parallel degree (derived when absent)")
+    cp: _Degree = Field(1, description="context-parallel degree")
+    ep: _Degree = Field(1, description="expert-parallel degree")
     zero_stage: int = Field(0, ge=0, le=3, description="ZeRO stage; 3 = FSDP full shard")
-    micro_batch: int | None = Field(None, ge=1, description="sequences per micro-batch per rank")
-    global_batch: int | None = Field(None, ge=1, description="sequences per optimizer step")
+    micro_batch: _Positive | None = Field(None, description="sequences per micro-batch per rank")
+    global_batch: _Positive | None = Field(None, description="sequences per optimizer step")
     recompute: Recompute = "none"
 
 
 class Hardware(_Strict):
     gpu_type: str | None = Field(None, max_length=64, description="e.g. H100-SXM; 'cpu' for CPU runs")
-    gpu_count: int | None = Field(None, ge=1)
-    gpus_per_node: int | None = Field(None, ge=1)
-    peak_flops: float | None = Field(None, gt=0, description="dense peak FLOP/s per device")
+    gpu_count: _Degree | None = None
+    gpus_per_node: _Degree | None = None
+    peak_flops: _PositiveFloat | None = Field(None, description="dense peak FLOP/s per device")
 
 
 class Fp8Recipe(_Strict):
@@ -83,15 +104,15 @@ class Fp8Recipe(_Strict):
     input_format: Fp8Format = "e4m3"
     weight_format: Fp8Format = "e4m3"
     grad_format: Fp8Format = "e5m2"
-    history_len: int = Field(1024, ge=1, description="amax history length L")
-    margin: int = Field(0, ge=0, description="margin in bits")
+    history_len: _Degree = Field(1024, description="amax history length L")
+    margin: _Count32 = Field(0, description="margin in bits")
     amax_algo: AmaxAlgo = "max"
 
 
 class CheckpointSettings(_Strict):
-    interval_steps: int | None = Field(None, ge=1)
-    interval_seconds: float | None = Field(None, gt=0)
-    keep_last: int | None = Field(None, ge=1, description="generations retained")
+    interval_steps: Annotated[int, Field(ge=1, le=MAX_STEP)] | None = None
+    interval_seconds: _PositiveFloat | None = None
+    keep_last: _Degree | None = Field(None, description="generations retained")
     async_save: bool = False
 
 
@@ -110,7 +131,7 @@ class RunRegistration(_Strict):
         "so the shapes both share (warm-up, data order, end of training) cancel; a name that is not a run of "
         "the project is ignored (the run is judged against itself)",
     )
-    started_at: float | None = Field(None, description="Unix seconds")
+    started_at: _Finite | None = Field(None, description="Unix seconds")
     incarnation: _Count | None = Field(
         None,
         description="the registering process's incarnation, as its batches carry it: when the collector refuses "
@@ -131,9 +152,8 @@ class RunRegistration(_Strict):
         None, max_length=128, description="how flops_per_step is counted, e.g. '6N+12LHQT, no recompute'"
     )
     tags: dict[str, str] = Field(default_factory=dict, max_length=64)
-    detector_warmup_steps: int | None = Field(
+    detector_warmup_steps: _Step | None = Field(
         None,
-        ge=0,
         description="steps from the run's first step during which the baseline detectors stay quiet (LR warm-up, "
         f"early loss drop); None: the collector's ({DEFAULT_DETECTOR_WARMUP_STEPS} unless set otherwise). A run "
         "shorter than its warm-up is judged only for non-finite values, failed checkpoints and stalls",
@@ -154,7 +174,7 @@ class StepRecord(_Strict):
 
     kind: Literal["step"] = "step"
     step: _Step
-    ts: float = Field(description="Unix seconds at the end of the step")
+    ts: _Finite = Field(description="Unix seconds at the end of the step")
     step_seconds: _NonNeg = Field(description="wall time of this step on this rank")
     compute_seconds: _NonNeg | None = Field(None, description="forward+backward+optimizer, excluding waits")
     wait_seconds: _NonNeg | None = Field(None, description="time blocked in collectives")
@@ -164,9 +184,9 @@ class StepRecord(_Strict):
     flops: _NonNeg | None = Field(None, description="model FLOPs of this rank this step")
     lr: float | None = None
     grad_norm: float | None = Field(None, description="global L2 norm as the job itself computed it")
-    pp_stage: int | None = Field(None, ge=0, description="pipeline stage of this rank")
-    tp_rank: int | None = Field(None, ge=0, description="position in the tensor-parallel group")
-    dp_rank: int | None = Field(None, ge=0, description="position in the data-parallel group")
+    pp_stage: _Count32 | None = Field(None, description="pipeline stage of this rank")
+    tp_rank: _Count32 | None = Field(None, description="position in the tensor-parallel group")
+    dp_rank: _Count32 | None = Field(None, description="position in the data-parallel group")
 
 
 class TensorRecord(_Strict):
@@ -181,9 +201,9 @@ class TensorRecord(_Strict):
     scale: float | None = Field(None, description="multiplier s applied before the cast")
     headroom_bits: float | None = Field(None, description="log2(fp8_max / (amax * s))")
     lag_bits: float | None = Field(None, description="log2(amax_t / A_{t-1})")
-    staleness_steps: _Count | None = Field(None, description="steps since the history max was set")
-    sat_frac: Annotated[float, Field(ge=0, le=1)] | None = None
-    underflow_frac: Annotated[float, Field(ge=0, le=1)] | None = None
+    staleness_steps: _Count32 | None = Field(None, description="steps since the history max was set")
+    sat_frac: _Fraction | None = None
+    underflow_frac: _Fraction | None = None
     crest_bits: float | None = Field(None, description="log2(amax / median |x|)")
     nonfinite: _Count | None = Field(None, description="count of inf/NaN elements")
     shadow: bool = Field(False, description="True: what a delayed-scaling recipe would see (bf16/fp32 run)")
@@ -209,9 +229,9 @@ class GradRecord(_Strict):
 class CheckpointRecord(_Strict):
     kind: Literal["checkpoint"] = "checkpoint"
     step: _Step
-    generation: _Count
+    generation: _Count32
     status: CheckpointStatus
-    ts: float
+    ts: _Finite
     path: str | None = Field(None, max_length=4096)
     bytes: _Count | None = None
     stall_seconds: _NonNeg | None = Field(None, description="training blocked by the save")
@@ -222,7 +242,7 @@ class CheckpointRecord(_Strict):
 
 class EventRecord(_Strict):
     kind: Literal["event"] = "event"
-    ts: float
+    ts: _Finite
     step: _Step | None = None
     event: EventKind
     detail: str | None = Field(None, max_length=4096)
@@ -241,10 +261,13 @@ class Batch(_Strict):
 
     wire_version: Literal[1] = 1
     run: _RunId
-    rank: _Count = Field(description="global rank of the sender")
+    rank: _Count32 = Field(description="global rank of the sender")
     incarnation: _Count = Field(description="bumped by every restart of the rank")
-    seq: _Count = Field(description="per (run, rank, incarnation), starts at 0, no gaps")
-    sent_at: float | None = None
+    seq: _Count = Field(
+        description="per (run, rank, incarnation): the agent counts from 0 without gaps; the collector uses it only "
+        "to store each batch once (any order and gaps accepted: 'Delivery' above)"
+    )
+    sent_at: _Finite | None = None
     records: list[Record] = Field(max_length=MAX_RECORDS_PER_BATCH)
 
 

@@ -14,6 +14,7 @@ class attribute `kind`.
 
 from __future__ import annotations
 
+import sys
 import types
 import typing
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -22,6 +23,7 @@ import annotated_types
 import msgspec
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
+from pydantic.types import AllowInfNan
 
 from trainvitals.wire import v1
 
@@ -38,9 +40,13 @@ _BOUNDS = {
 
 def _meta(constraints: list[Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    finite = False
     for c in constraints:
         if isinstance(c, FieldInfo):
             out.update(_meta(c.metadata))
+            continue
+        if isinstance(c, AllowInfNan):
+            finite = not c.allow_inf_nan
             continue
         for kind, key in _BOUNDS.items():
             if isinstance(c, kind):
@@ -49,7 +55,18 @@ def _meta(constraints: list[Any]) -> dict[str, Any]:
         if pattern is not None:
             # Python's $ also matches before a trailing newline, pydantic's (Rust) regex does not.
             out["pattern"] = pattern[:-1] + r"\Z" if pattern.endswith("$") else pattern
+    if finite:
+        # msgspec has no "finite" constraint, but bounds at the largest float refuse Infinity and NaN
+        # (which compares false with any bound). JSON bodies never decode to them anyway; the lax
+        # conversion of a large body (json.loads, then msgspec.convert) does.
+        if "lt" not in out:
+            out["le"] = min(out.get("le", _FLOAT_MAX), _FLOAT_MAX)
+        if "gt" not in out:
+            out["ge"] = max(out.get("ge", -_FLOAT_MAX), -_FLOAT_MAX)
     return out
+
+
+_FLOAT_MAX = sys.float_info.max
 
 
 def _is_none(tp: Any) -> bool:
