@@ -5,10 +5,12 @@ Responses mirror what the queries and the advisors' `as_dict()` return, field fo
 same order (the CSV columns of `?format=csv` follow it); tests/service/api/test_schemas.py keeps
 them in step with the store's rows and the advisors' dataclasses.
 
-Request bodies check shape and JSON types only. The advisors' parsers stay the one owner of what a
-value means (divisibility, GPU names, ranges) and name the offending key in their 422; so the
-request types pass each value through unchanged (strict types, no coercion) and accept exactly
-what `trainvitals plan --config` and `trainvitals advise` accept.
+Request bodies check shape and JSON types, and cap sizes. The advisors' parsers stay the one owner
+of what a value means (divisibility, GPU names, ranges) and name the offending key in their 422; so
+the request types pass each value through unchanged (strict types, no coercion) and accept what
+`trainvitals plan --config` and `trainvitals advise` accept, except: no NaN or Infinity, `null`
+means "not given" for every optional key, and the counts that drive the planner's cost are capped
+(`*_MAX` below, docs/advisors.md): the routes are open to any read token.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -28,7 +31,7 @@ from pydantic import (
     model_validator,
 )
 
-from trainvitals.service.advisors.cadence import CadenceInputs, TierSpec
+from trainvitals.service.advisors.cadence import MAX_TIERS, CadenceInputs, TierSpec
 from trainvitals.service.advisors.failure_log import RADIUS_LEVELS
 from trainvitals.service.advisors.model_config import HARDWARE_ALIASES, MODEL_ALIASES, PARALLELISM_ALIASES
 
@@ -353,6 +356,8 @@ class CadenceAdvicePublic(_Public):
     mtbf_s: float
     downtime_s: float
     shape: float
+    incidents: int | None
+    """Incidents of the failure log the rate rests on (null when the MTBF was given)."""
     retention: RetentionPublic
     tiers: list[TierAdvicePublic]
     schedule_s: list[float] | None
@@ -386,8 +391,63 @@ _Count = Annotated[StrictInt | StrictFloat, WithJsonSchema({"type": "integer"})]
 _Amount = Annotated[StrictInt | StrictFloat | StrictStr, WithJsonSchema({"type": "number"})]
 
 
+# Caps on what the planner's cost grows with (a recommendation for 1e8 layers took 7 s of CPU; at
+# these caps the slowest measured one takes ~3 s): far above any trained model or cluster.
+LAYERS_MAX = 10_000
+WIDTH_MAX = 1_048_576
+"""hidden, heads, kv_heads, experts, active_experts."""
+FFN_MAX = 8 * WIDTH_MAX
+TOKENS_MAX = 16_777_216
+"""vocab, seq_len."""
+GPUS_MAX = 1_048_576
+"""gpus and every parallel degree."""
+BATCH_MAX = 1_073_741_824
+"""micro_batch, global_batch (sequences)."""
+
+
+def _at_most(limit: int) -> AfterValidator:
+    def check(value: float) -> float:
+        if value > limit:
+            raise ValueError(f"must be at most {limit:,}, got {value!r}")
+        return value
+
+    return AfterValidator(check)
+
+
+# Counts (as _Count) with a cap each.
+_Layers = Annotated[
+    StrictInt | StrictFloat, _at_most(LAYERS_MAX), WithJsonSchema({"type": "integer", "maximum": LAYERS_MAX})
+]
+_Width = Annotated[
+    StrictInt | StrictFloat, _at_most(WIDTH_MAX), WithJsonSchema({"type": "integer", "maximum": WIDTH_MAX})
+]
+_Ffn = Annotated[StrictInt | StrictFloat, _at_most(FFN_MAX), WithJsonSchema({"type": "integer", "maximum": FFN_MAX})]
+_Tokens = Annotated[
+    StrictInt | StrictFloat, _at_most(TOKENS_MAX), WithJsonSchema({"type": "integer", "maximum": TOKENS_MAX})
+]
+_Gpus = Annotated[
+    StrictInt | StrictFloat, _at_most(GPUS_MAX), WithJsonSchema({"type": "integer", "maximum": GPUS_MAX})
+]
+_Batch = Annotated[
+    StrictInt | StrictFloat, _at_most(BATCH_MAX), WithJsonSchema({"type": "integer", "maximum": BATCH_MAX})
+]
+
+
+def _drop_nulls(data: Any) -> Any:
+    # null means "not given" for every optional key (the key's default); a required key sent as
+    # null is then reported missing.
+    if isinstance(data, Mapping):
+        return {key: value for key, value in data.items() if value is not None}
+    return data
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_unset(cls, data: Any) -> Any:
+        return _drop_nulls(data)
 
 
 class _Section(_Request):
@@ -410,21 +470,21 @@ class ModelSection(_Section):
 
     _aliases = MODEL_ALIASES
 
-    layers: _Count
-    hidden: _Count
-    heads: _Count
-    vocab: _Count
-    seq_len: _Count
-    kv_heads: _Count | None = None
+    layers: _Layers
+    hidden: _Width
+    heads: _Width
+    vocab: _Tokens
+    seq_len: _Tokens
+    kv_heads: _Width | None = None
     """Default: heads (multi-head attention)."""
-    ffn_hidden: _Count | None = None
+    ffn_hidden: _Ffn | None = None
     """Default: 8/3 hidden rounded up to 256 (gated), else 4 hidden."""
     gated_mlp: StrictBool | None = None
     """Default true (SwiGLU)."""
     params: _Amount | None = None
     """Total parameter count; rescales the architecture's count."""
-    experts: _Count | None = None
-    active_experts: _Count | None = None
+    experts: _Width | None = None
+    active_experts: _Width | None = None
     tied_embeddings: StrictBool | None = None
 
 
@@ -433,18 +493,18 @@ class ParallelismSection(_Section):
 
     _aliases = PARALLELISM_ALIASES
 
-    gpus: _Count | None = None
+    gpus: _Gpus | None = None
     """Default: hardware.gpus."""
-    tp: _Count | None = None
-    pp: _Count | None = None
-    dp: _Count | None = None
-    cp: _Count | None = None
-    ep: _Count | None = None
-    vpp: _Count | None = None
+    tp: _Gpus | None = None
+    pp: _Gpus | None = None
+    dp: _Gpus | None = None
+    cp: _Gpus | None = None
+    ep: _Gpus | None = None
+    vpp: _Gpus | None = None
     zero: StrictInt | StrictStr | None = None
     """ZeRO stage 0-3, or "fsdp" (= 3, the default)."""
-    micro_batch: _Count | None = None
-    global_batch: _Count | None = None
+    micro_batch: _Batch | None = None
+    global_batch: _Batch | None = None
     """Sequences per optimizer step; default micro_batch * dp."""
     recompute: Literal["none", "selective", "full"] | None = None
     """Default selective."""
@@ -457,8 +517,8 @@ class HardwareSection(_Section):
     _aliases = HARDWARE_ALIASES
 
     gpu: StrictStr | None = None
-    gpus: _Count | None = None
-    gpus_per_node: _Count | None = None
+    gpus: _Gpus | None = None
+    gpus_per_node: _Gpus | None = None
     peak_tflops: _Amount | None = None
     """Dense bf16 peak per GPU."""
     peak_fp8_tflops: _Amount | None = None
@@ -490,19 +550,20 @@ class RecommendParallelism(_Request):
     so the body of `POST /v1/plan` can be sent as it is. Of the aliases only world_size is read
     (for gpus), as `recommend_from_config` does."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
     def _gpus_from_world_size(cls, data: Any) -> Any:
+        data = _drop_nulls(data)
         if isinstance(data, Mapping) and "gpus" not in data and "world_size" in data:
             return {**data, "gpus": data["world_size"]}
         return data
 
-    gpus: _Count | None = None
+    gpus: _Gpus | None = None
     """GPUs to lay out; default hardware.gpus (one of them is required)."""
-    micro_batch: _Count = 1
-    global_batch: _Count | None = None
+    micro_batch: _Batch = 1
+    global_batch: _Batch | None = None
     """Target sequences per step; default: the critical batch (2M tokens)."""
     recompute: Literal["none", "selective", "full"] | None = None
 
@@ -511,11 +572,16 @@ class RecommendRequest(BaseModel):
     """`POST /v1/plan/recommend`: model and hardware, and the GPU count; other top-level keys are
     ignored."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: ModelSection
     hardware: HardwareSection
     parallelism: RecommendParallelism | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_unset(cls, data: Any) -> Any:
+        return _drop_nulls(data)
 
     def as_config(self) -> dict[str, Any]:
         return self.model_dump(exclude_unset=True)
@@ -532,7 +598,7 @@ class TierRequest(_Request):
 
 class CadenceRequest(_Request):
     """`POST /v1/advise/checkpoints`: the inputs of `trainvitals advise` without an event log
-    (advisors.CadenceInputs; unset keys take its defaults)."""
+    (advisors.CadenceInputs; unset or null keys take its defaults; it checks every range)."""
 
     stall_s: _Number
     """Training stall per checkpoint."""
@@ -548,7 +614,7 @@ class CadenceRequest(_Request):
     """Acceptable probability that one SDC cannot be rolled back."""
     checkpoint_bytes: _Number | None = None
     storage_budget_bytes: _Number | None = None
-    tiers: list[TierRequest] = []
+    tiers: list[TierRequest] = Field(default=[], max_length=MAX_TIERS)
     radius_mix: dict[str, _Number] | None = None
     """Share of incidents per blast radius (default: all "node")."""
     basin_tolerance: _Number = 0.05

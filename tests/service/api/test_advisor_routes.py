@@ -66,3 +66,51 @@ def test_typed_bodies_refuse_unknown_keys_and_take_tiers(client: TestClient) -> 
     bad = client.post("/v1/advise/checkpoints", json={"stall_s": 60, "mtbf_s": 14400,
                                                      "tiers": [{"name": "x", "cost_s": 1, "survives": "galaxy"}]})
     assert bad.status_code == 422 and "survives" in bad.json()["detail"]
+
+
+def test_nonsense_gets_a_one_line_422(client: TestClient) -> None:
+    for body in ({"stall_s": 1e300, "mtbf_s": 3600}, {"stall_s": 60, "mtbf_s": 1e-300},
+                 {"stall_s": 60, "mtbf_s": 3600, "sdc_latency_s": -5}, {"stall_s": 60, "mtbf_s": 0},
+                 {"stall_s": 60, "mtbf_s": 3600, "radius_mix": {"galaxy": 1}}):
+        r = client.post("/v1/advise/checkpoints", json=body)
+        assert r.status_code == 422 and "\n" not in r.json()["detail"], body
+    r = client.post("/v1/advise/checkpoints", content=b'{"stall_s": 60, "mtbf_s": Infinity}',
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "mtbf_s" in r.json()["message"]
+    # null is "not given" for every optional key: the default.
+    same = client.post("/v1/advise/checkpoints", json={"stall_s": 60, "mtbf_s": 3600, "restart_s": None,
+                                                       "sdc_latency_s": None}).json()
+    assert same == client.post("/v1/advise/checkpoints", json={"stall_s": 60, "mtbf_s": 3600}).json()
+    huge = {**PLAN, "model": {**PLAN["model"], "layers": 10**8}}
+    r = client.post("/v1/plan/recommend", json=huge)
+    assert r.status_code == 422 and "model.layers" in r.json()["message"] and "10,000" in r.json()["message"]
+
+
+def test_bodies_over_the_advisor_limit_are_refused(client: TestClient) -> None:
+    big = b'{"stall_s": 60, "mtbf_s": 3600, "pad": "' + b"x" * (1024 * 1024) + b'"}'
+    assert client.post("/v1/advise/checkpoints", content=big,
+                       headers={"content-type": "application/json"}).status_code == 413
+
+    def chunks():  # no Content-Length: the route counts what it reads
+        yield big[:1000]
+        yield big[1000:]
+
+    assert client.post("/v1/advise/checkpoints", content=chunks(),
+                       headers={"content-type": "application/json"}).status_code == 413
+
+
+def test_advisor_routes_need_a_read_token(db_url: str) -> None:
+    from trainvitals.service import auth
+    from trainvitals.service.store import db
+
+    engine = db.make_engine(db_url)
+    with db.make_sessionmaker(engine)() as session:
+        read = auth.create_token(session, project="p", scope="read")
+        ingest = auth.create_token(session, project="p", scope="ingest")
+    engine.dispose()
+    body = {"stall_s": 60, "mtbf_s": 3600}
+    with TestClient(create_app(Settings(db=db_url, run_analysis=False))) as c:
+        assert c.post("/v1/advise/checkpoints", json=body).status_code == 401
+        assert c.post("/v1/plan", json=PLAN, headers={"Authorization": f"Bearer {ingest}"}).status_code == 403
+        ok = c.post("/v1/advise/checkpoints", json=body, headers={"Authorization": f"Bearer {read}"})
+        assert ok.status_code == 200 and ok.json()["incidents"] is None
