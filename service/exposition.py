@@ -1,8 +1,11 @@
 """Prometheus exposition: a custom Collector over a per-scrape snapshot of live runs.
 
 Series exist only for live runs (running, or finished within a grace period), so a finished or
-deleted run leaves no stale series. Labels are bounded: `run` (live runs), `stat` (fixed set),
-`outcome` (fixed set). docs/metrics.md lists every family.
+deleted run leaves no stale series. Every label is bounded whatever agents send: `run` by the
+runs exported per project and per scrape (the most severe, then the most recent; the others are
+counted in trainvitals_runs_omitted), `layer`, `stage` and open findings by per-run caps (the
+snapshot's), `stat`, `outcome`, `role` by fixed sets. docs/metrics.md lists every family and the
+worst-case series count.
 """
 
 from __future__ import annotations
@@ -17,7 +20,24 @@ from sqlalchemy.orm import Session
 from trainvitals.service.analysis.expectations import MfuExpectation
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import analysis_status, queries, snapshot
-from trainvitals.service.store.models import AnalysisStatus
+from trainvitals.service.store.models import AnalysisStatus, Run
+
+# Cardinality caps (module constants rather than settings for now; docs/metrics.md derives the
+# worst-case series count from them). A scrape reads the store once per exported run (~5 ms on
+# PostgreSQL here), so the run caps also bound the scrape time under Prometheus's 10 s timeout.
+EXPORTED_RUNS_PER_PROJECT = 50
+"""Live runs exported per project: the most severe open finding first, then running before
+finished, then the most recently seen."""
+EXPORTED_RUNS = 100
+"""Live runs exported per scrape over all projects (a scrape without a project's token), in the
+same order: without auth, agents name projects freely."""
+FP8_LAYERS_PER_RUN = 64
+"""Layers in trainvitals_fp8_layer_min_headroom_log2: those with the least headroom, the rest as
+layer="other"."""
+STAGES_PER_RUN = 64
+"""Pipeline stages in trainvitals_run_stage_step_seconds: the slowest, the rest as stage="other"."""
+OPEN_FINDINGS_PER_RUN = 50
+"""Open findings exported per run: pages first, then tickets; within one, the oldest first."""
 
 ADVICE_TTL_SECONDS = 60.0
 # "Not enough to advise yet" is asked again sooner: the first save should show its advice soon.
@@ -66,6 +86,10 @@ class TrainvitalsCollector(Collector):
             )
             if project is not None:
                 runs = [r for r in runs if r.project == project]
+            severity = snapshot.worst_open_severity(session, run_ids=[r.run_id for r in runs])
+            runs, omitted = _exported_runs(runs, severity)
+            if project is not None:
+                omitted.setdefault(project, 0)  # the token's project, even with no live run
             snaps = []
             for r in runs:
                 e = self._mfu_expectation(r.registration)
@@ -78,6 +102,9 @@ class TrainvitalsCollector(Collector):
                         max_groups=s.max_grad_groups,
                         expected_mfu=e.predicted if e else None,
                         expected_mfu_band=(e.low, e.high) if e and e.low is not None and e.high is not None else None,
+                        max_layers=FP8_LAYERS_PER_RUN,
+                        max_stages=STAGES_PER_RUN,
+                        max_findings=OPEN_FINDINGS_PER_RUN,
                     )
                 )
             if self._checkpoint_advice is not None:
@@ -86,6 +113,7 @@ class TrainvitalsCollector(Collector):
             counts = queries.ingest_counts(session, project=project)
             analysis = analysis_status.read(session)
         yield from _run_families(snaps)
+        yield from _omitted_families(omitted)
         yield from _fp8_families(snaps)
         yield from _rank_families(snaps)
         yield from _finding_families(snaps)
@@ -106,6 +134,50 @@ class TrainvitalsCollector(Collector):
             self._advice_cache.clear()
         self._advice_cache[run_id] = (now, value)
         return value
+
+
+def _exported_runs(runs: list[Run], severity: dict[str, int]) -> tuple[list[Run], dict[str, int]]:
+    """The live runs /metrics shows, and per project how many it leaves out.
+
+    Order: the most severe open finding, running before finished, the most recently seen, run id.
+    At most EXPORTED_RUNS_PER_PROJECT of a project's, EXPORTED_RUNS in all. The omitted counts are
+    keyed by project for the projects with an exported run, and by "" for the runs of projects
+    with none (so that series is bounded too: one per exported project, plus one).
+    """
+    ordered = sorted(
+        runs,
+        key=lambda r: (
+            severity.get(r.run_id, snapshot.NO_OPEN_FINDING),
+            r.status != "running",
+            -r.last_seen_at,
+            r.run_id,
+        ),
+    )
+    live: dict[str, int] = {}
+    shown: dict[str, int] = {}
+    kept: list[Run] = []
+    for r in ordered:
+        live[r.project] = live.get(r.project, 0) + 1
+        if shown.get(r.project, 0) < EXPORTED_RUNS_PER_PROJECT and len(kept) < EXPORTED_RUNS:
+            kept.append(r)
+            shown[r.project] = shown.get(r.project, 0) + 1
+    omitted = dict.fromkeys(shown, 0)
+    for p, n in live.items():
+        key = p if p in shown else ""
+        omitted[key] = omitted.get(key, 0) + n - shown.get(p, 0)
+    return kept, omitted
+
+
+def _omitted_families(omitted: dict[str, int]) -> Iterator[Metric]:
+    runs = _gauge(
+        "trainvitals_runs_omitted",
+        "Live runs of a project not exported (beyond the per-project and per-scrape caps); "
+        'project="" sums the projects with no exported run',
+        ["project"],
+    )
+    for p, n in sorted(omitted.items()):
+        runs.add_metric([p], n)
+    yield runs
 
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
@@ -156,7 +228,15 @@ def _run_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
         ["run"],
     )
     stage = _gauge(
-        "trainvitals_run_stage_step_seconds", "Median step time per pipeline stage", ["run", "stage"]
+        "trainvitals_run_stage_step_seconds",
+        "Median step time per pipeline stage of the registered pp, the slowest "
+        f'{STAGES_PER_RUN} (stage="other": the median over the rest)',
+        ["run", "stage"],
+    )
+    unregistered = _gauge(
+        "trainvitals_run_stages_unregistered",
+        "Pipeline stage numbers at the complete step outside the registered pp (not exported)",
+        ["run"],
     )
     tokens = _gauge(
         "trainvitals_run_tokens_per_second",
@@ -243,8 +323,11 @@ def _run_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
             wait.add_metric([r], s.wait_seconds_p50)
         if s.data_seconds_p50 is not None:
             data.add_metric([r], s.data_seconds_p50)
-        for st, value in sorted((s.stage_step_seconds_p50 or {}).items(), key=lambda kv: int(kv[0])):
-            stage.add_metric([r, st], value)
+        stages = sn.complete.stages
+        for st in sorted(stages, key=lambda st: (st == snapshot.OTHER, int(st) if st.isdigit() else 0)):
+            stage.add_metric([r, st], stages[st])
+        if s.stage_step_seconds_p50:
+            unregistered.add_metric([r], sn.complete.stages_unregistered)
         if s.tokens is not None and s.step_seconds_max > 0:
             # Synchronous data parallelism: the job moves at the pace of its slowest rank.
             tokens.add_metric([r], s.tokens / s.step_seconds_max)
@@ -262,6 +345,7 @@ def _run_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
         wait,
         data,
         stage,
+        unregistered,
         tokens,
         mfu,
         expected,
@@ -276,7 +360,8 @@ def _run_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
 def _fp8_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
     layer = _gauge(
         "trainvitals_fp8_layer_min_headroom_log2",
-        "Minimum FP8 headroom over the tensors of a layer and role, newest step with FP8 stats",
+        "Minimum FP8 headroom over the tensors of a layer and role, newest step with FP8 stats; the "
+        f'{FP8_LAYERS_PER_RUN} layers with the least (layer="other": the least of the rest)',
         ["run", "layer", "role"],
     )
     worst = _gauge(
@@ -342,6 +427,11 @@ def _finding_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
     total = CounterMetricFamily(
         "trainvitals_findings", "Distinct findings raised for a live run", labels=["run", "kind", "severity"]
     )
+    omitted = _gauge(
+        "trainvitals_finding_active_omitted",
+        f"Open findings of the run beyond the {OPEN_FINDINGS_PER_RUN} exported (pages first, then the oldest)",
+        ["run"],
+    )
     for sn in snaps:
         for f in sn.findings.active:
             active.add_metric([sn.run_id, f.kind, f.severity, f.subject_kind, f.subject], 1.0)
@@ -351,7 +441,8 @@ def _finding_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
             magnitude.add_metric([sn.run_id, f.kind, f.subject_kind, f.subject], f.magnitude)
         for (kind, severity), n in sorted(sn.findings.by_kind.items()):
             total.add_metric([sn.run_id, kind, severity], n)
-    yield from (active, onset, detected, magnitude, total)
+        omitted.add_metric([sn.run_id], sn.findings.omitted)
+    yield from (active, onset, detected, magnitude, total, omitted)
 
 
 def _checkpoint_families(snaps: list[snapshot.RunSnapshot], now: float) -> Iterator[Metric]:

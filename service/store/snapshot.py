@@ -3,15 +3,19 @@
 One function per section of the exposition (service/exposition.py has one family group each):
 
 - `progress`: newest delivered step and its age (two index probes);
-- `complete_step`: the newest reduced step, the window MFU and the per-group gradient norms
-  (the newest `mfu_window_steps` step summaries, one step of group norms);
+- `complete_step`: the newest reduced step, the window MFU, the per-group gradient norms (the
+  newest `mfu_window_steps` step summaries, one step of group norms) and the per-stage step times;
 - `fp8_headroom`: the newest step with FP8 statistics (one step of tensor summaries);
 - `slowest_ranks`: the top-k of the newest rank window;
 - `open_findings`: active findings and counts by kind;
 - `checkpoint_status`: the newest persisted checkpoint (its step, time, stall and persist
   seconds) and record counts by status;
 - `run_events`: events received by kind, restarts and ranks lost (the events table);
-- `rank_hosts`: the host of each of the top-k slowest ranks (their start events).
+- `rank_hosts`: the host of each of the top-k slowest ranks (their start events);
+- `worst_open_severity`: each live run's most severe open finding (which runs /metrics keeps).
+
+Label values an agent chooses (layer names, pipeline stage numbers) and open findings are capped
+per run here: the most severe first, the rest summarised as one `OTHER` series or counted.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
 from trainvitals.service.store.models import (
@@ -36,6 +40,13 @@ from trainvitals.service.store.models import (
     TensorSummary,
 )
 from trainvitals.wire.conventions import GLOBAL_GROUP, layer_of
+
+OTHER = "other"
+"""Label value (`layer`, `stage`) of the one series that summarises what a per-run cap leaves out."""
+
+SEVERITY_RANK = {"page": 0, "ticket": 1, "info": 2}
+"""Most severe first; a run without open findings ranks after every one with some."""
+NO_OPEN_FINDING = len(SEVERITY_RANK)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,7 +63,11 @@ class CompleteStep:
     mfu_window: float | None = None
     """MFU over the newest reduced steps: total FLOPs / total (time x peak)."""
     grad_groups: dict[str, float] = field(default_factory=dict)
-    """Gradient norm per parameter group at that step."""
+    """Gradient norm per parameter group at that step (the largest `max_groups`)."""
+    stages: dict[str, float] = field(default_factory=dict)
+    """Median step time per pipeline stage at that step, as exported (see `pipeline_stages`)."""
+    stages_unregistered: int = 0
+    """Stage numbers at that step outside the registered pp (0..pp-1), left out of `stages`."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -60,7 +75,8 @@ class Fp8Headroom:
     step: int | None = None
     """Newest step with FP8 statistics (None: the run has none)."""
     layer_min_headroom: dict[tuple[str, str], float] = field(default_factory=dict)
-    """(layer, role) -> least headroom over that layer's tensors."""
+    """(layer, role) -> least headroom over that layer's tensors; past `max_layers` layers, the
+    layers with the least headroom and (OTHER, role) for the rest (see `cap_layers`)."""
     worst_tensors: list[tuple[str, str, float]] = field(default_factory=list)
     """(tensor, role, headroom) of the top-k tensors with the least headroom."""
     saturated_tensors: int = 0
@@ -70,6 +86,9 @@ class Fp8Headroom:
 @dataclass(kw_only=True, slots=True)
 class OpenFindings:
     active: list[FindingRow] = field(default_factory=list)
+    """Open findings, most severe first, then oldest first (at most `max_active`)."""
+    omitted: int = 0
+    """Open findings beyond `max_active`, not in `active`."""
     by_kind: dict[tuple[str, str], int] = field(default_factory=dict)
     """(kind, severity) -> findings ever raised, active or not."""
 
@@ -122,7 +141,12 @@ def run_snapshot(
     mfu_window_steps: int = 20,
     expected_mfu: float | None = None,
     expected_mfu_band: tuple[float, float] | None = None,
+    max_layers: int | None = None,
+    max_stages: int | None = None,
+    max_findings: int | None = None,
 ) -> RunSnapshot:
+    """Everything /metrics shows of `run`. The caps (None: no cap) bound its series whatever its
+    agents send: FP8 layers, pipeline stages and open findings exported."""
     rid = run.run_id
     slowest = slowest_ranks(session, run_id=rid, top_k=top_k)
     return RunSnapshot(
@@ -133,12 +157,19 @@ def run_snapshot(
         expected_mfu=expected_mfu,
         expected_mfu_band=expected_mfu_band,
         progress=progress(session, run_id=rid, now=now),
-        complete=complete_step(session, run_id=rid, mfu_window_steps=mfu_window_steps, max_groups=max_groups),
-        fp8=fp8_headroom(session, run_id=rid, top_k=top_k),
+        complete=complete_step(
+            session,
+            run_id=rid,
+            mfu_window_steps=mfu_window_steps,
+            max_groups=max_groups,
+            pp=registered_pp(run.registration),
+            max_stages=max_stages,
+        ),
+        fp8=fp8_headroom(session, run_id=rid, top_k=top_k, max_layers=max_layers),
         slowest_ranks=slowest,
         rank_hosts=rank_hosts(session, run_id=rid, ranks=[r for r, _, _ in slowest]),
         events=run_events(session, run_id=rid),
-        findings=open_findings(session, run_id=rid),
+        findings=open_findings(session, run_id=rid, max_active=max_findings),
         checkpoints=checkpoint_status(session, run_id=rid),
     )
 
@@ -170,7 +201,20 @@ def window_mfu(recent: Iterable[StepSummary]) -> float | None:
     return flops / time_x_peak if time_x_peak else None
 
 
-def complete_step(session: Session, *, run_id: str, mfu_window_steps: int, max_groups: int) -> CompleteStep:
+def registered_pp(registration: dict[str, Any] | None) -> int:
+    """The pipeline-parallel degree the run registered (1 when it declared none)."""
+    return int(((registration or {}).get("parallelism") or {}).get("pp") or 1)
+
+
+def complete_step(
+    session: Session,
+    *,
+    run_id: str,
+    mfu_window_steps: int,
+    max_groups: int,
+    pp: int | None = None,
+    max_stages: int | None = None,
+) -> CompleteStep:
     recent = list(
         session.scalars(
             select(StepSummary)
@@ -181,15 +225,48 @@ def complete_step(session: Session, *, run_id: str, mfu_window_steps: int, max_g
     )
     if not recent:
         return CompleteStep()
+    # The largest norms when a run has more groups than exported (a sort of one step's groups).
     groups = session.execute(
         select(GradSummary.group_name, GradSummary.norm)
         .where(GradSummary.run_id == run_id, GradSummary.step == recent[0].step, GradSummary.group_name != GLOBAL_GROUP)
+        .order_by(GradSummary.norm.desc(), GradSummary.group_name)
         .limit(max_groups)
     ).all()
-    return CompleteStep(summary=recent[0], mfu_window=window_mfu(recent), grad_groups={g: n for g, n in groups})
+    stages, unregistered = pipeline_stages(recent[0].stage_step_seconds_p50 or {}, pp=pp, max_stages=max_stages)
+    return CompleteStep(
+        summary=recent[0],
+        mfu_window=window_mfu(recent),
+        grad_groups={g: n for g, n in groups},
+        stages=stages,
+        stages_unregistered=unregistered,
+    )
 
 
-def fp8_headroom(session: Session, *, run_id: str, top_k: int) -> Fp8Headroom:
+def pipeline_stages(
+    p50: dict[str, float], *, pp: int | None, max_stages: int | None
+) -> tuple[dict[str, float], int]:
+    """Median step time per stage as exported, and the number of stages left out as unregistered.
+
+    Only stages 0..pp-1 of the registration (None: any): another stage number is an agent's
+    mistake, counted rather than exported. Past `max_stages` stages, the slowest `max_stages`
+    and one OTHER series, the median over the rest (what a typical other stage takes).
+    """
+    valid: dict[str, float] = {}
+    unregistered = 0
+    for stage, seconds in p50.items():
+        if pp is not None and not 0 <= int(stage) < pp:  # keys are str(pp_stage), written by the reduction
+            unregistered += 1
+        else:
+            valid[stage] = seconds
+    if max_stages is None or len(valid) <= max_stages:
+        return valid, unregistered
+    slowest = sorted(valid, key=lambda st: (-valid[st], int(st)))
+    out = {st: valid[st] for st in slowest[:max_stages]}
+    out[OTHER] = float(np.median([valid[st] for st in slowest[max_stages:]]))
+    return out, unregistered
+
+
+def fp8_headroom(session: Session, *, run_id: str, top_k: int, max_layers: int | None = None) -> Fp8Headroom:
     step = session.scalar(select(func.max(TensorSummary.step)).where(TensorSummary.run_id == run_id))
     if step is None:
         return Fp8Headroom()
@@ -205,12 +282,33 @@ def fp8_headroom(session: Session, *, run_id: str, top_k: int) -> Fp8Headroom:
         )
         if hr is not None  # for the type checker: the query asks for it already
     ]
+    per_layer: dict[tuple[str, str], float] = {}
     for tensor, role, hr in rows:
         key = (layer_of(tensor), role)
-        out.layer_min_headroom[key] = min(hr, out.layer_min_headroom.get(key, np.inf))
+        per_layer[key] = min(hr, per_layer.get(key, np.inf))
         if hr < 0:
             out.saturated_tensors += 1
+    out.layer_min_headroom = cap_layers(per_layer, max_layers=max_layers)
     out.worst_tensors = sorted(rows, key=lambda x: x[2])[:top_k]
+    return out
+
+
+def cap_layers(
+    per_layer: dict[tuple[str, str], float], *, max_layers: int | None
+) -> dict[tuple[str, str], float]:
+    """(layer, role) -> least headroom, for at most `max_layers` layers: those with the least
+    headroom over their roles, with every role of theirs, and (OTHER, role) the least headroom of
+    the rest. A real layer named OTHER is among the rest then, so no two series share labels."""
+    least: dict[str, float] = {}
+    for (layer, _role), hr in per_layer.items():
+        least[layer] = min(hr, least.get(layer, np.inf))
+    if max_layers is None or len(least) <= max_layers:
+        return per_layer
+    kept = set(sorted((lay for lay in least if lay != OTHER), key=lambda lay: (least[lay], lay))[:max_layers])
+    out: dict[tuple[str, str], float] = {}
+    for (layer, role), hr in per_layer.items():
+        key = (layer, role) if layer in kept else (OTHER, role)
+        out[key] = min(hr, out.get(key, np.inf))
     return out
 
 
@@ -237,11 +335,28 @@ def slowest_ranks(session: Session, *, run_id: str, top_k: int) -> list[tuple[in
     return ranked[:top_k]
 
 
-def open_findings(session: Session, *, run_id: str) -> OpenFindings:
+def _severity_rank() -> Any:
+    return case(SEVERITY_RANK, value=FindingRow.severity, else_=NO_OPEN_FINDING)
+
+
+def open_findings(session: Session, *, run_id: str, max_active: int | None = None) -> OpenFindings:
+    """Open findings, most severe first and, within a severity, oldest first: an exported finding
+    stays exported while it is open (a newer one does not push it out), so its alert does not flap."""
+    is_open = (FindingRow.run_id == run_id) & FindingRow.active.is_(True)
+    active = list(
+        session.scalars(
+            select(FindingRow)
+            .where(is_open)
+            .order_by(_severity_rank(), FindingRow.first_seen_at, FindingRow.id)
+            .limit(max_active)
+        )
+    )
+    omitted = 0
+    if max_active is not None and len(active) == max_active:
+        omitted = int(session.scalar(select(func.count()).select_from(FindingRow).where(is_open)) or 0) - max_active
     return OpenFindings(
-        active=list(
-            session.scalars(select(FindingRow).where(FindingRow.run_id == run_id, FindingRow.active.is_(True)))
-        ),
+        active=active,
+        omitted=omitted,
         by_kind={
             (k, s): n
             for k, s, n in session.execute(
@@ -347,4 +462,18 @@ def rank_hosts(session: Session, *, run_id: str, ranks: list[int]) -> dict[int, 
         )
         if host:
             out[rank] = host  # ordered by incarnation: the newest start wins
+    return out
+
+
+def worst_open_severity(session: Session, *, run_ids: list[str]) -> dict[str, int]:
+    """Run id -> SEVERITY_RANK of its most severe open finding (runs without one are absent).
+    One grouped query per 1,000 runs (an IN list of bounded size on both backends)."""
+    out: dict[str, int] = {}
+    for i in range(0, len(run_ids), 1000):
+        rows = session.execute(
+            select(FindingRow.run_id, func.min(_severity_rank()))
+            .where(FindingRow.run_id.in_(run_ids[i : i + 1000]), FindingRow.active.is_(True))
+            .group_by(FindingRow.run_id)
+        )
+        out.update((run_id, int(rank)) for run_id, rank in rows)
     return out
