@@ -10,13 +10,14 @@ modules. Two modes, chosen per module:
   run can be checked before it switches to FP8.
 
 Hot-path cost per hooked tensor on a sampled step: one `aminmax` pass (max |x| = max(max x,
--min x) without materialising |x|; `vector_norm(ord=inf)` gives the same value but runs ~10x
-slower on CPU, where `amax` and `amin` are faster still, see docs/performance-agent.md) and a
-`maximum` / `minimum` into preallocated slots. grad_output is taken by a tensor hook that the
-forward hook registers on the module's output only on sampled steps: a full backward hook would
-wrap every forward call in autograd machinery on every step, sampled or not. The forward hooks
-themselves are registered only for the steps they measure (shadow modules: sampled steps; recipe
-modules: expensive steps) and removed after them: a module with any hook takes the slow path of
+-min x) without materialising |x|; on CPU a hook finds activations out of cache, where one pass
+beats `amax` + `amin`, and `vector_norm(ord=inf)` is ~7x slower; docs/performance-agent.md), its
+extremes written straight into preallocated 0-dim slots on the step's first call. One forward
+hook per module reads input and weight after the forward and puts a pre-hook on the output's
+autograd node for grad_output, only on sampled steps: a full backward hook would wrap every
+forward call in autograd machinery on every step, sampled or not. The forward hooks are
+registered only for the steps they measure (shadow modules: sampled steps; recipe modules:
+expensive steps) and removed after them: a module with any hook takes the slow path of
 `nn.Module.__call__` on every call, even when the hook returns at once.
 At step end everything is vectorised over all tensors (a handful of kernels, whatever the
 tensor count) and appended to the step's single device-to-host copy. Expensive statistics
@@ -46,7 +47,12 @@ from trainvitals.wire.conventions import Fp8Format, Role
 # fp8.md "Formats": smallest subnormal per format (the maxima, FP8_MAX, are a wire convention).
 FP8_MIN_SUBNORMAL = {"e4m3": 2.0**-9, "e5m2": 2.0**-16}
 _CREST_SAMPLE = 4096  # elements sampled (strided) for the median in crest_bits: +-0.05 bits
+# Elements sampled (strided) for underflow_frac: exact up to this size; above it a binomial
+# estimate, standard error <= 0.003 and ~18% at the detector's 5e-4 floor (fp8.md).
+_SAMPLE = 1 << 15
 _F32_MAX = torch.finfo(torch.float32).max
+_F32_TINY = torch.finfo(torch.float32).tiny
+_F32_SUBNORMAL_MIN = float.fromhex("0x1p-149")  # the smallest positive float32
 
 ModuleFilter = Callable[[str, nn.Module], bool]
 
@@ -159,8 +165,18 @@ class Fp8Monitor:
         self._scale = torch.zeros(n)  # shadow: the scale a recipe would use this step (0 = none yet)
         self._scale_slots: list[torch.Tensor] = []
         self._expensive = torch.zeros(4, n)
+        # CPU: the expensive tier's values as Python floats (its scalars are read anyway), one
+        # tensor at step end instead of four indexed writes per tensor.
+        self._expensive_host = [[0.0] * n for _ in range(4)]
+        self._fmax_host = self._fmax.tolist()
+        self._min_sub_host = self._min_sub.tolist()
+        # Per tensor: no call yet this step (its first call writes the extremes' slots directly).
+        self._fresh = bytearray(b"\x01" * n)
+        self._zeros_host = [0.0] * n
+        self._all_fresh = bytes(self._fresh)
         self._scratch = torch.empty(0)  # CPU only: |x| of the expensive tier, reused (_abs_f32)
         self._flags = torch.empty(0)  # CPU only: comparison results of the expensive tier (_count)
+        self._sample_buf = torch.empty(0)  # CPU only: the expensive tier's |x| sample (_abs_sample)
         self._expensive_now = False
         self._step_counter = 0
         # Recipe tensors: the scale the recipe holds for the next step, and the one it used this
@@ -233,30 +249,39 @@ class Fp8Monitor:
     def _hook_module(self, module: nn.Module, index: dict[str, int], *, cheap: bool) -> None:
         i_in, i_w, i_g = index.get("input"), index.get("weight"), index.get("grad_output")
 
-        def forward_pre(mod: nn.Module, args: tuple[Any, ...]) -> None:
-            if not args or not isinstance(args[0], torch.Tensor):
-                return
-            x = _local(args[0]).detach()
-            self._ensure_device(x.device)
-            if i_in is not None:
-                self._observe(i_in, x, cheap)
-            weight = getattr(mod, "weight", None)
-            if i_w is not None and isinstance(weight, torch.Tensor):
-                self._observe(i_w, _local(weight).detach(), cheap)
-
-        def grad_output_hook(g: torch.Tensor) -> None:
-            # d loss / d output, the module's grad_output[0]; returns None: the gradient is untouched.
-            self._observe(i_g, _local(g).detach(), cheap)  # type: ignore[arg-type]
+        def grad_output_hook(grads: tuple[torch.Tensor | None, ...]) -> None:
+            # Pre-hook of the node that made the output: grads[0] is d loss / d output, the module's
+            # grad_output[0]; returns None: the gradient is untouched.
+            g = grads[0] if grads else None
+            if g is not None:
+                self._observe(i_g, _local(g).detach(), cheap)  # type: ignore[arg-type]
 
         guarded_grad_hook = self._guard(grad_output_hook)  # built once, registered per sampled step
 
-        def forward_post(_mod: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
+        def forward(mod: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            # One hook after the forward, not a pre-hook and a post-hook: each hook call is a cold
+            # dispatch (~40-70 us on a 2-core Xeon), and a Linear leaves its input and weight as they were.
+            if args and isinstance(args[0], torch.Tensor):
+                x = _local(args[0]).detach()
+                self._ensure_device(x.device)
+                if i_in is not None:
+                    self._observe(i_in, x, cheap)
+                weight = getattr(mod, "weight", None)
+                if i_w is not None and isinstance(weight, torch.Tensor):
+                    self._observe(i_w, _local(weight).detach(), cheap)
             out = output[0] if isinstance(output, (tuple, list)) and output else output
-            if isinstance(out, torch.Tensor) and out.requires_grad:  # no-grad forwards have no backward
-                out.register_hook(guarded_grad_hook)
+            if i_g is not None and isinstance(out, torch.Tensor) and out.requires_grad:
+                # No-grad forwards have no backward. A pre-hook on the output's autograd node costs
+                # a third of Tensor.register_hook (no Python handle dict); a single-output node
+                # (Linear's addmm/view, a recipe's Function) gets d loss / d output as grads[0].
+                node = out.grad_fn
+                if node is not None and out.output_nr == 0:
+                    node.register_prehook(guarded_grad_hook)
+                else:
+                    out.register_hook(lambda g: guarded_grad_hook((g,)))
 
         hooks = self._shadow_hooks if cheap else self._recipe_hooks
-        hooks.add(module, self._guard(forward_pre), self._guard(forward_post) if i_g is not None else None)
+        hooks.add(module, self._guard(forward))
 
     def _guard(self, fn: Callable[..., None]) -> Callable[..., None]:
         # Hooks run inside forward and autograd: an exception here would surface in the job.
@@ -273,63 +298,107 @@ class Fp8Monitor:
         return torch.compiler.disable(inner)
 
     def _observe(self, i: int, x: torch.Tensor, cheap: bool) -> None:
+        if x.numel() == 0:
+            return  # no elements, no amax (and aminmax refuses an empty tensor)
+        if x.dtype.itemsize == 1:
+            x = x.float()  # float8 has no min/max kernels on CPU (fp8.md); such inputs are rare
         if cheap:
-            if x.dtype.itemsize == 1:
-                x = x.float()  # float8 has no min/max kernels on CPU (fp8.md); such inputs are rare
-            # One read of x (fp8.md tier 1); max over calls within a step (micro-batches, shared
-            # modules) by maximum/minimum into 0-dim slots, in place: exact, on device, no sync.
-            # On CPU amax and amin, two vectorised passes, beat aminmax's one (100 vs 168 us on 1M
-            # elements, 26 vs 154 us non-contiguous; 1.83 vs 2.06 ms per sampled step of the
-            # example); on memory-bound accelerators the single read wins.
-            if x.device.type == "cpu":
-                hi, lo = x.amax(), x.amin()
-            else:
-                lo, hi = torch.aminmax(x)
+            # One read of x (fp8.md tier 1), the max over calls within a step (micro-batches, shared
+            # modules) kept in 0-dim slots, in place: exact, on device, no sync. The step's first
+            # call writes its extremes straight into the slots (one aminmax, no other op); later
+            # calls combine with maximum / minimum. aminmax's single pass beats amax + amin once
+            # the tensor is out of cache, which is where a hook finds it (docs/performance-agent.md).
             hi_slot, lo_slot = self._hi_slots[i], self._lo_slots[i]
-            torch.maximum(hi_slot, hi, out=hi_slot)
-            torch.minimum(lo_slot, lo, out=lo_slot)
+            if self._fresh[i] and x.dtype == torch.float32:
+                self._fresh[i] = 0
+                torch.aminmax(x, out=(lo_slot, hi_slot))
+                lo, hi = lo_slot, hi_slot
+            else:
+                self._fresh[i] = 0
+                lo, hi = torch.aminmax(x)
+                torch.maximum(hi_slot, hi, out=hi_slot)
+                torch.minimum(lo_slot, lo, out=lo_slot)
+        else:
+            lo, hi = torch.aminmax(x)  # recipe modules, expensive steps only: the amax of this call
         if self._expensive_now:
-            self._expensive_stats(i, x)
+            self._expensive_stats(i, x, lo, hi)
 
-    def _expensive_stats(self, i: int, x: torch.Tensor) -> None:
-        # Sampled steps only. Float32 comparisons of |x| against thresholds, not casts (fp8.md: cast
-        # overflow behaviour on CPU changed between torch versions) and not a scaled copy:
-        # |x| * s > fmax  <=>  |x| > fmax / s for s > 0 (s = 0, no scale yet: thresholds inf).
-        # NaN fails every comparison; |x| <= 0 is |x| == 0.
-        xf = self._abs_f32(x)
+    def _expensive_stats(self, i: int, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        """Saturation, underflow, crest and non-finite of one call (sampled steps only; fp8.md).
+
+        Thresholds on |x| instead of a scaled copy: |x| * s > fmax  <=>  |x| > fmax / s for s > 0
+        (s = 0, no scale yet: thresholds inf). amax is max(hi, -lo) of this call's aminmax, so
+        nothing reads x again for it. Saturation and non-finite are exact counts; on CPU, where
+        reading a scalar waits for nothing, amax settles them without a pass in the usual case (a
+        finite amax: nothing non-finite; at or below the threshold: nothing saturates). Underflow
+        and crest come from one strided sample of at most _SAMPLE elements (exact below that)."""
+        xf = x if x.dtype == torch.float32 else x.float()
+        n = xf.numel()
+        if xf.device.type != "cpu":
+            self._expensive_stats_device(i, xf, lo, hi)
+            return
+        amax = max(hi.item(), -lo.item())  # NaN if any element is NaN (aminmax propagates it)
+        s = self._scale_slots[i].item()
+        sat_t = self._fmax_host[i] / s if s > 0 else math.inf
+        under_t = self._min_sub_host[i] / 2 / s if s > 0 else math.inf
+        host = self._expensive_host
+        finite = math.isfinite(amax)
+        if finite and amax <= sat_t:
+            host[0][i] = host[3][i] = 0.0
+        else:  # something saturates or is not finite: count exactly, over every element
+            xa = self._abs_f32(xf)
+            host[0][i] = self._count(torch.gt, xa, sat_t).item() / n
+            host[3][i] = 0.0 if finite else n - self._count(torch.le, xa, _F32_MAX).item()  # inf, NaN
+        sample = self._abs_sample(xf)
+        m = sample.numel()
+        # #{0 < |x| <= t}: histc's single bin counts [smallest subnormal, t], zeros excluded, in one
+        # pass over the sample (histc is slow on a whole tensor, ~50x amax: hence the sample).
+        if under_t >= _F32_SUBNORMAL_MIN:
+            host[1][i] = torch.histc(sample, bins=1, min=_F32_SUBNORMAL_MIN, max=min(under_t, _F32_MAX)).item() / m
+        else:
+            host[1][i] = 0.0
+        median = sample[:: max(1, m // _CREST_SAMPLE)].median().item()
+        host[2][i] = math.log2(amax / max(median, _F32_TINY)) if finite else math.nan
+
+    def _expensive_stats_device(self, i: int, xf: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        # Accelerators: every count runs and nothing is read (no sync); the same definitions as on CPU.
+        n = xf.numel()
         s = self._scale_slots[i]
-        n = max(1, xf.numel())
-        xmax = xf.amax()  # NaN if any element is NaN; amax, not max(): 3x faster on CPU
-        sat_threshold = self._fmax[i] / s
-        under_threshold = self._min_sub[i] / 2 / s
-        # On CPU reading a scalar waits for nothing, and the extremes of |x| settle most counts
-        # without their passes: a finite maximum means nothing is non-finite, and nothing saturates
-        # if it is at or below the threshold; a minimum above the underflow threshold means no
-        # underflow, above 0 no zeros. (NaN extremes fail every test: the counts run.)
-        cpu = xf.device.type == "cpu"
-        hi = xmax.item() if cpu else math.nan  # on an accelerator nothing is read: every count runs
-        lo = xf.amin().item() if cpu else math.nan
-        finite = math.isfinite(hi)
-        if not (finite and hi <= sat_threshold.item()):
-            self._expensive[0, i] = self._count(torch.gt, xf, sat_threshold) / n
-            self._expensive[3, i] = 0 if finite else n - self._count(torch.le, xf, _F32_MAX)  # inf, NaN
-        tiny: torch.Tensor | int = 0
-        if not (cpu and lo > under_threshold.item()):
-            tiny = self._count(torch.le, xf, under_threshold)
-            if not lo > 0:
-                tiny = tiny - self._count(torch.le, xf, 0.0)
-        self._expensive[1, i] = tiny / n
-        step = max(1, xf.numel() // _CREST_SAMPLE)
-        median = xf[::step].median()
-        self._expensive[2, i] = torch.log2(xmax / median.clamp_min(torch.finfo(torch.float32).tiny))
+        sat_t = self._fmax[i] / s
+        under_t = self._min_sub[i] / 2 / s
+        amax = torch.maximum(hi, lo.neg())
+        xa = xf.abs()
+        self._expensive[0, i] = torch.count_nonzero(xa > sat_t) / n
+        self._expensive[3, i] = n - torch.count_nonzero(xa <= _F32_MAX)
+        sample = self._abs_sample(xf)
+        m = sample.numel()
+        self._expensive[1, i] = torch.count_nonzero((sample > 0) & (sample <= under_t)) / m
+        median = sample[:: max(1, m // _CREST_SAMPLE)].median()
+        self._expensive[2, i] = torch.log2(amax / median.clamp_min(_F32_TINY))
+
+    def _abs_sample(self, xf: torch.Tensor) -> torch.Tensor:
+        """|x| of at most _SAMPLE elements, every k-th of the flat tensor (all of them when it is no
+        larger), as one contiguous float32 tensor. k is coprime with the row length so that the
+        sample visits every column (an outlier channel is neither missed nor over-counted)."""
+        flat = xf.reshape(-1)
+        n = flat.numel()
+        k = max(1, -(-n // _SAMPLE))
+        row = xf.shape[-1] if xf.dim() > 0 else 1
+        while k > 1 and math.gcd(k, row) > 1:
+            k += 1
+        view = flat[::k] if k > 1 else flat
+        if xf.device.type != "cpu":
+            return view.abs()
+        m = view.numel()
+        if self._sample_buf.numel() < m:
+            self._sample_buf = torch.empty(max(m, _SAMPLE), dtype=torch.float32)
+        return torch.abs(view, out=self._sample_buf[:m])
 
     def _count(self, compare: Callable[..., torch.Tensor], xf: torch.Tensor, threshold: Any) -> torch.Tensor:
-        """#{compare(xf, threshold)}, exactly. On CPU the comparison writes 1.0 / 0.0 into a reused
+        """#{compare(xf, threshold)}, exactly, on CPU. The comparison writes 1.0 / 0.0 into a reused
         float32 buffer that a float sum counts: ~3x faster there than a bool tensor and
         count_nonzero (neither is vectorised well on CPU), and exact: every partial sum is an integer
         <= n, representable in float32 up to 2**24 (float64 accumulation above that)."""
-        if xf.device.type != "cpu":
-            return torch.count_nonzero(compare(xf, threshold))
         n = xf.numel()
         if self._flags.numel() < n:
             self._flags = torch.empty(n, dtype=torch.float32)
@@ -337,12 +406,9 @@ class Fp8Monitor:
         return flags.sum(dtype=torch.float64 if n > 1 << 24 else torch.float32)
 
     def _abs_f32(self, x: torch.Tensor) -> torch.Tensor:
-        """|x| as a flat float32 tensor. On CPU into a reused scratch buffer: a fresh multi-MB
+        """|x| as a flat float32 tensor, on CPU, into a reused scratch buffer: a fresh multi-MB
         allocation there is fresh pages from the OS each time, and those page faults cost several
-        times the arithmetic. On accelerators the caching allocator makes the plain form cheap, and
-        a scratch buffer the size of the largest activation would hold memory for nothing."""
-        if x.device.type != "cpu":
-            return x.float().abs().reshape(-1)
+        times the arithmetic."""
         n = x.numel()
         if self._scratch.numel() < n:
             self._scratch = torch.empty(n, dtype=torch.float32)
@@ -402,12 +468,20 @@ class Fp8Monitor:
         if self._recipe:
             self._recipe_headroom(amax, headroom)
         if expensive:
-            rows.narrow(0, 4, 4).copy_(self._expensive)
+            if self._device.type == "cpu":
+                rows.narrow(0, 4, 4).copy_(torch.tensor(self._expensive_host))
+            else:
+                rows.narrow(0, 4, 4).copy_(self._expensive)
         self._push_history(amax)
         if self._has_shadow:
             self._extremes.zero_()
+            self._fresh[:] = self._all_fresh
         if expensive:
-            self._expensive.zero_()
+            if self._device.type == "cpu":
+                for row in self._expensive_host:
+                    row[:] = self._zeros_host
+            else:
+                self._expensive.zero_()
         self._step_counter += 1
         # expensive_every is in steps; sampled every `every` steps that is every expensive_every //
         # every samples (at least every sample).
@@ -508,15 +582,15 @@ def _int_or_none(v: float) -> int | None:
 
 
 class _HookSet:
-    """Forward pre- and post-hooks of a group of modules, registered and removed together."""
+    """Forward hooks of a group of modules, registered and removed together."""
 
     def __init__(self) -> None:
-        self._specs: list[tuple[nn.Module, Callable[..., None], Callable[..., None] | None]] = []
+        self._specs: list[tuple[nn.Module, Callable[..., None]]] = []
         self._handles: list[Any] = []
         self._on = False
 
-    def add(self, module: nn.Module, pre: Callable[..., None], post: Callable[..., None] | None) -> None:
-        self._specs.append((module, pre, post))
+    def add(self, module: nn.Module, hook: Callable[..., None]) -> None:
+        self._specs.append((module, hook))
 
     def set(self, on: bool) -> None:
         if on == self._on:
@@ -527,10 +601,8 @@ class _HookSet:
                 h.remove()
             self._handles.clear()
             return
-        for module, pre, post in self._specs:
-            self._handles.append(module.register_forward_pre_hook(pre))
-            if post is not None:
-                self._handles.append(module.register_forward_hook(post))
+        for module, hook in self._specs:
+            self._handles.append(module.register_forward_hook(hook))
 
     def close(self) -> None:
         self.set(False)

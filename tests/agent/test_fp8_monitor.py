@@ -245,3 +245,57 @@ def test_a_bare_linear_is_named_model_not_left_nameless() -> None:
     mon = Fp8Monitor(nn.Linear(4, 4), history_len=4, margin=0, amax_algo="max", mode="shadow", expensive_every=0)
     assert {t.fqn for t in mon.tensors} == {"model"}
     mon.close()
+
+
+def _expensive_input_record(x: torch.Tensor, *, calls: int = 1) -> dict:
+    """The input record of an expensive step whose shadow scale is 448 (history [1.0], e4m3)."""
+    model = nn.Linear(x.shape[-1], 1, bias=False)
+    mon = Fp8Monitor(model, history_len=1, margin=0, mode="shadow", expensive_every=1)
+    ones = torch.ones(2, x.shape[-1])
+    model(ones).sum().backward()
+    mon.end_step()  # history [1.0] -> the shadow scale for the next step is 448 / 1
+    assert mon.expensive_next
+    for _ in range(calls):  # a module called twice in a step (micro-batches, shared weights)
+        model(x).sum().backward()
+    vec, expensive = mon.end_step()
+    assert expensive and vec is not None
+    rec = {r["role"]: r for r in mon.records(1, vec.tolist(), expensive)}["input"]
+    mon.close()
+    return rec
+
+
+def test_large_tensor_counts_saturation_and_non_finite_exactly_and_samples_underflow() -> None:
+    """Above the sample size saturation and non-finite stay exact counts (one element of 2M is
+    seen); underflow is estimated from a strided sample that visits every column."""
+    torch.manual_seed(0)
+    x = torch.rand(2048, 1024) * 0.5 + 0.25  # |x| * 448 well inside e4m3, no underflow
+    x[:, 7] = 1e-7  # one column underflows (1e-7 * 448 < 2^-10): 1/1024 of the elements
+    x[1000, 3] = 3.0  # saturates: 3 * 448 > 448
+    rec = _expensive_input_record(x)
+    n = x.numel()
+    assert rec["sat_frac"] == pytest.approx(1 / n)
+    assert rec["nonfinite"] == 0
+    assert rec["underflow_frac"] == pytest.approx(1 / 1024, rel=0.1)
+    assert rec["amax"] == pytest.approx(3.0)
+    x[5, 5] = math.inf
+    x[6, 6] = math.nan
+    rec = _expensive_input_record(x)
+    assert rec["nonfinite"] == 2
+
+
+def test_amax_is_the_max_over_the_calls_of_a_step() -> None:
+    x = torch.full((4, 8), 0.5)
+    x[0, 0] = -2.0  # the second call has the larger |x|, on the negative side
+    model = nn.Linear(8, 1, bias=False)
+    mon = Fp8Monitor(model, history_len=4, mode="shadow", expensive_every=0)
+    model(torch.full((4, 8), 1.0)).sum().backward()
+    model(x).sum().backward()
+    vec, _ = mon.end_step()
+    assert vec is not None
+    rec = {r["role"]: r for r in mon.records(0, vec.tolist(), False)}
+    assert rec["input"]["amax"] == 2.0
+    model(torch.full((4, 8), -0.25)).sum().backward()  # the next step starts afresh
+    vec, _ = mon.end_step()
+    assert vec is not None
+    assert {r["role"]: r for r in mon.records(1, vec.tolist(), False)}["input"]["amax"] == 0.25
+    mon.close()
