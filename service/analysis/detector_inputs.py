@@ -111,8 +111,9 @@ class _RankMatrix:
         step_a, rank_a, total, comp, wait, pp = columns
         if not len(step_a):
             return
-        self._widen(np.unique(rank_a))
-        new_steps = np.unique(step_a)
+        self._widen(_distinct(rank_a))
+        # step_a ascends: its distinct values in one pass (np.unique would sort 10M rows again).
+        new_steps = step_a[np.concatenate([[True], step_a[1:] != step_a[:-1]])]
         si = np.searchsorted(new_steps, step_a)
         ri = np.searchsorted(self.ranks, rank_a)
         block = []
@@ -136,6 +137,16 @@ class _RankMatrix:
             wait_seconds=self.mats[2],
             pp_stage=self.stage.copy(),
         )
+
+
+def _distinct(ranks: np.ndarray) -> np.ndarray:
+    """The sorted distinct ranks: by a presence table when they are a job's 0..world_size-1 (a
+    first read has 16,384 ranks x 600 steps: np.unique would sort 10M values), else np.unique."""
+    if len(ranks) and 0 <= ranks.min() and ranks.max() < 4 * len(ranks) + 1024:
+        present = np.zeros(int(ranks.max()) + 1, dtype=bool)
+        present[ranks] = True
+        return np.flatnonzero(present).astype(I64)
+    return np.unique(ranks)
 
 
 class DetectorInputs:
@@ -253,16 +264,11 @@ class DetectorInputs:
         self._ranks.append(detector_reads.rank_timing_columns(session, run_id=rid, after=rank_after, upto=upto))
 
     def _read_tensors(self, session: Session, rid: str, *, after: int, upto: int) -> None:
-        """Tensor summaries, ordered by (tensor, role, step): each chunk is split where the key
-        changes and its columns appended to that tensor's."""
-        for chunk in detector_reads.tensor_chunks(session, run_id=rid, after=after, upto=upto):
-            keys = chunk.keys
-            starts = [0] + [i for i in range(1, len(keys)) if keys[i] != keys[i - 1]]
-            for lo, hi in zip(starts, [*starts[1:], len(keys)], strict=True):
-                key = keys[lo]
-                if key not in self._tensors:
-                    self._tensors[key] = (chunk.formats[lo], bool(chunk.shadows[lo]), _Columns(TENSOR_DTYPES))
-                self._tensors[key][2].append([v[lo:hi] for v in chunk.columns])
+        """Tensor summaries, each tensor's rows appended to its columns."""
+        for rows in detector_reads.tensor_rows(session, run_id=rid, after=after, upto=upto):
+            if rows.key not in self._tensors:
+                self._tensors[rows.key] = (rows.format, rows.shadow, _Columns(TENSOR_DTYPES))
+            self._tensors[rows.key][2].append(rows.columns)
 
     def _series(self, session: Session, run: Run, *, now: float, peak_flops_total: float | None) -> RunSeries:
         steps = _run_steps(self._steps.cols, with_mfu=bool(peak_flops_total))
@@ -324,6 +330,7 @@ class DetectorInputs:
             checkpoints=checkpoints,
             events=events,
             expected_mfu=expectations.expected_mfu(reg),
+            expected_mfu_low=expectations.expected_mfu_low(reg),
             peak_flops_total=peak_flops_total,
             checkpoint_interval_seconds=(reg.get("checkpoint") or {}).get("interval_seconds"),
             warmup_steps=reg.get("detector_warmup_steps"),

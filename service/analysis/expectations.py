@@ -16,6 +16,8 @@ class MfuExpectation(NamedTuple):
     low: float | None
     """The prediction interval's ends (None for a `tags.expected_mfu`, which has no interval)."""
     high: float | None
+    in_domain: bool = True
+    """False when the config lies outside the calibrated domain (the band is widened for it)."""
 
 
 def mfu_expectation(registration: dict[str, Any]) -> MfuExpectation | None:
@@ -35,13 +37,20 @@ def mfu_expectation(registration: dict[str, Any]) -> MfuExpectation | None:
         return None
     if not all(math.isfinite(v) for v in (pred.predicted, pred.low, pred.high)):
         return None
-    return MfuExpectation(float(pred.predicted), float(pred.low), float(pred.high))
+    return MfuExpectation(float(pred.predicted), float(pred.low), float(pred.high), pred.in_domain)
 
 
 def expected_mfu(registration: dict[str, Any]) -> float | None:
     """The point prediction alone (the MFU-gap detector's expectation)."""
     e = mfu_expectation(registration)
     return e.predicted if e is not None else None
+
+
+def expected_mfu_low(registration: dict[str, Any]) -> float | None:
+    """The band's low end, under which the cost model cannot explain the run's MFU (None for a
+    configured `tags.expected_mfu`, which has no band)."""
+    e = mfu_expectation(registration)
+    return e.low if e is not None else None
 
 
 def run_checkpoint_advice(session: Session, *, run_id: str, registration: dict[str, Any],

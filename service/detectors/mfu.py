@@ -2,9 +2,13 @@
 configured value), sustained over several windows.
 
 MFU per step = model FLOPs of the step / (job step time x summed peak FLOP/s). Per window the median
-is taken, gap = 1 - measured / expected. The reference suggests firing when the gap stays above 0.2,
-or exceeds the run's own healthy gap by 0.1 (an uncalibrated prediction is 20-30% off, so the
-second test catches a run that got worse even when the first is always true or never true).
+is taken, gap = 1 - measured / expected. Two tests, either fires (after `persist_windows`):
+- absolute: the measured MFU is below what the prediction can explain. With an advisor prediction
+  that is the low end of its band (held-out error of the config's regime, widened outside the
+  calibrated domain), so an uncertain prediction needs a larger gap and a prediction far outside
+  the domain effectively never fires; with a configured MFU (no band), a gap above `gap` (0.2).
+- own: the gap exceeds the run's own healthy gap by 0.1 (the reference's second test: a run that got
+  worse fires whatever the prediction's bias).
 
 Finding kind `mfu_gap` (ticket); magnitude: the gap (0-1).
 """
@@ -28,7 +32,7 @@ class MfuConfig:
     window_steps: int = 200
     """Steps per window (median MFU); windows are judged once complete."""
     gap: float = 0.2
-    """Absolute gap that counts."""
+    """Absolute gap that counts when the expectation has no band (a configured MFU)."""
     own_gap_excess: float = 0.1
     """Or the gap exceeding the run's own early gap (median of its first windows) by this much."""
     own_windows: int = 5
@@ -52,6 +56,9 @@ def detect_mfu_gap(series: RunSeries, sup: Suppression, cfg: MfuConfig) -> list[
     n_win = len(s.steps) // w
     win = nanmedian(mfu[: n_win * w].reshape(n_win, w), axis=1)
     gap = 1 - win / series.expected_mfu
+    # The prediction's band sets the absolute threshold: below its low end the model cannot explain it.
+    low = series.expected_mfu_low
+    threshold = 1 - low / series.expected_mfu if low is not None and 0 < low < series.expected_mfu else cfg.gap
     valid = np.flatnonzero(np.isfinite(gap))
     own = float(np.median(gap[valid[: cfg.own_windows]])) if len(valid) >= cfg.own_windows else np.inf
     # The own-gap test uses only windows before the one judged: windows after the first own_windows.
@@ -59,7 +66,7 @@ def detect_mfu_gap(series: RunSeries, sup: Suppression, cfg: MfuConfig) -> list[
     if len(valid) >= cfg.own_windows:
         after = np.arange(n_win) > valid[cfg.own_windows - 1]
         own_test = after & (np.nan_to_num(gap, nan=-np.inf) > own + cfg.own_gap_excess)
-    flag = (np.nan_to_num(gap, nan=-np.inf) > cfg.gap) | own_test
+    flag = (np.nan_to_num(gap, nan=-np.inf) > threshold) | own_test
     for a, b in runs_of_true(flag):
         if b - a < cfg.persist_windows:
             continue
@@ -68,6 +75,7 @@ def detect_mfu_gap(series: RunSeries, sup: Suppression, cfg: MfuConfig) -> list[
         mag = float(gap[b - 1])
         onset = int(s.steps[a * w])
         measured = float(win[b - 1])
+        band = f", band floor {low:.1%}" if low is not None else ""
         return [
             Finding(
                 kind="mfu_gap",
@@ -79,7 +87,7 @@ def detect_mfu_gap(series: RunSeries, sup: Suppression, cfg: MfuConfig) -> list[
                 last_step=int(s.steps[b * w - 1]),
                 magnitude=mag,
                 summary=(
-                    f"MFU {measured:.1%} vs expected {series.expected_mfu:.1%} (gap {mag:.0%}) "
+                    f"MFU {measured:.1%} vs expected {series.expected_mfu:.1%}{band} (gap {mag:.0%}) "
                     f"since step {onset}"
                 ),
                 active=active,

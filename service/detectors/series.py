@@ -124,6 +124,9 @@ class RunSeries:
     events: list[RunEvent] = field(default_factory=list)
     expected_mfu: float | None = None
     """Predicted (advisor) or configured MFU; None: the MFU-gap detector stays silent."""
+    expected_mfu_low: float | None = None
+    """Low end of the prediction's band (held-out error of its regime, widened outside the calibrated
+    domain); the MFU-gap detector's absolute test fires only below it. None: a configured MFU."""
     peak_flops_total: float | None = None
     """Sum over devices of the declared peak FLOP/s, to turn flops/step_seconds into MFU."""
     checkpoint_interval_seconds: float | None = None
