@@ -61,7 +61,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.synchronize import Event as MpEvent
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ingest_throughput import (
     LINEARS,
@@ -80,6 +80,7 @@ from ingest_throughput import (
 )
 
 from trainvitals.wire.builders import batch_header, grad_record, step_record, tensor_record
+from trainvitals.wire.conventions import Fp8Format, Role
 
 RUN = "scaleout-16k"
 LAYERS_PER_RANK = 4
@@ -278,8 +279,9 @@ def rank_records(job: Job, rank: int, step: int, t0: float) -> list[dict[str, An
         for layer in layers:
             for linear in LINEARS:
                 for role, fmt in ROLES:
-                    recs.append(tensor_record(step=step, tensor=f"model.layers.{layer}.{linear}", role=role,
-                                              format=fmt, amax=3.1 + (rank % 71) * 0.01, scale=112.5,
+                    recs.append(tensor_record(step=step, tensor=f"model.layers.{layer}.{linear}",
+                                              role=cast("Role", role), format=cast("Fp8Format", fmt),
+                                              amax=3.1 + (rank % 71) * 0.01, scale=112.5,
                                               headroom_bits=1.2 + (layer % 5) * 0.1, lag_bits=0.02,
                                               staleness_steps=3))  # fmt: skip
     return recs
@@ -291,7 +293,7 @@ class Bucket:
 
     latencies: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
     records: int = 0
-    errors: int = 0
+    errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     lag_max: float = 0.0
     newest_step: int = -1
 
@@ -308,7 +310,7 @@ async def _send(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head
 
 
 async def _generate(index: int, generators: int, connections: int, job: Job, port: int, token: str,
-                    t0: float, replica_ports: list[int], stop: MpEvent, out: mp.Queue) -> None:  # type: ignore[type-arg]  # fmt: skip
+                    t0: float, replica_ports: list[int], stop: MpEvent, out: mp.Queue[Any]) -> None:  # fmt: skip
     ranks = sorted(range(index, job.world_size, generators), key=lambda r: job.due(r, 0, t0))
     last_sent = dict.fromkeys(ranks, -1)
     cursor = [0]  # position in the (round, rank) schedule shared by this generator's connections
@@ -336,19 +338,24 @@ async def _generate(index: int, generators: int, connections: int, job: Job, por
                 sent = time.time()
                 try:
                     status, upstream = await _send(reader, writer, head, body)
-                except (OSError, asyncio.IncompleteReadError, ValueError):
-                    status, upstream = 0, ""
+                except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+                    # nginx closes a keep-alive connection after keepalive_requests (1000) requests
+                    # or an idle client_header_timeout (60 s): counted apart, resent at once.
+                    status, upstream = 0, type(exc).__name__
                     writer.close()
                     reader, writer = await asyncio.open_connection("127.0.0.1", port)
                 done = time.time()
                 b = buckets[int(done - t0)]
+                if status == 0:
+                    b.errors[f"connection closed ({upstream})"] += 1
+                    continue
                 if status == 200:
                     b.latencies[replica_of.get(upstream.rsplit(", ", 1)[-1], -1)].append(done - sent)
                     b.records += len(records)
                     b.lag_max = max(b.lag_max, sent - due)
                     b.newest_step = max(b.newest_step, upto)
                     break
-                b.errors += 1
+                b.errors[f"HTTP {status}"] += 1
                 if stop.is_set():
                     break
                 await asyncio.sleep(0.5)
@@ -371,8 +378,13 @@ async def _generate(index: int, generators: int, connections: int, job: Job, por
     out.put(None)  # this generator is done
 
 
-def _plain(buckets: dict[int, Bucket]) -> dict[int, tuple[dict[int, list[float]], int, int, float, int]]:
-    return {s: (dict(b.latencies), b.records, b.errors, b.lag_max, b.newest_step) for s, b in buckets.items()}
+# What a generator reports, by second since t0: (latencies by replica, records, failures by kind,
+# max schedule lag, newest step acknowledged).
+Chunk = dict[int, tuple[dict[int, list[float]], int, dict[str, int], float, int]]
+
+
+def _plain(buckets: dict[int, Bucket]) -> Chunk:
+    return {s: (dict(b.latencies), b.records, dict(b.errors), b.lag_max, b.newest_step) for s, b in buckets.items()}
 
 
 def _generator_main(*args: Any) -> None:
@@ -389,16 +401,17 @@ class Totals:
 
     latencies: dict[int, dict[int, list[float]]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(list)))
     records: dict[int, int] = field(default_factory=lambda: defaultdict(int))
-    errors: int = 0
+    errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     lag_max: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     newest_step: int = -1
 
-    def add(self, chunk: dict[int, tuple[dict[int, list[float]], int, int, float, int]]) -> None:
+    def add(self, chunk: Chunk) -> None:
         for s, (lat, records, errors, lag, newest) in chunk.items():
             for rep, values in lat.items():
                 self.latencies[s][rep].extend(values)
             self.records[s] += records
-            self.errors += errors
+            for kind, n in errors.items():
+                self.errors[kind] += n
             self.lag_max[s] = max(self.lag_max[s], lag)
             self.newest_step = max(self.newest_step, newest)
 
@@ -460,29 +473,39 @@ def comparable_metrics(body: bytes) -> list[str]:
     return sorted(keep)
 
 
+VIEWS = {
+    "overview": lambda run: f"/v1/runs/{run}",
+    "findings": lambda run: f"/v1/runs/{run}/findings",
+    "metrics": lambda run: "/metrics",
+}
+
+
+def view(base: str, token: str, run: str, name: str) -> Any:
+    """What an operator reads: the run overview, its findings, /metrics (the comparable part)."""
+    body = _get(base + VIEWS[name](run), token)[1]
+    return comparable_metrics(body) if name == "metrics" else json.loads(body)
+
+
 def views(base: str, token: str, run: str) -> dict[str, Any]:
-    """What an operator reads: run overview, findings, and /metrics (comparable part)."""
-    return {
-        "overview": json.loads(_get(f"{base}/v1/runs/{run}", token)[1]),
-        "findings": json.loads(_get(f"{base}/v1/runs/{run}/findings", token)[1]),
-        "metrics": comparable_metrics(_get(f"{base}/metrics", token)[1]),
-    }
+    return {name: view(base, token, run, name) for name in VIEWS}
 
 
-def agreement(bases: list[str], token: str, run: str, attempts: int = 5) -> dict[str, str]:
-    """Per view: 'agree' or what differs. The analysis may commit between two reads, so a view
-    agrees when replica A, then B, then A again read the same (A's two reads equal: nothing
-    changed in between); retried a few times before a difference is called one."""
+def agreement(bases: list[str], token: str, run: str, attempts: int = 10) -> dict[str, str]:
+    """Per view: 'agree' or what differs. The analysis commits every few seconds (a finding's
+    updated_at and last_step move with it), so a view agrees when replica A, then B, then A again
+    read it back to back and A's two reads are equal (nothing changed in between); a view is
+    retried a few times before a difference is called one."""
     verdict: dict[str, str] = {}
-    for _ in range(attempts):
-        a, b, a2 = views(bases[0], token, run), views(bases[1], token, run), views(bases[0], token, run)
-        for key in a:
-            if a[key] == a2[key]:  # a stable read: the replicas must agree on it
-                verdict[key] = "agree" if a[key] == b[key] else _diff(a[key], b[key])
-        if len(verdict) == len(a) and all(v == "agree" for v in verdict.values()):
-            break
-        time.sleep(3)
-    return {key: verdict.get(key, "never stable across three reads") for key in ("overview", "findings", "metrics")}
+    for name in VIEWS:
+        for _ in range(attempts):
+            a, b, a2 = (view(base, token, run, name) for base in (bases[0], bases[1], bases[0]))
+            if a == a2:  # a stable read: the replicas must agree on it
+                verdict[name] = "agree" if a == b else _diff(a, b)
+                if a == b:
+                    break
+            time.sleep(1)
+        verdict.setdefault(name, f"never stable across three reads in {attempts} tries")
+    return verdict
 
 
 def _diff(a: Any, b: Any) -> str:
@@ -502,8 +525,8 @@ def run(args: argparse.Namespace) -> int:
     from trainvitals.service.store.db import make_engine
 
     ports = [args.port, args.port + 1, args.port + 2]
-    if busy := [p for p in ports if not port_free(p)]:
-        print(f"error: port(s) {busy} are in use: pick another base with --port", file=sys.stderr)
+    if taken := [p for p in ports if not port_free(p)]:
+        print(f"error: port(s) {taken} are in use: pick another base with --port", file=sys.stderr)
         return 2
     if nginx_binary() is None:
         print("error: nginx is not installed: run tools/install-system-deps.sh (or apt-get install nginx-light)",
@@ -533,7 +556,7 @@ def run(args: argparse.Namespace) -> int:
 
         ctx = mp.get_context("fork")
         stop = ctx.Event()
-        out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+        out: mp.Queue[Any] = ctx.Queue()
         t0 = time.time() + 1.0
         gens = [ctx.Process(target=_generator_main, name=f"job-{i}",
                             args=(i, args.generators, args.connections, job, ports[0], ingest_token, t0,
@@ -608,9 +631,26 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(2)
         settled = _reduced(engine), time.monotonic() - settle_t
         verdict = agreement(bases, read_token, RUN)
+        storage = _storage(engine)
         busy = {k: (cpu1[k] - cpu0.get(k, 0.0)) / (cpu1["_t"] - cpu0["_t"]) for k in cpu1 if k != "_t"}
     _summary(args, job, samples, totals, wall, settled, verdict, busy)
+    print("storage: " + "; ".join(f"{t} {rows:,} rows, {size / 2**20:,.0f} MiB ({size / max(rows, 1):.0f} B/row)"
+                                  for t, rows, size in storage))  # fmt: skip
     return 0 if all(v == "agree" for v in verdict.values()) else 1
+
+
+SIZED_TABLES = ("steps", "grad_stats", "tensor_stats", "batches", "step_summaries", "grad_summaries",
+              "tensor_summaries", "rank_windows")  # fmt: skip
+
+
+def _storage(engine: Any) -> list[tuple[str, int, int]]:
+    """(table, rows, bytes with indexes and TOAST) for docs/deployment.md's sizing."""
+    from sqlalchemy import text
+
+    with engine.connect() as conn:
+        return [(t, int(conn.execute(text(f"SELECT count(*) FROM {t}")).scalar() or 0),
+                 int(conn.execute(text(f"SELECT pg_total_relation_size('{t}')")).scalar() or 0))
+                for t in SIZED_TABLES]  # fmt: skip
 
 
 def _cpu_groups(procs: list[subprocess.Popen[bytes]], proxy: subprocess.Popen[bytes], job_pids: list[int],
@@ -645,7 +685,7 @@ def _summary(args: argparse.Namespace, job: Job, samples: list[Sample], totals: 
           f"{job.send_interval_s:g} s: at real time {need_batches:,.0f} batches/s, {job.records_per_second():,.0f} "
           f"records/s; run at --speed {job.speed:g} for {wall:.0f} s")  # fmt: skip
     print(f"acknowledged: {sent:,} batches ({sent / wall:,.0f}/s), {records:,} records ({records / wall:,.0f}/s), "
-          f"{totals.errors} failed deliveries (retried); p50 {percentile(all_lat, 0.5) * 1e3:.0f} ms, "
+          f"resent: {dict(totals.errors) or 'none'}; p50 {percentile(all_lat, 0.5) * 1e3:.0f} ms, "
           f"p99 {percentile(all_lat, 0.99) * 1e3:.0f} ms through nginx")  # fmt: skip
     if steady:
         lag = [s.sched_lag_s for s in steady]
