@@ -46,6 +46,17 @@ length (every periodic FP8 tier counted), in wall time and in the training threa
 and the entry points' cost per step by kind: ordinary, shadow-sampled (every fp8_every_steps)
 and expensive-tier steps.
 
+The peers section (`--peer-steps N`, default 200; 0 skips it) measures, in the same run and on the
+same model, what a user would otherwise attach: a hand-written logger writing one JSON line per
+step (loss, grad norm, lr, step time; `.item()` on the loss and norm), TensorBoard scalars
+(`torch.utils.tensorboard.SummaryWriter.add_scalar`, the same four) and `wandb.watch(model,
+log="gradients")` in offline mode with `log_freq` 1 and 100 (a gradient histogram of every
+parameter every log_freq steps, plus `wandb.log` of the same scalars every step). Each peer runs
+one block of N steps between two baseline blocks of N steps; its cost is the training thread's
+CPU time per step against the mean of the two baselines (and the time inside its own calls, for
+the loggers whose whole cost is there). wandb and tensorboard come with the `bench` extra
+(`pip install -e '.[bench]'`); a peer whose package is missing is reported as such.
+
 The spool study (`--spool-batches N`, off by default) compares the exporter's two ways of using
 its on-disk spool on the same agent, batch by batch: every batch written ahead (appended, fsynced,
 sent from the file, the file removed) against batches sent from memory with the spool written only
@@ -58,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import os
 import random
@@ -135,6 +147,7 @@ class Job:
     dims: dict[str, int]
     flops: float
     agent: Any = None
+    peer: Any = None  # a Peer logging this step, or None
     step: int = 0
 
 
@@ -188,6 +201,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="batches per design in the spool study (0: skip): every batch written ahead to the spool "
         "(with fsync) against batches sent from memory, the spool used only when delivery fails",
     )
+    p.add_argument(
+        "--peer-steps",
+        type=int,
+        default=200,
+        help="steps per peer block (0: skip): a JSON-line logger, TensorBoard scalars, wandb.watch offline",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--fp8",
@@ -229,6 +248,10 @@ def train_step(job: Job) -> None:
     _CLIP_CPU[0] += time.thread_time() - c0
     job.optimizer.step()
     job.optimizer.zero_grad(set_to_none=True)
+    if job.peer is not None:
+        c0 = time.thread_time()
+        job.peer.after_step(job.step, loss, total_norm)
+        _PEER_CPU[0] += time.thread_time() - c0
     if job.agent is not None:
         # step= as the example passes it: sampled steps (every fp8_every_steps-th) follow the job's
         # step counter across blocks, so a block samples its fair share however it is aligned.
@@ -266,6 +289,8 @@ _CLIP_SECONDS = [0.0]  # time spent clipping (torch's, or the agent's which incl
 # processes as agent time, CPU time does not (on a shared machine the two part).
 _AGENT_CPU = [0.0]
 _CLIP_CPU = [0.0]
+_AGENT_COST: list[Any] = []  # the memory run's Cost of the default agent, for the comparison table
+_PEER_CPU = [0.0]  # training-thread CPU time inside a peer's per-step call
 _STEP_SECONDS = [0.0]  # one training step without the agent, measured before the rounds
 
 
@@ -506,7 +531,7 @@ def memory_run(job: Job, args: argparse.Namespace, url: str, spill: str) -> list
     exp0 = exporter_cpu_seconds(job.agent)
     direct0, clip0 = _AGENT_SECONDS[0], _CLIP_SECONDS[0]
     direct0_cpu, clip0_cpu = _AGENT_CPU[0], _CLIP_CPU[0]
-    t0 = time.perf_counter()
+    t0, run_cpu0 = time.perf_counter(), time.thread_time()
     every = max(1, args.long_steps // 10)
     for i in range(args.long_steps):
         kind, before = step_kind(job.agent), _AGENT_SECONDS[0]
@@ -515,6 +540,8 @@ def memory_run(job: Job, args: argparse.Namespace, url: str, spill: str) -> list
         if i % every == 0 or i == args.long_steps - 1:
             samples.append((i, rss_bytes()))
     elapsed = time.perf_counter() - t0
+    # Less the two timer calls per step: thread_time() is ~0.5 us, but step_kind and RSS reads are not.
+    run_cpu = (time.thread_time() - run_cpu0) / args.long_steps
     agent_direct = (_AGENT_SECONDS[0] - direct0) / args.long_steps
     agent_clip = (_CLIP_SECONDS[0] - clip0) / args.long_steps
     agent_direct_cpu = (_AGENT_CPU[0] - direct0_cpu) / args.long_steps
@@ -537,6 +564,17 @@ def memory_run(job: Job, args: argparse.Namespace, url: str, spill: str) -> list
     base_clip_cpu = (_CLIP_CPU[0] - clip0_cpu) / args.long_steps
     amortised = agent_direct + agent_clip - base_clip
     amortised_cpu = agent_direct_cpu + agent_clip_cpu - base_clip_cpu
+    _AGENT_COST.append(
+        Cost(
+            "trainvitals agent, default config",
+            "per step: loss, grad norm, per-group gradient norms, step/compute/wait times, tokens, FLOPs; "
+            "every 20th: exact FP8 amax of every Linear input/weight/grad_output + headroom/lag/staleness; "
+            "every 200th: saturation, underflow, crest, non-finite; shipped to the collector and analysed",
+            run_cpu - base_step_cpu,
+            amortised_cpu,
+            base_step_cpu,
+        )
+    )
     lines.append(
         f"direct cost amortised over {args.long_steps} steps (every periodic tier included): "
         f"{amortised * 1e3:.3f} ms/step = {100 * amortised / base_step:+.2f}% of the {base_step * 1e3:.1f} ms "
@@ -581,6 +619,201 @@ def memory_run(job: Job, args: argparse.Namespace, url: str, spill: str) -> list
         f" with agent {peak_with / 1024:.0f} KiB"
     )
     lines.append(f"Python blocks allocated by agent code per step, alive until shipped: {retained:.1f}")
+    return lines
+
+
+def machine_facts() -> str:
+    """The machine the numbers come from: the FP8 tiers' cost follows memory bandwidth and caches,
+    so a number without its machine cannot be compared (docs/performance-agent.md)."""
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as fh:
+            model = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    capability = torch.backends.cpu.get_cpu_capability()
+    return (
+        f"machine: {model}, {cores} CPUs usable ({os.cpu_count()} online), ATen {capability}; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} intra-op thread(s), "
+        f"{torch.get_num_interop_threads()} inter-op; load average {os.getloadavg()[0]:.2f}"
+    )
+
+
+class Peer:
+    """A per-step logger a user might run instead of the agent: started before its block, called
+    after every optimizer step (on the training thread, as in a training loop), stopped after."""
+
+    name = ""
+    captures = ""
+    direct = True  # its whole training-thread cost is inside after_step (no hooks in the model)
+
+    def missing(self) -> str | None:
+        return None
+
+    def start(self, job: Job, tmp: str) -> None:
+        self.job = job
+        self.last = time.perf_counter()
+
+    def scalars(self, loss: torch.Tensor, grad_norm: Any) -> dict[str, float]:
+        now = time.perf_counter()
+        out = {
+            "loss": loss.item(),  # a device sync on an accelerator, as in most hand-written loggers
+            "grad_norm": float(grad_norm),
+            "lr": self.job.optimizer.param_groups[0]["lr"],
+            "step_seconds": now - self.last,
+        }
+        self.last = now
+        return out
+
+    def after_step(self, step: int, loss: torch.Tensor, grad_norm: Any) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        pass
+
+
+class JsonLinePeer(Peer):
+    name = "hand-written logger (JSON line per step)"
+    captures = "4 scalars per step (loss, grad norm, lr, step time) into a local file; no analysis"
+
+    def start(self, job: Job, tmp: str) -> None:
+        super().start(job, tmp)
+        self.fh = open(os.path.join(tmp, "steps.jsonl"), "w")  # noqa: SIM115 - closed in stop()
+
+    def after_step(self, step: int, loss: torch.Tensor, grad_norm: Any) -> None:
+        print(json.dumps({"step": step, **self.scalars(loss, grad_norm)}), file=self.fh, flush=True)
+
+    def stop(self) -> None:
+        self.fh.close()
+
+
+class TensorBoardPeer(Peer):
+    name = "TensorBoard scalars (add_scalar x4)"
+    captures = "the same 4 scalars per step into an event file (written by a background thread)"
+
+    def missing(self) -> str | None:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            return "tensorboard not installed (pip install -e '.[bench]')"
+        return None
+
+    def start(self, job: Job, tmp: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        super().start(job, tmp)
+        self.writer = SummaryWriter(log_dir=os.path.join(tmp, "tb"))
+
+    def after_step(self, step: int, loss: torch.Tensor, grad_norm: Any) -> None:
+        for key, value in self.scalars(loss, grad_norm).items():
+            self.writer.add_scalar(key, value, step)
+
+    def stop(self) -> None:
+        self.writer.close()
+
+
+class WandbWatchPeer(Peer):
+    direct = False  # wandb.watch's gradient hooks run inside backward: only the step time shows them
+
+    def __init__(self, log_freq: int) -> None:
+        self.log_freq = log_freq
+        self.name = f'wandb.watch(log="gradients", log_freq={log_freq}), offline, + wandb.log x4'
+        self.captures = (
+            f"a 64-bin histogram of every parameter's gradient every {log_freq} step(s), the same 4 "
+            "scalars per step; offline files, synced later; no analysis"
+        )
+
+    def missing(self) -> str | None:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            return "wandb not installed (pip install -e '.[bench]')"
+        return None
+
+    def start(self, job: Job, tmp: str) -> None:
+        import wandb
+
+        super().start(job, tmp)
+        os.environ["WANDB_MODE"] = "offline"  # nothing leaves the machine
+        os.environ["WANDB_SILENT"] = "true"
+        self.run = wandb.init(project="trainvitals-overhead", dir=tmp, mode="offline")
+        self.run.watch(job.model, log="gradients", log_freq=self.log_freq)
+
+    def after_step(self, step: int, loss: torch.Tensor, grad_norm: Any) -> None:
+        self.run.log(self.scalars(loss, grad_norm), step=step)
+
+    def stop(self) -> None:
+        self.run.unwatch(self.job.model)
+        self.run.finish()
+
+
+@dataclass(slots=True)
+class Cost:
+    """One configuration's cost per step, training-thread CPU time, for the comparison table."""
+
+    name: str
+    captures: str
+    diff: float | None  # step time minus the baseline's
+    direct: float | None  # time inside its own calls (and, for the agent, its clipping)
+    base: float  # the baseline step
+
+
+def timed_steps(job: Job, steps: int) -> float:
+    """Mean training-thread CPU seconds per step over `steps` steps."""
+    c0 = time.thread_time()
+    for _ in range(steps):
+        train_step(job)
+    return (time.thread_time() - c0) / steps
+
+
+def peer_costs(job: Job, args: argparse.Namespace, tmp: str) -> tuple[list[Cost], list[str]]:
+    """Each peer's block between two baseline blocks of the same length (baselines shared)."""
+    peers: list[Peer] = [JsonLinePeer(), TensorBoardPeer(), WandbWatchPeer(1), WandbWatchPeer(100)]
+    costs: list[Cost] = []
+    notes: list[str] = []
+    n = args.peer_steps
+    before = timed_steps(job, n)
+    for peer in peers:
+        why = peer.missing()
+        if why is not None:
+            notes.append(f"{peer.name}: not measured, {why}")
+            continue
+        peer.start(job, tmp)
+        job.peer = peer
+        try:
+            for _ in range(args.block_warmup):
+                train_step(job)
+            p0 = _PEER_CPU[0]
+            with_peer = timed_steps(job, n)
+            direct = (_PEER_CPU[0] - p0) / n
+        finally:
+            job.peer = None
+            peer.stop()
+        after = timed_steps(job, n)
+        base = (before + after) / 2
+        costs.append(Cost(peer.name, peer.captures, with_peer - base, direct if peer.direct else None, base))
+        print(f"peer {peer.name}: {(with_peer - base) * 1e3:+.3f} ms/step", flush=True)
+        before = after
+    return costs, notes
+
+
+def cost_table(costs: list[Cost]) -> list[str]:
+    lines = [
+        "Per-step cost of the agent and of its peers, same model, same run, training-thread CPU time.",
+        "diff: step time with it minus the baseline's (includes hooks and cache effects; noisy on a",
+        "shared machine, +-1-3% of a step); direct: time inside its own calls (the agent: entry points",
+        "and clipping beyond torch's, every periodic tier amortised; wandb.watch's hooks are not calls).",
+        "",
+        "| configuration | diff, ms/step | diff, % of step | direct, ms/step | direct, % of step | captures |",
+        "|---|---|---|---|---|---|",
+    ]
+
+    def cells(v: float | None, base: float) -> str:
+        return "- | -" if v is None else f"{v * 1e3:+.3f} | {100 * v / base:+.2f}%"
+
+    for c in costs:
+        lines.append(f"| {c.name} | {cells(c.diff, c.base)} | {cells(c.direct, c.base)} | {c.captures} |")
     return lines
 
 
@@ -704,18 +937,24 @@ def main(argv: list[str] | None = None) -> int:
         _STEP_SECONDS[0] = (time.perf_counter() - t0) / 5
         if args.block_steps <= 0:
             args.block_steps = max(10, math.ceil(2 * args.send_interval / _STEP_SECONDS[0]))
+        machine = machine_facts()
+        print(machine, flush=True)
         print(
             f"model d={args.d} layers={args.layers} heads={args.heads} seq={args.seq} batch={args.batch}; "
-            f"{args.rounds} rounds x {args.block_steps} timed steps per block; collector: {args.collector}; "
-            f"torch {torch.__version__}, {torch.get_num_threads()} thread",
+            f"{args.rounds} rounds x {args.block_steps} timed steps per block; collector: {args.collector}",
             flush=True,
         )
         table = report_pairs(paired_rounds(job, args, url, spill), rng) if args.rounds > 0 else []
         memory = memory_run(job, args, url, spill) if args.long_steps > 0 else []
         spool = spool_study(job, args, url, spill) if args.spool_batches > 0 else []
+        costs, notes = peer_costs(job, args, spill) if args.peer_steps > 0 else ([], [])
+        peers = cost_table(_AGENT_COST + costs) + notes if _AGENT_COST or costs else []
     print()
     print(f"command: {command}")
-    for section in (table, memory, spool):
+    print(machine)
+    print(f"  at the end: load average {os.getloadavg()[0]:.2f} (other processes on the machine)")
+    print()
+    for section in (table, memory, peers, spool):
         if section:
             print("\n".join(section))
             print()
