@@ -511,6 +511,10 @@ def parse_parallelism(
         vpp, why = default_vpp(layers=model.layers, pp=pp, micro_batches=m) if m else (1, "")
         if pp > 1:
             defaults.append(f"vpp: {vpp} ({why})")
+    # A registered job whose pp does not divide the layers is running with uneven stages.
+    uneven = _bool(sec, p, "uneven_stages", not strict and model.layers % pp != 0)
+    if uneven and "uneven_stages" not in sec:
+        defaults.append(f"uneven_stages: true (the job runs pp={pp}, which does not divide {model.layers} layers)")
     sequence_parallel = _bool(sec, p, "sequence_parallel", True)
     if tp > 1 and "sequence_parallel" not in sec:
         defaults.append("sequence_parallel: true (Megatron/torchtitan practice with TP)")
@@ -536,7 +540,7 @@ def parse_parallelism(
         micro_batch=micro,
         global_batch=global_batch,
         recompute=recompute,
-        uneven_stages=_bool(sec, p, "uneven_stages", False),
+        uneven_stages=uneven,
         sequence_parallel=sequence_parallel,
         overlap_dp_comm=overlap,
         framework=framework,

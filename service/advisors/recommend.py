@@ -1,11 +1,13 @@
-"""Recommend a parallelism layout by climbing the ladder of seed 000.
+"""Recommend a parallelism layout by climbing the ladder of seeds 000 and 003.
 
 At each rung: compute the bill, find the wall that binds, add the cheapest axis that relieves it,
-re-check. Order (seeds 000, 002, 003): plain data parallelism with ZeRO-1 while the replicated
-state fits one GPU; FSDP (ZeRO-3) across all GPUs; TP inside the node (up to the node size);
-EP for sparse (MoE) models; PP across nodes when TP alone cannot hold the weights (trying ZeRO-1
-before ZeRO-3 there, seed 004 section 4); data parallelism takes whatever GPUs remain. Memory is
-checked against the usable share of HBM (75% by default, seed 001).
+re-check. Order: plain data parallelism while the replicated state fits one GPU; ZeRO sharding
+across all GPUs; TP inside the node (up to the node size); CP for a long sequence whose activations
+outgrow the weights (seed 003's 128K case); EP for sparse (MoE) models; PP across nodes when TP
+alone cannot hold the weights, with degrees that divide the layers first (uneven stages, and their
+cost, only when none fits); data parallelism takes whatever GPUs remain. Within a rung the sharding
+(ZeRO-1/2/3) and interleaving are the fastest fitting candidates by the cost model's own step time,
+not a fixed rule. Memory is checked against the usable share of HBM (75% by default, seed 001).
 
     >>> from trainvitals.service.advisors.model_config import parse_model, parse_hardware
     >>> cfg = {"model": {"layers": 32, "hidden": 4096, "heads": 32, "vocab": 32000, "seq_len": 4096,

@@ -57,6 +57,10 @@ def test_pp_must_divide_layers_unless_uneven() -> None:
     assert p.stage_layers == 11
     with pytest.raises(ValueError, match=r"pp\*vpp=2\*3 does not divide model\.layers=32"):
         parse_plan_input(_cfg(pp=2, vpp=3))
+    # A run registration (lenient) reports what the job runs: its stages are uneven.
+    registered = parse_plan_input(_cfg(gpus=12, pp=3), strict=False)
+    assert registered.parallelism.uneven_stages
+    assert any(d.startswith("uneven_stages: true") for d in registered.defaults)
 
 
 def test_params_that_contradict_the_shape_are_refused() -> None:
