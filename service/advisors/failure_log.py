@@ -439,10 +439,15 @@ def weibull_mle(samples: Samples, *, truncation_s: float = 0.0) -> tuple[float, 
 
 @lru_cache(maxsize=256)
 def _null_log_shapes(n: int, excess_ratio: float) -> npt.NDArray[np.float64]:
-    """Sorted log shape MLEs of n exponential gaps, left-truncated at excess_ratio (in units of the
-    excess mean): the exact null distribution of `weibull_test`'s statistic (pivotal in the scale)."""
+    """Sorted log shape MLEs of n gaps w + Exp given their mean excess over w (the unit; w =
+    excess_ratio): the exact conditional null distribution of `weibull_test`'s statistic. Given
+    the excess sum (sufficient for the scale under the null), the excesses are uniform on the
+    simplex, i.e. exponentials divided by their mean, so the level holds for every scale; draws
+    of w + Exp(theta_hat) (the scale merely plugged in) rejected 6-7% of Poisson logs at 30-100
+    incidents at a nominal 5%."""
     draws = min(_NULL_DRAWS, max(1000, _NULL_CELLS // n))
-    x = excess_ratio + np.random.default_rng(n).exponential(1.0, (draws, n))
+    e = np.random.default_rng(n).exponential(1.0, (draws, n))
+    x = excess_ratio + e / e.mean(axis=1, keepdims=True)
     top = x.max(axis=1)
     return np.sort(np.log(_shape_mle(x / top[:, None], excess_ratio / top)))
 
