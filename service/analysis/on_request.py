@@ -29,7 +29,7 @@ from trainvitals.service.analysis.detector_inputs import DetectorInputs
 from trainvitals.service.detectors.findings import Finding, Severity, SubjectKind
 from trainvitals.service.detectors.run_all import DetectorConfig, detect
 from trainvitals.service.detectors.suppression import SuppressionConfig
-from trainvitals.service.store import detector_reads, queries
+from trainvitals.service.store import detector_reads, queries, summaries
 from trainvitals.service.store.findings import HeldFinding, Key, fold_findings
 from trainvitals.service.store.models import Run
 
@@ -92,7 +92,9 @@ def _cycle_ends(session: Session, run: Run, config: pipeline.PipelineConfig) -> 
     first, newest = reduced
     if newest - first < min(config.straggler_lookback_steps, config.detector_lookback_steps):
         return [newest]
-    return list(pipeline.cycle_ends(start=first, reduced_upto=-1, reducible=newest, steps=config.cycle_steps))
+    n = config.cycle_steps
+    present = summaries.step_buckets(session, run_id=run.run_id, first=first, last=newest, steps=n, reduced=True)
+    return list(pipeline.cycle_ends(start=first, reduced_upto=-1, reducible=newest, steps=n, present=present))
 
 
 def _listed(h: HeldFinding) -> tuple[int, int, str, str]:

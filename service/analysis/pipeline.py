@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
@@ -116,11 +117,17 @@ def _reduce_from(state: ReductionState) -> int:
     return start if state.dirty_from is None else min(start, state.dirty_from)
 
 
-def cycle_ends(*, start: int, reduced_upto: int, reducible: int, steps: int) -> list[int]:
+def cycle_ends(
+    *, start: int, reduced_upto: int, reducible: int, steps: int, present: Iterable[int] | None = None
+) -> list[int]:
     """The last step of each cycle reducing start..reducible: multiples of `steps` (minus one), so
     cycles end where rank windows do when `steps` is a multiple of the window. The first cycle
     reaches at least reduced_upto: the reduction state records one reduced range, so re-dirtied
-    steps below it are rewritten in one go."""
+    steps below it are rewritten in one go.
+
+    present: the cycles (step // steps) that hold steps (summaries.step_buckets); the others are
+    skipped, so a gap in the steps costs nothing (one record at step 2**53 once asked for 2**47 cycles).
+    None: every cycle of the range."""
 
     def end_from(step: int) -> int:  # the first cycle end at or after step
         return (step // steps + 1) * steps - 1
@@ -128,7 +135,10 @@ def cycle_ends(*, start: int, reduced_upto: int, reducible: int, steps: int) -> 
     first = max(end_from(start), reduced_upto)
     if first >= reducible:
         return [reducible]
-    return [first, *range(end_from(first + 1), reducible, steps), reducible]
+    if present is None:
+        return [first, *range(end_from(first + 1), reducible, steps), reducible]
+    later = sorted({end_from(b * steps) for b in present} - {first, reducible})
+    return [first, *(e for e in later if first < e < reducible), reducible]
 
 
 def build_series(
@@ -188,7 +198,9 @@ def process_run(
     if reducible - start < min(config.straggler_lookback_steps, config.detector_lookback_steps):
         ends = [reducible]
     else:
-        ends = cycle_ends(start=start, reduced_upto=state.reduced_upto, reducible=reducible, steps=config.cycle_steps)
+        n = config.cycle_steps
+        present = summaries.step_buckets(session, run_id=run.run_id, first=start, last=reducible, steps=n)
+        ends = cycle_ends(start=start, reduced_upto=state.reduced_upto, reducible=reducible, steps=n, present=present)
     total = 0
     for i, upto in enumerate(ends):
         reduced, first = reduce_steps(session, run, now=now, config=config, upto=upto)

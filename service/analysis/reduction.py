@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from trainvitals.service.store.incarnations import newest_incarnation
+from trainvitals.service.store.summaries import saturated_count
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +143,9 @@ def summarize_steps(rows: Sequence[StepIn], *, peak_flops_total: float | None,
             for r in kept[starts[i] : starts[i] + counts[i]]:
                 if r.pp_stage is not None:
                     by_stage[str(r.pp_stage)].append(r.step_seconds)
-            stages = {k: float(np.median(v)) for k, v in by_stage.items()} or None
+            # A JSON column: no Infinity (finite step times can still overflow a median's mean).
+            medians_by_stage = {k: float(np.median(v)) for k, v in by_stage.items()}
+            stages = {k: m for k, m in medians_by_stage.items() if np.isfinite(m)} or None
         out.append({
             "step": step,
             "ranks": int(counts[i]),
@@ -201,9 +204,9 @@ def summarize_grads(rows: Iterable[Sequence[Any]]) -> list[dict[str, Any]]:
     only (the store reads them through the incarnation rule)."""
     acc: dict[tuple[int, str], list[float]] = {}
     for step, group, owned, local, nonfinite in rows:
-        a = acc.setdefault((step, group), [0.0, 0.0, np.inf, 0.0])
+        a = acc.setdefault((step, group), [0.0, 0, np.inf, 0.0])
         a[0] += owned
-        a[1] += nonfinite
+        a[1] += nonfinite  # a Python int: exact, saturated once summed
         a[2] = min(a[2], local)
         a[3] = max(a[3], local)
     out = []
@@ -214,7 +217,7 @@ def summarize_grads(rows: Iterable[Sequence[Any]]) -> list[dict[str, Any]]:
                 "step": step,
                 "group_name": group,
                 "norm": float(np.sqrt(owned_sum)) if owned_sum >= 0 else float("nan"),
-                "nonfinite": int(nonfinite_sum),
+                "nonfinite": saturated_count(nonfinite_sum),
                 "replica_spread": spread,
             }
         )

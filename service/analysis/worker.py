@@ -2,7 +2,10 @@
 
 One daemon thread per collector process; with several processes on one database, only the holder
 of the analysis lease (store/lease.py) runs cycles. Each run is processed in its own session and its own
-try block, so one bad run cannot stop the others; errors are logged, rate-limited.
+try block, so one bad run cannot stop the others. A run whose analysis raises is retried every cycle,
+and every failure is visible where someone looks: a log line naming the run (the traceback on the
+first failure in a row, or when the error changes), an open `analysis_failed` finding of the run
+(exported like any finding, its magnitude the failures in a row), and the errors counter.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from sqlalchemy.orm import Session
 from trainvitals.service.analysis import pipeline
 from trainvitals.service.analysis.detector_inputs import DetectorInputs
 from trainvitals.service.settings import Settings
-from trainvitals.service.store import analysis_status, queries
+from trainvitals.service.store import analysis_status, findings, queries, summaries
 from trainvitals.service.store.lease import AnalysisLease
 
 logger = logging.getLogger("trainvitals.service")
@@ -53,7 +56,7 @@ class AnalysisWorker:
         self._inputs: dict[str, DetectorInputs] = {}  # per live run, kept between cycles
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._last_log = 0.0
+        self._last_error: dict[str, str] = {}  # per failing run: its newest error (logged in full when it changes)
         self.cycles = 0
         self.errors = 0
         self._holder = f"{socket.gethostname()}:{os.getpid()}"
@@ -81,16 +84,34 @@ class AnalysisWorker:
                     if run is not None:
                         inputs = self._inputs.setdefault(run_id, DetectorInputs())
                         total += pipeline.process_run(session, run, now=now, config=self._config, inputs=inputs)
+                    self._last_error.pop(run_id, None)
                 except Exception as exc:  # noqa: BLE001 - keep analysing the other runs
                     session.rollback()
                     self._inputs.pop(run_id, None)  # read it whole next time
                     self.errors += 1
-                    if now - self._last_log > 60:
-                        self._last_log = now
-                        logger.exception("analysis of run %s failed (%d errors so far): %r", run_id, self.errors, exc)
+                    self._failed(run_id, exc, now)
+        for gone in self._last_error.keys() - set(run_ids):
+            del self._last_error[gone]
         self.cycles += 1
         self._record_cycle(time.perf_counter() - started, self.errors - errors_before)
         return total
+
+    def _failed(self, run_id: str, exc: Exception, now: float) -> None:
+        """One run's analysis raised: its finding, then one log line naming it (every time)."""
+        error = f"{type(exc).__name__}: {exc}"[:500]
+        in_a_row = None
+        try:
+            with self._session_factory() as session:
+                step = summaries.first_unreduced_step(session, run_id=run_id)
+                in_a_row = findings.record_analysis_failure(session, run_id=run_id, step=step, error=error, now=now)
+        except Exception:  # noqa: BLE001 - the database itself may be what failed; the log still says it
+            logger.debug("recording the analysis failure of run %s failed", run_id, exc_info=True)
+        times = f"{in_a_row} in a row" if in_a_row is not None else "not recorded as a finding"
+        if self._last_error.get(run_id) != error:
+            logger.error("analysis of run %s failed (%s); retried every cycle", run_id, times, exc_info=exc)
+        else:  # the same error as the run's previous failure: its traceback is in the log already
+            logger.error("analysis of run %s failed (%s): %s", run_id, times, error)
+        self._last_error[run_id] = error
 
     def _record_cycle(self, seconds: float, errors: int) -> None:
         """The cycle's time and errors into the database, where every collector process exports them."""

@@ -12,6 +12,10 @@ move earlier (new evidence backdates it) but never later, and `detected_step` st
 first raised at. A closed finding reported open again is a new episode: onset and detected step
 start afresh.
 
+A run whose analysis raises (service/analysis/worker.py) gets one finding of its own,
+`analysis_failed` (`record_analysis_failure`), open while it keeps failing; the first cycle that
+analyses the run again stores the detectors' view, which does not report it, so it closes.
+
 Usage::
 
     store_findings(session, run_id=run, findings=detect(series), now=now)   # one cycle, stored
@@ -164,3 +168,37 @@ def _since(summary: str, *, reported: int, kept: int) -> str:
     """The summary with the kept onset: detectors write "since step N" with the onset they computed,
     and the line a person reads must not contradict `onset_step` beside it."""
     return summary if reported == kept else summary.replace(f"since step {reported}", f"since step {kept}")
+
+
+ANALYSIS_FAILED = "analysis_failed"
+"""The finding kind of a run whose analysis raised: its other findings are as of its last good cycle."""
+
+
+def record_analysis_failure(session: Session, *, run_id: str, step: int, error: str, now: float) -> int:
+    """Open the run's `analysis_failed` finding, or count one more failure on the open one; returns
+    the failures in a row (its magnitude). Touches no other finding of the run. Committed.
+
+    step: the first step the analysis has not judged (the onset of a new episode; the last step of
+    every failure)."""
+    row = session.scalar(
+        select(FindingRow).where(
+            FindingRow.run_id == run_id,
+            FindingRow.kind == ANALYSIS_FAILED,
+            FindingRow.subject_kind == "run",
+            FindingRow.subject == "",
+        )
+    )
+    if row is None:
+        row = FindingRow(run_id=run_id, kind=ANALYSIS_FAILED, subject_kind="run", subject="", first_seen_at=now)
+        session.add(row)
+    if not row.active or row.magnitude is None:  # a new episode
+        row.onset_step, row.detected_step, row.magnitude = step, step, 0.0
+    row.magnitude += 1
+    row.severity, row.last_step, row.active, row.updated_at = "ticket", step, True, now
+    row.summary = (
+        f"the collector failed to analyse this run {int(row.magnitude)} cycle(s) in a row since step "
+        f"{row.onset_step}; its other findings are as of its last good cycle (retried every cycle; the "
+        f"collector's log names the run): {error}"
+    )[:2000]
+    session.commit()
+    return int(row.magnitude)

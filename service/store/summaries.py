@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Integer, Row, delete, func, insert, select
+from sqlalchemy import Float, Integer, Row, delete, func, insert, select
 from sqlalchemy.orm import Session
 
 from trainvitals.service.store.incarnations import newest_incarnation_only
@@ -30,6 +30,13 @@ from trainvitals.service.store.models import (
     TensorSummary,
     table_of,
 )
+from trainvitals.wire.v1 import INT64_MAX
+
+
+def saturated_count(total: float) -> int:
+    """A count summed over ranks, as its 64-bit column holds it: each rank's count is in range (the
+    wire checks it), their sum need not be, and one run's numbers must not stop its reduction."""
+    return min(int(total), INT64_MAX)
 
 
 def reduction_state(session: Session, *, run_id: str) -> ReductionState:
@@ -40,6 +47,12 @@ def reduction_state(session: Session, *, run_id: str) -> ReductionState:
         session.add(state)
         session.flush()
     return state
+
+
+def first_unreduced_step(session: Session, *, run_id: str) -> int:
+    """The first step the analysis has not reduced (0 before the run's first cycle)."""
+    state = session.get(ReductionState, run_id)
+    return 0 if state is None else state.reduced_upto + 1
 
 
 def reducible_upto(session: Session, *, run: Run, start: int, now: float, settle_seconds: float) -> int:
@@ -65,6 +78,17 @@ def reducible_upto(session: Session, *, run: Run, start: int, now: float, settle
         )
     )
     return max(watermark, settled if settled is not None else -1)
+
+
+def step_buckets(
+    session: Session, *, run_id: str, first: int, last: int, steps: int, reduced: bool = False
+) -> list[int]:
+    """step // steps of every raw step (reduced: every summarised step) in first..last: the cycles
+    of that many steps which hold any step."""
+    col = StepSummary.step if reduced else StepRow.step
+    run = StepSummary.run_id if reduced else StepRow.run_id
+    stmt = select(func.distinct(col // steps)).where(run == run_id, col >= first, col <= last)
+    return [int(b) for b in session.scalars(stmt)]
 
 
 def step_rows(
@@ -125,7 +149,9 @@ def tensor_summaries(session: Session, *, run_id: str, first: int, last: int) ->
             func.max(t.sat_frac),
             func.max(t.underflow_frac),
             func.max(t.crest_bits),
-            func.sum(t.nonfinite),
+            # As a float: an integer sum() overflows on SQLite ("integer overflow") and leaves
+            # bigint on PostgreSQL; a float sum cannot fail, and is exact up to 2**53.
+            func.sum(func.cast(t.nonfinite, Float)),
             func.min(func.cast(t.shadow, Integer)),
         )
         .where(
@@ -141,6 +167,8 @@ def tensor_summaries(session: Session, *, run_id: str, first: int, last: int) ->
     for r in rows:
         d = dict(zip(_TENSOR_KEYS, r, strict=True))
         d["shadow"] = bool(d["shadow"])
+        if d["nonfinite"] is not None:
+            d["nonfinite"] = saturated_count(d["nonfinite"])
         out.append(d)
     return out
 
