@@ -9,10 +9,11 @@ What runs (every process is started and stopped by this script):
 - Two `trainvitals serve` replicas on --port + 1 and --port + 2 (auth on; each starts its analysis
   child, and the analysis lease lets one of them analyse at a time).
 - Debian's nginx on --port, as a non-daemon child with a config generated in a temp dir
-  (`nginx_config()`, the one docs/deployment.md shows): least_conn over both replicas, keep-alive
-  upstream connections, an ingest retried on the other replica after an error or a 502/503 (safe:
-  a batch is idempotent by (run, rank, incarnation, seq)), and the answering replica named in an
-  `X-Trainvitals-Upstream` response header so latency can be told apart per replica.
+  (`nginx_config()`; docs/deployment.md shows its upstream and location blocks): least_conn over
+  both replicas, keep-alive upstream connections, an ingest retried on the other replica after an
+  error or a 502/503 (safe: a batch is idempotent by (run, rank, incarnation, seq)), and the
+  answering replica named in an `X-Trainvitals-Upstream` response header so latency can be told
+  apart per replica.
 - The job: --generators processes, each an asyncio loop with --connections keep-alive connections
   to nginx, simulate the agents of all 16,384 ranks (tp 8 x pp 8 x dp 256, 4 layers per rank).
 
@@ -27,9 +28,10 @@ same records, only later. Each batch has a due time on that schedule; `sched lag
 newest batch went out. A bounded lag means the machine sustains S x real time; a growing one means
 it does not, and the rate it did send is then the honest fraction.
 
-Rank 4242 computes 20% longer than its cohort (a straggler, found after the detectors' warm-up)
-and rank 77 reports a NaN loss at step 12 (a `loss_nonfinite` page), so the findings compared at
-the end are not empty.
+Rank 4242 computes 20% longer than its cohort (a straggler: found only once the run is past the
+detectors' warm-up and three 50-step windows, which a slowed clock may not reach) and rank 77
+reports a NaN loss at step 12 (a `loss_nonfinite` page), so the findings compared at the end are
+not empty.
 
 Sampled every --sample-every s: per replica, the RSS of `serve` and of its analysis child, the
 batches it acknowledged per second and their p99 latency (through nginx, as a rank sees it), and a
