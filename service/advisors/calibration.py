@@ -151,7 +151,12 @@ def error_table(errors: Sequence[PointError], key: Callable[[PointError], str]) 
     groups: dict[str, list[float]] = {}
     for e in errors:
         groups.setdefault(key(e), []).append(abs(e.error))
-    return [(k, len(v), float(np.mean(v)), float(np.max(v))) for k, v in sorted(groups.items())]
+    def order(group: str) -> tuple[float, str]:  # GPU-count buckets in numeric order, others by name
+        digits = group.lstrip(">").split("-")[0]
+        return (float(digits) + (0.5 if group.startswith(">") else 0) if digits.isdigit() else 0.0, group)
+
+    ordered = sorted(groups.items(), key=lambda kv: order(kv[0]))
+    return [(k, len(v), float(np.mean(v)), float(np.max(v))) for k, v in ordered]
 
 
 REGIME_KEYS: dict[str, Callable[[PointError], str]] = {
