@@ -156,6 +156,7 @@ ALERT_PANELS: dict[str, AlertPanel] = {
     ),
     "TrainvitalsRunStalled": AlertPanel(board=p.RUN_UID, title="Stalled?"),
     "TrainvitalsAnalysisBehind": AlertPanel(board=p.RUN_UID, title="Analysis lag"),
+    "TrainvitalsAgentDroppingRecords": AlertPanel(board=p.RUN_UID, title="Records the agents lost, by reason"),
     # About a collector instance, not a run.
     "TrainvitalsCollectorDown": AlertPanel(board=p.RUN_UID, title="Scrape of the collector", per_run=False),
 }

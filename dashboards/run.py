@@ -794,4 +794,21 @@ def _collector_process(board: dash_b.Dashboard) -> dash_b.Dashboard:
             w=6,
         )
     )
+    board = board.with_panel(
+        p.timeseries(
+            809,
+            "Records the agents lost, by reason",
+            unit=p.RECORDS,
+            description="Records this run's agents lost for good, so far, as they report them: queue_full (the job "
+            "produced faster than the exporter could hand on), spool_full / spool_error (the collector was "
+            "unreachable and neither the spool nor memory could hold more), quarantine_* (refused batches that "
+            "could not be set aside), exit_timeout (still queued when the process ended). Flat at 0 is healthy; "
+            "TrainvitalsAgentDroppingRecords tickets on any rise.",
+            targets=[
+                p.prom(f"max by (reason) (trainvitals_run_agent_dropped_records_total{{{R}}})", legend="{{reason}}")
+            ],
+            min_value=0,
+            w=6,
+        )
+    )
     return board

@@ -274,6 +274,12 @@ def _run_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
         "incarnation ended without a clean stop) derived by the collector",
         labels=["run", "event"],
     )
+    dropped = CounterMetricFamily(
+        "trainvitals_run_agent_dropped_records",
+        "Records the run's agents lost for good, by reason (queue_full, spool_full, spool_error, quarantine_full, "
+        "quarantine_error, exit_timeout; other: a key this collector does not know), as the agents report them",
+        labels=["run", "reason"],
+    )
     groups = _gauge(
         "trainvitals_grad_group_norm",
         "L2 gradient norm per parameter group (layer) at the complete step",
@@ -294,6 +300,8 @@ def _run_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
             expected_band.add_metric([r, "high"], sn.expected_mfu_band[1])
         for event, n in sorted(sn.events.items()):
             events.add_metric([r, event], n)
+        for reason, n in sn.agent_dropped.items():
+            dropped.add_metric([r, reason], n)
         if sn.complete.mfu_window is not None:
             mfu.add_metric([r], sn.complete.mfu_window)
         for g, norm in sorted(sn.complete.grad_groups.items()):
@@ -353,6 +361,7 @@ def _run_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
         compute,
         loss_nonfinite,
         events,
+        dropped,
         groups,
     )
 

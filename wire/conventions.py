@@ -36,6 +36,9 @@ EventKind = Literal[
     "start", "restart", "resume", "failure", "node_replaced", "phase_change", "rollback", "stop", "note", "dropped"
 ]
 """'dropped': the agent's count of records it lost, by reason (docs/agent.md, "Nothing is lost silently")."""
+DROP_REASONS = ("queue_full", "spool_full", "spool_error", "quarantine_full", "quarantine_error", "exit_timeout")
+"""The keys of a 'dropped' event's domains (each a cumulative count, per rank incarnation, as a decimal
+string); the collector exports these and sums any other key under 'other'."""
 Recompute = Literal["none", "selective", "full"]
 AmaxAlgo = Literal["max", "most_recent"]
 

@@ -39,7 +39,7 @@ from trainvitals.service.store.models import (
     StepSummary,
     TensorSummary,
 )
-from trainvitals.wire.conventions import GLOBAL_GROUP, layer_of
+from trainvitals.wire.conventions import DROP_REASONS, GLOBAL_GROUP, layer_of
 
 OTHER = "other"
 """Label value (`layer`, `stage`) of the one series that summarises what a per-run cap leaves out."""
@@ -127,6 +127,8 @@ class RunSnapshot:
     """Host of each of the slowest ranks (from its newest start event), where known."""
     events: dict[str, int] = field(default_factory=dict)
     """Run events by kind (see `run_events`)."""
+    agent_dropped: dict[str, int] = field(default_factory=dict)
+    """Records the run's agents lost, by reason (see `agent_dropped`)."""
     findings: OpenFindings = field(default_factory=OpenFindings)
     checkpoints: CheckpointStatus = field(default_factory=CheckpointStatus)
 
@@ -169,6 +171,7 @@ def run_snapshot(
         slowest_ranks=slowest,
         rank_hosts=rank_hosts(session, run_id=rid, ranks=[r for r, _, _ in slowest]),
         events=run_events(session, run_id=rid),
+        agent_dropped=agent_dropped(session, run_id=rid),
         findings=open_findings(session, run_id=rid, max_active=max_findings),
         checkpoints=checkpoint_status(session, run_id=rid),
     )
@@ -443,6 +446,31 @@ def run_events(session: Session, *, run_id: str) -> dict[str, int]:
         for inc, events in incarnations.items()
         if inc < max(incarnations)
     )
+    return out
+
+
+def agent_dropped(session: Session, *, run_id: str) -> dict[str, int]:
+    """Records the run's agents lost for good, by reason (wire DROP_REASONS, any other key under
+    'other'), every reason present (0: none lost). An agent's 'dropped' event carries its
+    cumulative counts, so each rank incarnation counts with its largest; the incarnations and
+    ranks add up. Cost: the 'dropped' event rows, at most one per rank and send interval, and only
+    while an agent is losing records."""
+    newest: dict[tuple[int, int, str], int] = {}
+    for rank, incarnation, domains in session.execute(
+        select(EventRow.rank, EventRow.incarnation, EventRow.domains).where(
+            EventRow.run_id == run_id, EventRow.event == "dropped"
+        )
+    ):
+        for key, value in (domains or {}).items():
+            try:
+                n = int(value)
+            except ValueError:  # not a count: nothing to add (the event's detail still says it)
+                continue
+            k = (rank, incarnation, key)
+            newest[k] = max(newest.get(k, 0), n)
+    out = dict.fromkeys((*DROP_REASONS, "other"), 0)
+    for (_rank, _incarnation, key), n in newest.items():
+        out[key if key in DROP_REASONS else "other"] += max(n, 0)
     return out
 
 

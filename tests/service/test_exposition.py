@@ -179,6 +179,25 @@ def test_run_events_count_restarts_and_ranks_lost_and_checkpoints_show_stall_and
     assert sample("trainvitals_run_rank_compute_seconds", {"run": "r"}) == 0.75
 
 
+def test_records_the_agents_dropped_are_exported_by_reason_from_their_cumulative_events(setup) -> None:
+    maker, _clock, registry = setup
+    with maker() as session:
+        batches.register_run(session, RunRegistration(run="r", parallelism={"world_size": 2}), now=1000.0)
+
+    def dropped(ts: float, **counts: int) -> dict:
+        return {"kind": "event", "event": "dropped", "ts": ts, "domains": {k: str(n) for k, n in counts.items()}}
+
+    # rank 0, incarnation 1: cumulative 10 then 30 spool_error -> 30, not 40; its relaunch lost 5 more
+    _batch(maker, "r", 0, 1, [dropped(1.0, spool_error=10), dropped(2.0, spool_error=30, queue_full=2)])
+    _batch(maker, "r", 0, 2, [dropped(3.0, spool_error=5)])
+    # rank 1: a reason this collector does not know is summed under "other"
+    _batch(maker, "r", 1, 1, [dropped(1.0, queue_full=1, disk_on_fire=7)])
+    family = "trainvitals_run_agent_dropped_records_total"
+    value = {reason: registry.get_sample_value(family, {"run": "r", "reason": reason})
+             for reason in ("spool_error", "queue_full", "spool_full", "exit_timeout", "other")}  # fmt: skip
+    assert value == {"spool_error": 35, "queue_full": 3, "spool_full": 0, "exit_timeout": 0, "other": 7}
+
+
 def test_mfu_prediction_interval_is_exported_as_a_band(db_url: str) -> None:
     from trainvitals.service.analysis.expectations import MfuExpectation
 

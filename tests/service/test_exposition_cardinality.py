@@ -23,6 +23,7 @@ from trainvitals.service.settings import Settings
 from trainvitals.service.store import batches, db, findings, queries
 from trainvitals.service.store.models import Run
 from trainvitals.wire import Batch, RunRegistration
+from trainvitals.wire.conventions import DROP_REASONS
 
 NOW = 10_000.0
 # Half of Prometheus's default 10 s scrape timeout: generous, as the machine running the suite
@@ -37,6 +38,7 @@ PER_RUN_BOUND = (
     + 5  # rank_step_seconds stats
     + 2 + 2  # mfu band, checkpoint interval band
     + EVENTS
+    + len(DROP_REASONS) + 1  # agent_dropped_records by reason, plus "other"
     + 4  # checkpoint records by status
     + exposition.STAGES_PER_RUN + 1
     + GRAD_GROUPS
