@@ -323,3 +323,11 @@ def test_each_kind_of_spool_failure_is_said(tmp_path: Path, caplog: pytest.LogCa
     ]
     assert "spool_full" in said[4] and os.path.exists(spill / "r1.rank0.jsonl")
     exp.shutdown(timeout=0.5)
+
+
+def test_the_agents_drop_reasons_are_the_ones_the_wire_names_for_the_collector() -> None:
+    # The collector exports these reasons by name (and any other key as "other").
+    from trainvitals.agent import _processor
+    from trainvitals.wire.conventions import DROP_REASONS
+
+    assert _processor.DROP_REASONS == DROP_REASONS
