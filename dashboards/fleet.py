@@ -56,9 +56,16 @@ def build() -> dash_m.Dashboard:
             101,
             "Live runs",
             unit=p.COUNT,
-            description="Runs the collector exports: running and seen within the idle window, or finished within "
-            "the grace period.",
-            targets=[p.prom('count(max by (run) (trainvitals_run_info{project=~"$project"}))', instant=True)],
+            description="Live runs: running and seen within the idle window, or finished within the grace period. "
+            "Counts the runs the collector exports plus those its per-project and per-scrape caps leave out "
+            "(trainvitals_runs_omitted), which the other panels do not show.",
+            targets=[
+                p.prom(
+                    'count(max by (run) (trainvitals_run_info{project=~"$project"}))'
+                    ' + (max(sum by (instance) (trainvitals_runs_omitted{project=~"$project"})) or vector(0))',
+                    instant=True,
+                )
+            ],
             no_value="0",
         )
     )

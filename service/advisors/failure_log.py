@@ -405,7 +405,7 @@ def _shape_mle(y: npt.NDArray[np.float64], w: npt.NDArray[np.float64]) -> npt.ND
     log_w = np.log(np.where(truncated, w, 1.0))
     lo = np.full(y.shape[0], math.log(_SHAPE_RANGE[0]))
     hi = np.full(y.shape[0], math.log(_SHAPE_RANGE[1]))
-    for _ in range(30):  # bracket 7 / 2^30 wide in log k: far below the estimate's own error
+    for _ in range(20):  # bracket 7 / 2^20 wide in log k: far below the estimate's own error
         mid = (lo + hi) / 2
         k = np.exp(mid)
         yk = np.exp(k[:, None] * log_y)
