@@ -196,10 +196,9 @@ def _llama3(gpus: int, cp: int, pp: int, dp: int, seq: int, batch_per_dp: int, m
             split: str) -> CalibrationPoint:
     config = {
         "model": {**_LLAMA3_405B, "seq_len": seq},
-        # 126 layers on 16 stages (one fewer on the first and last). Section 3.3.2: FSDP shards
-        # optimizer state and gradients, and parameters are not resharded after forward, so the
-        # traffic is one parameter all-gather and one gradient reduce-scatter per step: ZeRO-1's.
-        "parallelism": {"gpus": gpus, "tp": 8, "cp": cp, "pp": pp, "dp": dp, "zero": 1, "micro_batch": 1,
+        # 126 layers on 16 stages (one fewer on the first and last). Section 3.3.2: FSDP, parameters
+        # not resharded after forward (with PP: one gather and one reduce-scatter per step).
+        "parallelism": {"gpus": gpus, "tp": 8, "cp": cp, "pp": pp, "dp": dp, "zero": "fsdp", "micro_batch": 1,
                         "global_batch": batch_per_dp * dp, "uneven_stages": True},
         "hardware": {"gpu": "H100-SXM"},
     }

@@ -523,8 +523,9 @@ def parse_parallelism(
         defaults.append("overlap_dp_comm: true (grad reduce-scatter in backward, param gather in forward)")
     framework = sec.get("framework")
     if framework is None:
-        framework = "fsdp" if zero == 3 else "megatron"
-        why = "ZeRO-3/FSDP is the PyTorch-native stack" if zero == 3 else "TP/PP/distributed-optimizer stack"
+        framework = "fsdp" if zero == 3 and pp == 1 else "megatron"
+        why = ("FSDP without PP is the PyTorch-native stack" if framework == "fsdp"
+               else "a 3D-parallel (TP/PP) stack with fused kernels")
         defaults.append(f"framework: {framework} ({why})")
     if not isinstance(framework, str):
         raise ValueError(f"parallelism.framework: must be a string, got {framework!r}")
