@@ -11,13 +11,14 @@ otherwise, also for a chunked body without Content-Length) and the request model
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException, Request, Response
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
 from trainvitals.service import advisors
+from trainvitals.service.advisors.cadence import MAX_SECONDS as _MAX_SECONDS
 from trainvitals.service.advisors.recommend import recommend_from_config
 from trainvitals.service.analysis import expectations
 from trainvitals.service.api.deps import PrincipalDep, ReadableRun, SessionDep, require
@@ -107,8 +108,14 @@ router.include_router(capped)
 
 
 @router.get("/runs/{run_id}/advice/checkpoints", summary="Cadence advice from the run's observed saves and failures")
-def advise_run(run: ReadableRun, session: SessionDep, mtbf_s: float | None = None, restart_s: float = 600.0,
-               detect_s: float = 60.0, sdc_latency_s: float | None = None) -> RunCadenceAdvicePublic:
+def advise_run(
+    run: ReadableRun,
+    session: SessionDep,
+    mtbf_s: Annotated[float | None, Query(gt=0, le=_MAX_SECONDS, allow_inf_nan=False)] = None,
+    restart_s: Annotated[float, Query(ge=0, le=_MAX_SECONDS, allow_inf_nan=False)] = 600.0,
+    detect_s: Annotated[float, Query(ge=0, le=_MAX_SECONDS, allow_inf_nan=False)] = 60.0,
+    sdc_latency_s: Annotated[float | None, Query(ge=0, le=_MAX_SECONDS, allow_inf_nan=False)] = None,
+) -> RunCadenceAdvicePublic:
     try:
         result, saves, failures = expectations.run_checkpoint_advice(
             session, run_id=run.run_id, registration=run.registration, mtbf_s=mtbf_s, restart_s=restart_s,

@@ -46,6 +46,10 @@ def test_run_advice_from_observed_saves_and_failures(client: TestClient) -> None
         client.post("/v1/advise/checkpoints", json={"stall_s": 30, "persist_s": 45, "mtbf_s": 14400,
                                                    "checkpoint_bytes": 1e9}).json()["recommended_interval_s"],
         rel=0.05)
+    # The query's numbers are bounded like the body's: a 422 naming the parameter, never a number from inf.
+    for query in ("mtbf_s=inf", "mtbf_s=nan", "mtbf_s=0", "restart_s=-1", "detect_s=1e300", "sdc_latency_s=inf"):
+        resp = client.get(f"/v1/runs/r/advice/checkpoints?{query}")
+        assert resp.status_code == 422 and query.split("=")[0] in resp.text, query
     text = client.get("/metrics").text
     assert 'trainvitals_checkpoint_recommended_interval_seconds{run="r"}' in text
     assert 'trainvitals_checkpoint_interval_band_seconds{bound="low",run="r"}' in text
