@@ -1,20 +1,23 @@
 """Two `trainvitals serve` replicas behind Debian's nginx on one PostgreSQL (docs/deployment.md).
 
-Batches go in through nginx and land on both replicas; afterwards the run overview, the findings
-and /metrics read the same whichever replica answers, and one replica's analysis child did the
-analysis for both. The nginx config, the replica and nginx processes and the comparison are the
-ones benchmarks/scaleout_16k.py runs at 16,384 ranks (imported from there, so the test proves the
-config the docs show).
+The database's raw tables are first partitioned with the SQL docs/deployment.md gives. Batches go
+in through nginx and land on both replicas; afterwards the run overview, the findings and
+/metrics read the same whichever replica answers, one replica's analysis child did the analysis
+for both, and the doc's retention function drops the partitions of reduced steps. The nginx
+config, the replica and nginx processes and the comparison are the ones
+benchmarks/scaleout_16k.py runs at 16,384 ranks (imported from there).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
+import psycopg
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -27,6 +30,7 @@ pytestmark = pytest.mark.slow
 
 RUN, WORLD, STEPS, NAN_RANK, NAN_STEP = "scaleout-e2e", 8, 6, 3, 2
 # Analysis every 0.3 s, each step reduced as soon as every rank sent it: the test waits seconds, not minutes.
+PG_DSN = "postgresql://postgres@127.0.0.1:5432/"
 FAST = {"TRAINVITALS_ANALYSIS_INTERVAL_SECONDS": "0.3", "TRAINVITALS_SETTLE_SECONDS": "0"}
 
 
@@ -52,6 +56,8 @@ def test_replicas_behind_nginx_agree(empty_pg_url: str, tmp_path: Path) -> None:
     assert so.nginx_binary(), "nginx is missing: run tools/install-system-deps.sh"
     ingest = create_token(empty_pg_url, project="bench", scope="ingest")  # also migrates, once
     read = create_token(empty_pg_url, project="bench", scope="read")
+    dsn = PG_DSN + empty_pg_url.rsplit("/", 1)[1]
+    _partition_as_documented(dsn)
     ports = [free_port() for _ in range(3)]
     bases = [f"http://127.0.0.1:{p}" for p in ports[1:]]
     proxy = f"http://127.0.0.1:{ports[0]}"
@@ -87,15 +93,36 @@ def test_replicas_behind_nginx_agree(empty_pg_url: str, tmp_path: Path) -> None:
         assert f'trainvitals_ingest_records_total{{run="{RUN}"}} {float(WORLD * STEPS)}' in view["metrics"]
         assert 'trainvitals_ingest_batches_total{outcome="duplicate"} 1.0' in view["metrics"]
         # The analysis lease: exactly one replica's analysis child holds the PostgreSQL advisory lock.
-        assert _lease_holders(empty_pg_url) == 1, "one analysis child analyses for both replicas"
+        assert _lease_holders(dsn) == 1, "one analysis child analyses for both replicas"
         assert a.poll() is None and b.poll() is None
 
+        # Retention as documented: every step is reduced, so with keep_steps 0 the partitions that
+        # take no more rows go (ids 1-16 and 17-32 of the 48 step rows); the newest stays.
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            dropped = [r[0] for r in conn.execute("SELECT trainvitals_drop_reduced_partitions('steps', 0)")]
+            assert dropped == ["steps_p0", "steps_p1"]
+            assert conn.execute("SELECT count(*) FROM steps").fetchone() == (WORLD * STEPS - 32,)
+        assert so.view(bases[0], read, RUN, "overview")["last_step"] == STEPS - 1
 
-def _lease_holders(db_url: str) -> int:
-    import psycopg
 
-    name = db_url.rsplit("/", 1)[1]
-    with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{name}", autocommit=True) as conn:
+def _partition_as_documented(dsn: str) -> None:
+    """The first SQL block of docs/deployment.md, with 16-id partitions instead of its sizes, and
+    partitions created ahead as its cron job does."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "deployment.md").read_text()
+    sql = re.search(r"```sql\n(.*?)```", doc, re.S)
+    assert sql, "docs/deployment.md has no SQL block"
+    procedures = re.sub(r"^CALL trainvitals_partition_by_id.*$", "", sql.group(1), flags=re.M)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(procedures.encode())  # the doc's text, not a literal: bytes, as psycopg takes it
+        for table in ("steps", "grad_stats", "tensor_stats"):
+            conn.execute(f"CALL trainvitals_partition_by_id('{table}', 16)")
+            conn.execute(f"CALL trainvitals_add_partitions('{table}', 16, 200)")
+        parts = conn.execute("SELECT count(*) FROM pg_inherits WHERE inhparent = 'steps'::regclass").fetchone()
+        assert parts == (15,)  # ids 1 .. 240 (200 // 16 + 2 chunks ahead): more than the test stores
+
+
+def _lease_holders(dsn: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(
             "SELECT count(DISTINCT l.pid) FROM pg_locks l JOIN pg_database d ON d.oid = l.database "
             "WHERE l.locktype = 'advisory' AND l.granted AND d.datname = current_database()"
