@@ -110,8 +110,9 @@ class ModelConfig:
             ratio = self._scale
             counted = self.params_override / ratio
             if not 1 / PARAMS_OVERRIDE_LIMIT <= ratio <= PARAMS_OVERRIDE_LIMIT:
+                off = f"{ratio:,.0f}x" if ratio > 1 else f"1/{1 / ratio:,.0f} of"
                 raise ValueError(
-                    f"model.params: {self.params_override:.3g} is {ratio:.3g}x the {counted:.3g} parameters "
+                    f"model.params: {self.params_override:.3g} is {off} the {counted:.3g} parameters "
                     "the shape (layers, hidden, ffn_hidden, vocab, experts) gives; fix one or drop model.params"
                 )
 

@@ -68,6 +68,9 @@ def test_params_that_contradict_the_shape_are_refused() -> None:
     cfg["model"]["params"] = 8e12  # 1000x the 8.03e9 the shape gives
     with pytest.raises(ValueError, match=r"model\.params: 8e\+12 is 996x the 8.03e\+09 parameters"):
         parse_plan_input(cfg)
+    cfg["model"]["params"] = 8e7
+    with pytest.raises(ValueError, match=r"model\.params: 8e\+07 is 1/100 of the 8.03e\+09 parameters"):
+        parse_plan_input(cfg)
     cfg["model"]["params"] = 8e9
     assert parse_plan_input(cfg).model.params_total == pytest.approx(8e9)
 
