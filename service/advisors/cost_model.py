@@ -255,16 +255,12 @@ def _bandwidths(plan: PlanInput) -> tuple[float, float]:
     return gpu.intra_node_gbps * 1e9 * NVLINK_EFFECTIVE, gpu.inter_node_gbps * 1e9 * NETWORK_EFFECTIVE
 
 
-def _within_node(plan: PlanInput, span: int) -> bool:
-    # Rank order tp (innermost), cp, dp, pp: a group of consecutive `span` ranks stays in one node.
-    return span <= plan.hardware.gpus_per_node
-
-
 def group_bandwidth(plan: PlanInput, *, stride: int, size: int) -> float:
     """Per-rank bus bandwidth of a collective over `size` ranks spaced `stride` apart.
 
-    Inside a node: NVLink. Across nodes NCCL runs one ring per NIC with NVLink inside each node,
-    so the k members of the group that share a node share k NICs: min(NVLink, k x NIC)."""
+    Rank order tp (innermost), cp, dp, pp. Inside a node: NVLink. Across nodes NCCL runs one ring
+    per NIC with NVLink inside each node, so the k members of the group that share a node share k
+    NICs: min(NVLink, k x NIC)."""
     intra, inter = _bandwidths(plan)
     node = plan.hardware.gpus_per_node
     if stride * size <= node:
@@ -300,7 +296,6 @@ def _dp_traffic(plan: PlanInput, t_mb: float, bw: float, overlap: float) -> tupl
 def predict_step(plan: PlanInput, calibration: Calibration) -> StepTime:
     """Step-time breakdown for one optimizer step on the busiest rank."""
     m, p, hw = plan.model, plan.parallelism, plan.hardware
-    intra, inter = _bandwidths(plan)
     tokens = p.global_batch * m.seq_len
     width = m.hidden / p.tp
     rows = p.micro_batch * m.seq_len / p.cp
@@ -338,7 +333,7 @@ def predict_step(plan: PlanInput, calibration: Calibration) -> StepTime:
 
     pp_comm = 0.0
     if p.pp > 1:
-        bw = intra if _within_node(plan, p.tp * p.cp * p.dp * 2) else inter
+        bw = group_bandwidth(plan, stride=p.tp * p.cp * p.dp, size=2)  # a stage and the next
         sent = act_bytes / (p.tp if p.sequence_parallel else 1)
         pp_comm = 2 * p.vpp * micro * sent / bw
 
