@@ -172,3 +172,13 @@ def test_calibration_is_not_sensitive_to_one_dropped_point() -> None:
         for key, value in refit.eta.items():
             if fit_points_of[key] >= 2:
                 assert value == pytest.approx(DEFAULT_CALIBRATION.eta[key], rel=0.10), (source, key)
+
+
+@pytest.mark.parametrize(("model", "seconds"), [("22B", 1.10), ("175B", 13.75), ("530B", 37.83), ("1T", 71.49)])
+def test_korthikanti_rows_are_transcribed_right(model: str, seconds: float) -> None:
+    # Table 5's iteration time, through our FLOP convention and the row's config, gives its MFU.
+    point = next(p for p in POINTS if p.label.startswith(f"GPT {model} ") and "selective" in p.label)
+    pl = parse_plan_input(point.config)
+    tokens = pl.parallelism.global_batch * pl.model.seq_len
+    mfu = tokens * model_flops_per_token(pl) / (seconds * pl.parallelism.gpus * 312e12)
+    assert mfu == pytest.approx(point.mfu, abs=0.003)
