@@ -16,7 +16,13 @@ from __future__ import annotations
 import argparse
 
 from trainvitals.service.advisors.cadence import CadenceInputs, advise_cadence
-from trainvitals.service.advisors.calibration import REGIME_KEYS, calibrate, error_table, point_errors
+from trainvitals.service.advisors.calibration import (
+    REGIME_KEYS,
+    calibrate,
+    error_table,
+    leave_one_source_out,
+    point_errors,
+)
 from trainvitals.service.advisors.calibration_points import SOURCES
 from trainvitals.service.advisors.failure_log import analyze_log
 from trainvitals.service.advisors.simulator import (
@@ -90,6 +96,9 @@ def cost_model_report() -> None:
         print(f"\n  held-out error by {key}:")
         for group, n, mean, worst in error_table(held, by):
             print(f"    {group:<22} {n:>3} points  mean {mean:6.1%}  max {worst:6.1%}")
+    print("\n  leave one source out (fit on the other sources, error on all of this source's points):")
+    for source, n, mean, worst in leave_one_source_out():
+        print(f"    {source:<22} {n:>3} points  mean {mean:6.1%}  max {worst:6.1%}")
     print("\n  sources: " + "; ".join(f"{k} = {v}" for k, v in SOURCES.items()))
 
 if __name__ == "__main__":

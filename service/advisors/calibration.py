@@ -9,6 +9,7 @@ largest held-out error in it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -114,8 +115,18 @@ def calibrate(points: Sequence[CalibrationPoint] = POINTS) -> Calibration:
     """Fit on the points with split "fit", band per regime from those with split "held_out"."""
     fit = [p for p in points if p.split == "fit"]
     held = [p for p in points if p.split == "held_out"]
-    x = _fit([parse_plan_input(p.config) for p in fit], np.array([p.mfu for p in fit]))
-    bare = _calibration(x)
+    plans = [parse_plan_input(p.config) for p in fit]
+    x = _fit(plans, np.array([p.mfu for p in fit]))
+    # A pair without fit points was not constrained by the fit: leave it out, so its configs borrow
+    # a neighbour's eta (Calibration.eta_for) instead of the optimiser's starting value.
+    fitted_pairs = {f"{pl.hardware.gpu.name} {pl.parallelism.framework}" for pl in plans}
+    # Likewise the DTensor-TP factor needs fsdp runs with tp > 1; without any it stays neutral.
+    dtensor_tp = any(pl.parallelism.framework == "fsdp" and pl.parallelism.tp > 1 for pl in plans)
+    bare = dataclasses.replace(
+        _calibration(x),
+        eta={k: v for k, v in _calibration(x).eta.items() if k in fitted_pairs},
+        tp_efficiency=float(x[-4]) if dtensor_tp else 1.0,
+    )
     fit_err = np.array([abs(e.error) for e in point_errors(bare, fit)])
     held_errors = point_errors(bare, held)
     regime_error: dict[str, float] = {}
@@ -139,6 +150,17 @@ def calibrate(points: Sequence[CalibrationPoint] = POINTS) -> Calibration:
         heldout_max_abs_error=float(held_abs.max()),
         source="; ".join(SOURCES[s] for s in sources),
     )
+
+
+def leave_one_source_out(points: Sequence[CalibrationPoint] = POINTS) -> list[tuple[str, int, float, float]]:
+    """(source, points, mean |error|, max |error|) on each source's points when the constants are
+    fitted on the other sources' fit points only: how the model transfers to a source it never saw."""
+    rows = []
+    for source in sorted({p.source for p in points}):
+        others = [p for p in points if p.source != source]
+        errors = [abs(e.error) for e in point_errors(calibrate(others), [p for p in points if p.source == source])]
+        rows.append((source, len(errors), float(np.mean(errors)), float(np.max(errors))))
+    return rows
 
 
 def relative_errors(calibration: Calibration, points: Sequence[CalibrationPoint]) -> np.ndarray:

@@ -405,6 +405,11 @@ def band_for(plan: PlanInput, calibration: Calibration) -> tuple[float, str, tup
         base = errors[regime]
     band = max(base, BAND_FLOOR)
     reasons: list[str] = []
+    if f"{gpu} {p.framework}" not in calibration.eta:
+        # Borrowing another stack's efficiency misses by 19-30% (leave-one-source-out, docs/advisors.md).
+        reasons.append(f"no {gpu} {p.framework} calibration points (efficiency borrowed from "
+                       f"{gpu} {'fsdp' if p.framework == 'megatron' else 'megatron'} or a neighbour)")
+        band = max(band, UNCALIBRATED_BAND)
     widen = 0.0
     for name, value, limit in (
         ("gpus", p.gpus, domain.gpus[1]),
