@@ -24,7 +24,7 @@ from trainvitals.service.analysis.detector_inputs import DetectorInputs
 from trainvitals.service.detectors.series import RunSeries
 from trainvitals.service.detectors.stragglers import StragglerConfig
 from trainvitals.service.store import findings, summaries
-from trainvitals.service.store.models import ReductionState, Run
+from trainvitals.service.store.models import Run
 from trainvitals.wire.conventions import DEFAULT_DETECTOR_WARMUP_STEPS, GLOBAL_GROUP
 
 
@@ -75,15 +75,19 @@ def reduce_steps(
     Late rows for reduced steps that cannot be reduced again yet (the watermark has not reached
     them) still count as changed: the detectors' per-rank timing reads raw rows.
     upto: reduce no further than this step, which the caller knows to be reducible (a catch-up
-    cycle); None: as far as every rank has sent or the settle time allows."""
+    cycle); None: as far as every rank has sent or the settle time allows. The steps are claimed
+    before any row is read (summaries.claim_steps), so rows that arrive meanwhile are not missed."""
     rid = run.run_id
-    state = summaries.reduction_state(session, run_id=rid)
-    start = _reduce_from(state)
+    state = summaries.progress(session, run_id=rid)
     if upto is None:
-        upto = summaries.reducible_upto(session, run=run, start=start, now=now, settle_seconds=config.settle_seconds)
-    if upto < start:
+        upto = summaries.reducible_upto(
+            session, run=run, start=state.start, now=now, settle_seconds=config.settle_seconds
+        )
+    if upto < state.start:
         session.commit()
         return 0, state.dirty_from
+    claimed = summaries.claim_steps(session, run_id=rid, upto=upto)
+    start = claimed.start  # ingest may have re-dirtied earlier steps since the first read
     # Whole rank windows are recomputed, so read from the start of the first touched window.
     w = config.rank_window_steps
     read_from = min(start, start // w * w)
@@ -100,7 +104,8 @@ def reduce_steps(
     )
     summaries.replace_summaries(
         session,
-        state=state,
+        run_id=rid,
+        claimed=claimed,
         first=start,
         windows_from=read_from,
         last=upto,
@@ -110,11 +115,6 @@ def reduce_steps(
         windows=reduction.summarize_rank_windows(rows, window=w),
     )
     return len(steps), start
-
-
-def _reduce_from(state: ReductionState) -> int:
-    start = state.reduced_upto + 1
-    return start if state.dirty_from is None else min(start, state.dirty_from)
 
 
 def cycle_ends(
@@ -189,8 +189,8 @@ def process_run(
     now = time.time() if now is None else now
     inputs = DetectorInputs() if inputs is None else inputs
     detector_config = DetectorConfig(suppression=SuppressionConfig(warmup_steps=config.detector_warmup_steps))
-    state = summaries.reduction_state(session, run_id=run.run_id)
-    start = _reduce_from(state)
+    state = summaries.progress(session, run_id=run.run_id)
+    start = state.start
     reducible = summaries.reducible_upto(session, run=run, start=start, now=now, settle_seconds=config.settle_seconds)
     # New steps that the shorter lookback still holds whole are one cycle, as live cycles always
     # were (splitting them would multiply a fast run's detector work every few seconds); a longer

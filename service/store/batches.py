@@ -18,7 +18,7 @@ from itertools import chain
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from sqlalchemy import BigInteger, Boolean, Integer, String, delete, insert, select, text, update
+from sqlalchemy import BigInteger, Boolean, Integer, String, case, delete, insert, or_, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -29,6 +29,7 @@ from trainvitals.service.store.models import (
     ReductionState,
     RefusedIncarnation,
     Run,
+    table_of,
 )
 from trainvitals.service.store.types import Real, nan_as_text
 from trainvitals.wire import Batch, BatchAck, RunRegistration
@@ -271,13 +272,25 @@ def _sqlite_insert(dbapi_conn: Any, kind: str, rows: list[tuple[Any, ...]]) -> N
         i += k
 
 
+_STATE = table_of(ReductionState)
+
+
 def _mark_late_data(session: Session, run_id: str, low: int | None) -> None:
-    """Records for steps already reduced (a spool replayed after an outage) re-dirty them."""
+    """Records for steps already reduced, or claimed by a reduction in flight (a spool replayed
+    after an outage, a rank's late batch), re-dirty them: the claim protocol's ingest half
+    (store/summaries.py). One UPDATE, its condition evaluated on the row as locked, so a claim
+    committed while this transaction waited is seen; a step not claimed touches nothing."""
     if low is None:
         return
-    state = session.get(ReductionState, run_id)
-    if state is not None and low <= state.reduced_upto:
-        state.dirty_from = low if state.dirty_from is None else min(state.dirty_from, low)
+    t = _STATE
+    session.execute(
+        update(t)
+        .where(t.c.run_id == run_id, t.c.claimed_upto >= low)
+        .values(
+            dirty_from=case((or_(t.c.dirty_from.is_(None), t.c.dirty_from > low), low), else_=t.c.dirty_from),
+            dirty_marks=t.c.dirty_marks + 1,
+        )
+    )
 
 
 # SQLite has one writer at a time. Threads of this process colliding on its lock would wait in

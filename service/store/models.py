@@ -285,6 +285,13 @@ class ReductionState(Base):
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.run_id", ondelete="CASCADE"), primary_key=True)
     reduced_upto: Mapped[int] = mapped_column(BigInteger, default=-1)
     dirty_from: Mapped[int | None] = mapped_column(BigInteger)
+    # The claim protocol between ingest and the reduction (store/summaries.py, revision 0014).
+    claimed_upto: Mapped[int] = mapped_column(BigInteger, default=-1, server_default="-1")
+    """Newest step a reduction has claimed (ahead of reduced_upto while one runs): ingest re-dirties
+    a step at or below it."""
+    dirty_marks: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    """Bumped by every ingest that re-dirties a step: a reduction clears dirty_from only if none came
+    while it ran."""
 
 
 class FindingRow(Base):

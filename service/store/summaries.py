@@ -7,14 +7,32 @@ is a GROUP BY here (hundreds of tensors x every rank: the rows never leave the d
 summaries of those steps are then replaced in one transaction with the reduction state that says
 how far they go. Every read of raw rows goes through the newest-incarnation rule
 (store/incarnations.py): in SQL here, or in memory for the step rows.
+
+Claims: ingest and the reduction run concurrently, and a row for a step being reduced must not be
+missed (read too late by the reduction, and seen by ingest as not yet reduced). So:
+
+1. The reduction claims its steps before reading any row (`claim_steps`, its own transaction):
+   it raises `claimed_upto` and notes `dirty_marks`. On PostgreSQL it first locks the run's `runs`
+   row FOR UPDATE, which waits for every ingest transaction storing a batch of the run (each holds
+   a key-share lock on that row through the `batches` foreign key from its first insert to its
+   commit) and holds back new ones until the claim commits; on SQLite the claim is a write, and
+   SQLite has one writer at a time.
+2. An ingest transaction that stores a row for a step at or below `claimed_upto` re-dirties it
+   (`store/batches.py`: `dirty_from` lowered, `dirty_marks` bumped, one UPDATE whose condition is
+   evaluated on the row as locked). Every transaction that committed before the claim is in the
+   reduction's reads; every one after it sees the claim.
+3. The reduction writes its summaries and `reduced_upto`, and clears `dirty_from` only if
+   `dirty_marks` has not moved since its claim (`replace_summaries`); otherwise the next cycle
+   reduces again from `dirty_from`. A reduction that fails after its claim clears nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Float, Integer, Row, delete, func, insert, select
+from sqlalchemy import Float, Integer, Row, case, delete, func, insert, select, text, update
 from sqlalchemy.orm import Session
 
 from trainvitals.service.store.incarnations import newest_incarnation_only
@@ -43,10 +61,60 @@ def reduction_state(session: Session, *, run_id: str) -> ReductionState:
     """The run's reduction state, created (flushed, not committed) on its first cycle."""
     state = session.get(ReductionState, run_id)
     if state is None:
-        state = ReductionState(run_id=run_id, reduced_upto=-1, dirty_from=None)
+        state = ReductionState(run_id=run_id, reduced_upto=-1, dirty_from=None, claimed_upto=-1, dirty_marks=0)
         session.add(state)
         session.flush()
     return state
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """A run's reduction state as read (the ORM object may be stale: claims write with Core)."""
+
+    reduced_upto: int
+    dirty_from: int | None
+    """Lowest re-dirtied step (None: nothing below reduced_upto changed)."""
+    dirty_marks: int
+
+    @property
+    def start(self) -> int:
+        """The first step the next reduction (re)reduces."""
+        start = self.reduced_upto + 1
+        return start if self.dirty_from is None else min(start, self.dirty_from)
+
+
+_STATE = table_of(ReductionState)
+
+
+def progress(session: Session, *, run_id: str) -> Progress:
+    """The run's reduction state (its row created, flushed, on the first call)."""
+    reduction_state(session, run_id=run_id)
+    t = _STATE
+    row = session.execute(select(t.c.reduced_upto, t.c.dirty_from, t.c.dirty_marks).where(t.c.run_id == run_id)).one()
+    return Progress(row.reduced_upto, row.dirty_from, row.dirty_marks)
+
+
+def claim_steps(session: Session, *, run_id: str, upto: int) -> Progress:
+    """Claim the run's steps up to `upto` for a reduction (committed; see the module docstring);
+    returns the state as claimed: reduce from its `start` to `upto`, then `replace_summaries`."""
+    session.commit()  # the claim is a transaction of its own, started now
+    bind = session.get_bind()
+    if bind.dialect.name == "postgresql":
+        # Only the order of the claim matters, not its durability: the reduction's final commit
+        # flushes the WAL after it anyway.
+        session.execute(text("SET LOCAL synchronous_commit TO OFF"))
+        # Waits for the ingest transactions of this run in flight (key-share locks, module docstring).
+        session.execute(select(Run.run_id).where(Run.run_id == run_id).with_for_update())
+    reduction_state(session, run_id=run_id)
+    t = _STATE
+    session.execute(
+        update(t)
+        .where(t.c.run_id == run_id)
+        .values(claimed_upto=case((t.c.claimed_upto < upto, upto), else_=t.c.claimed_upto))
+    )
+    claimed = progress(session, run_id=run_id)
+    session.commit()
+    return claimed
 
 
 def first_unreduced_step(session: Session, *, run_id: str) -> int:
@@ -176,7 +244,8 @@ def tensor_summaries(session: Session, *, run_id: str, first: int, last: int) ->
 def replace_summaries(
     session: Session,
     *,
-    state: ReductionState,
+    run_id: str,
+    claimed: Progress,
     first: int,
     windows_from: int,
     last: int,
@@ -186,8 +255,10 @@ def replace_summaries(
     windows: list[dict[str, Any]],
 ) -> None:
     """Replace the summaries of steps first..last (rank windows: from window start windows_from)
-    and record them as reduced, in one transaction (committed)."""
-    rid = state.run_id
+    and record them as reduced, in one transaction (committed). claimed: what `claim_steps`
+    returned before the rows were read; dirty_from is cleared only if no ingest re-dirtied a step
+    since."""
+    rid = run_id
     conn = session.connection()  # Core statements: the ORM bulk path costs ~3x more per row
     for model, lo in ((StepSummary, first), (GradSummary, first), (TensorSummary, first), (RankWindow, windows_from)):
         table = table_of(model)
@@ -196,6 +267,16 @@ def replace_summaries(
     for model, batch in ((StepSummary, steps), (GradSummary, grads), (TensorSummary, tensors), (RankWindow, windows)):
         if batch:
             conn.execute(insert(table_of(model)), [{"run_id": rid, **row} for row in batch])
-    state.reduced_upto = max(state.reduced_upto, last)
-    state.dirty_from = None
+    t = _STATE
+    conn.execute(
+        update(t)
+        .where(t.c.run_id == rid)
+        .values(
+            reduced_upto=case((t.c.reduced_upto < last, last), else_=t.c.reduced_upto),
+            dirty_from=case((t.c.dirty_marks == claimed.dirty_marks, None), else_=t.c.dirty_from),
+        )
+    )
     session.commit()
+    state = session.get(ReductionState, rid)
+    if state is not None:
+        session.expire(state)  # written with Core above: an ORM reader reloads it

@@ -46,6 +46,30 @@ def test_batches_are_stored_once(session) -> None:
     assert session.scalar(select(func.count()).select_from(DeliveredBatch)) == 2
 
 
+def test_seq_only_makes_delivery_idempotent_gaps_and_reordering_are_accepted(session) -> None:
+    """What docs/wire-format.md ("Delivery") promises about seq: each (run, rank, incarnation, seq)
+    is stored once, whenever it comes again; batches are stored as they arrive, out of order and
+    with gaps (seq 1, 3 and 4 never come); records are ordered by step, so a batch arriving after
+    later steps were reduced re-dirties them and the summaries cover every step sent."""
+    from trainvitals.service.analysis import pipeline
+    from trainvitals.service.store.models import StepSummary
+
+    batches.register_run(session, RunRegistration(run="r1", parallelism={"world_size": 1}))
+    run = queries.get_run(session, run_id="r1")
+    acks = [batches.store_batch(session, _steps(0, range(10, 15), seq=5))]
+    assert pipeline.reduce_run(session, run, now=1e9) == 5  # steps 10..14
+    acks += [batches.store_batch(session, _steps(0, range(0, 5), seq=0))]  # older, after a gap
+    acks += [batches.store_batch(session, _steps(0, range(5, 10), seq=2))]
+    acks += [batches.store_batch(session, _steps(0, range(10, 15), seq=5))]  # a late retry: duplicate
+    acks += [batches.store_batch(session, _steps(0, range(0, 5), seq=0))]
+    assert [(a.accepted, a.duplicate) for a in acks] == [(10, False)] * 3 + [(0, True)] * 2
+    assert pipeline.reduce_run(session, run, now=1e9) == 15  # the late steps re-dirtied 0..14
+    summarised = session.scalars(select(StepSummary.step).order_by(StepSummary.step)).all()
+    assert summarised == list(range(15))
+    assert queries.count_step_rows(session, run_id="r1") == 15
+    assert sorted(session.scalars(select(DeliveredBatch.seq))) == [0, 2, 5]
+
+
 def test_new_incarnation_with_same_seq_is_not_a_duplicate(session) -> None:
     batches.register_run(session, RunRegistration(run="r1"))
     batches.store_batch(session, _steps(0, range(0, 5), seq=0, incarnation=1))
