@@ -84,7 +84,7 @@ class Spec:
             assert self.lo is not None and self.hi is not None, f"{self.name}: an integer without a range"
             return [self.lo, self.lo - 1, self.hi, self.hi + 1, (self.lo + self.hi) // 2, -(2**63) - 1, 2**64]
         values = [FLOAT_MAX, -FLOAT_MAX, TINY, -TINY, 0.0, math.inf, -math.inf, math.nan]
-        return values + [v for v in (self.lo, self.hi) if v is not None]
+        return values + [float(v) for v in (self.lo, self.hi) if v is not None]
 
     def accepts(self, value: Any) -> bool:
         if self.type is float and not math.isfinite(value):
