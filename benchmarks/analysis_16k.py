@@ -2,6 +2,7 @@
 detectors' input, run the detectors, store findings.
 
     python benchmarks/analysis_16k.py [--backend postgresql] [--cycles 6] [--summary-steps 20000]
+        [--modes kept,restart,fresh] [--db-prefix tv_bench]
 
 The run is generated inside a scratch database (as scrape_16k.py does): what the collector holds
 after ~20,000 steps of a tp 8 x pp 8 x dp 256 run, with the detectors' full lookbacks populated:
@@ -16,6 +17,9 @@ one analysis cycle runs, timed by phase. Two ways of building the detectors' inp
 `fresh` reads the whole lookback every cycle (what the worker did before DetectorInputs, and what
 replay and the first cycle after a start still do); `kept` keeps one DetectorInputs between
 cycles, as the worker does now (its first cycle is the fresh read and is reported apart).
+`restart` is the first cycle of a worker that starts (or takes the lease over) after the kept
+worker stored its blocks (store/detector_blocks.py): it loads the blocks and reads rows only for
+the steps no block holds, then later cycles go on as `kept`'s.
 Also timed once: the watermark query the worker ran before (a group-by over every raw step row).
 """
 
@@ -31,7 +35,7 @@ from ingest_throughput import LAYERS, LINEARS, PP, ROLES, TP, WORLD_SIZE, regist
 from scrape_16k import _series
 from sqlalchemy import Engine, text
 
-from trainvitals.service.analysis import pipeline
+from trainvitals.service.analysis import detector_inputs, pipeline
 from trainvitals.service.analysis.detector_inputs import DetectorInputs
 from trainvitals.service.detectors.run_all import DetectorConfig, detect
 from trainvitals.service.detectors.suppression import SuppressionConfig
@@ -162,6 +166,21 @@ def cycle(session_factory, *, now: float, config: pipeline.PipelineConfig, input
     return out
 
 
+def store_all_blocks(session_factory, *, now: float, config: pipeline.PipelineConfig, inputs: DetectorInputs) -> int:
+    """Let the kept worker's inputs store every block they hold (a live worker does so two per
+    source and cycle as steps complete); returns how many the run has."""
+    limit = detector_inputs._SAVES_PER_CYCLE
+    detector_inputs._SAVES_PER_CYCLE = 10**6
+    try:
+        with session_factory() as session:
+            run = queries.get_run(session, run_id=RUN)
+            pipeline.build_series(session, run, now=now, config=config, inputs=inputs, rewritten_from=None)
+            session.commit()
+            return sum(len(v) for v in (inputs._stored or {}).values())
+    finally:
+        detector_inputs._SAVES_PER_CYCLE = limit
+
+
 def old_watermark_seconds(engine: Engine) -> float:
     """The query the worker ran every cycle before: max step per rank over all of the run's rows."""
     t0 = time.perf_counter()
@@ -181,12 +200,15 @@ def main() -> None:
     parser.add_argument("--backend", default="postgresql", choices=("postgresql", "sqlite"))
     parser.add_argument("--cycles", type=int, default=6, help="timed cycles per mode")
     parser.add_argument("--summary-steps", type=int, default=20_000)
+    parser.add_argument("--modes", default="kept,restart,fresh", help="comma-separated: kept, restart, fresh")
+    parser.add_argument("--db-prefix", default="tv_bench", help="name prefix of the scratch database")
     args = parser.parse_args()
+    modes = [m for m in ("kept", "restart", "fresh") if m in args.modes.split(",")]
     print("$ python benchmarks/analysis_16k.py " + " ".join(sys.argv[1:]))
     config = pipeline.PipelineConfig(settle_seconds=30.0)
     now = time.time()
     last = args.summary_steps - 1
-    with scratch_db(args.backend, "tv_bench_analysis") as url:
+    with scratch_db(args.backend, f"{args.db_prefix}_analysis") as url:
         db.upgrade(url)
         engine = db.make_engine(url)
         t0 = time.perf_counter()
@@ -198,10 +220,15 @@ def main() -> None:
         step = last
         results: dict[str, list[dict]] = {}
         memory = {}
-        for mode in ("kept", "fresh"):  # kept first: its peak memory is not the fresh reads
-            inputs = DetectorInputs() if mode == "kept" else None
+        inputs: DetectorInputs | None = None
+        for mode in modes:  # kept first: its peak memory is not the fresh reads
+            if mode == "restart":  # the kept worker stores every block it holds (untimed), then stops
+                t0 = time.perf_counter()
+                saved = store_all_blocks(factory, now=now, config=config, inputs=inputs or DetectorInputs(blocks=True))
+                print(f"stored {saved} blocks in {time.perf_counter() - t0:.0f} s (untimed)")
+            inputs = DetectorInputs(blocks=True) if mode in ("kept", "restart") else None
             rows = []
-            for _ in range(args.cycles + (mode == "kept")):
+            for _ in range(args.cycles + (mode != "fresh")):
                 step += 1
                 now += 1.05
                 add_step(engine, step, now)
@@ -209,25 +236,29 @@ def main() -> None:
                 assert rows[-1]["reduced"] == 1, rows[-1]
             results[mode] = rows
             memory[mode] = rss_mb()
-            inputs = None
         engine.dispose()
 
     print(f"\nbackend {args.backend}; seconds per analysis cycle (one new step of {WORLD_SIZE:,} ranks), median "
           f"[min, max] over {args.cycles} cycles")  # fmt: skip
     print(f"{'inputs':<22}{'reduce':>22}{'detector inputs':>22}{'detectors':>22}{'total':>22}")
-    for label, rows in (
-        ("fresh every cycle", results["fresh"]),
-        ("kept: first cycle", results["kept"][:1]),
-        ("kept: later cycles", results["kept"][1:]),
-    ):
+    labelled = [
+        ("fresh every cycle", results.get("fresh", [])),
+        ("kept: first cycle", results.get("kept", [])[:1]),
+        ("kept: later cycles", results.get("kept", [])[1:]),
+        ("restart: first cycle", results.get("restart", [])[:1]),
+        ("restart: later cycles", results.get("restart", [])[1:]),
+    ]
+    for label, rows in labelled:
+        if not rows:
+            continue
         cells = []
         for key in ("reduce", "inputs", "detect", "total"):
             v = [r[key] for r in rows]
             cells.append(f"{statistics.median(v):.2f} [{min(v):.2f}, {max(v):.2f}]")
         print(f"{label:<22}" + "".join(f"{c:>22}" for c in cells))
-    (rss, hwm), (_, hwm_all) = memory["kept"], memory["fresh"]
-    print(f"\nmemory of this process (the analysis process): after the kept cycles RSS {rss:.0f} MB, "
-          f"peak {hwm:.0f} MB; peak including the fresh reads {hwm_all:.0f} MB")  # fmt: skip
+    print("\nmemory of this process (the analysis process), after each mode's cycles:")
+    for mode, (rss, hwm) in memory.items():
+        print(f"  {mode:<8} RSS {rss:.0f} MB, peak so far {hwm:.0f} MB")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     python benchmarks/ingest_throughput.py [--backends sqlite,postgresql] [--seconds 40] [--warmup 10]
         [--clients 6] [--steps-per-batch 4] [--layers-per-rank 4] [--workers 1]
-        [--no-analysis | --analysis-thread]
+        [--no-analysis | --analysis-thread] [--port P] [--db-prefix tv_bench]
 
 For each backend: start `trainvitals serve --db URL --port P` as a subprocess (analysis worker on,
 in its own child process as `serve` does by default; `--analysis-thread` runs it as a thread of the
@@ -65,6 +65,15 @@ def trainvitals_bin() -> str:
     return str(exe) if exe.exists() else shutil.which("trainvitals") or "trainvitals"
 
 
+def add_shared_args(parser: argparse.ArgumentParser, *, server: bool = True) -> None:
+    """--port and --db-prefix, so that a benchmark runs beside other work on a shared machine."""
+    if server:
+        parser.add_argument("--port", type=int, default=0,
+                            help="port of the collector this benchmark starts (default: one the OS picks)")  # fmt: skip
+    parser.add_argument("--db-prefix", default="tv_bench",
+                        help="name prefix of the scratch databases (PostgreSQL: <prefix>_<what>_<pid>)")  # fmt: skip
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -121,9 +130,11 @@ def collector(
     timeout: float = 60.0,
     workers: int = 1,
     extra_args: tuple[str, ...] = (),
+    port: int = 0,
 ) -> Iterator[CollectorProcess]:
-    """`trainvitals serve` as a subprocess; waits for /healthz; terminated (then killed) on exit."""
-    port = free_port()
+    """`trainvitals serve` as a subprocess on `port` (0: one the OS picks); waits for /healthz;
+    terminated (then killed) on exit."""
+    port = port or free_port()
     argv = [trainvitals_bin(), "serve", "--db", url, "--port", str(port), "--workers", str(workers), *extra_args]
     proc = subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL)
     try:
@@ -420,14 +431,16 @@ def measure(
     analysis: bool = True,
     analysis_thread: bool = False,
     workers: int = 1,
+    port: int = 0,
+    db_prefix: str = "tv_bench",
 ) -> IngestResult:
     run = "bench-16k"
-    with scratch_db(backend, "tv_bench_ingest") as url:
+    with scratch_db(backend, f"{db_prefix}_ingest") as url:
         # Auth stays on, as in production: the token lookup is cached, so it costs ingest little.
         token = create_token(url, project="bench", scope="ingest")
         env = {} if analysis else {"TRAINVITALS_RUN_ANALYSIS": "false"}
         extra = ("--analysis-thread",) if analysis_thread else ()
-        with collector(url, env=env, workers=workers, extra_args=extra) as col:
+        with collector(url, env=env, workers=workers, extra_args=extra, port=port) as col:
             return _drive(
                 analysis,
                 backend,
@@ -545,6 +558,7 @@ def main() -> None:
     parser.add_argument(
         "--analysis-thread", action="store_true", help="serve --analysis-thread: analysis in the collector process"
     )
+    add_shared_args(parser)
     args = parser.parse_args()
     print(f"$ {' '.join([Path(sys.executable).name, *sys.argv])}")
     print(
@@ -563,6 +577,8 @@ def main() -> None:
             analysis=not args.no_analysis,
             analysis_thread=args.analysis_thread,
             workers=args.workers,
+            port=args.port,
+            db_prefix=args.db_prefix,
         )
         print(f"[{backend}] collector: {res.command}", flush=True)
         results.append(res)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ingest_throughput import WORLD_SIZE, pg_scratch_db, registration
+from ingest_throughput import WORLD_SIZE, add_shared_args, pg_scratch_db, registration
 from sqlalchemy import Engine, text
 
 from trainvitals.service.store import db, queries
@@ -303,11 +303,12 @@ def main() -> None:
     parser.add_argument("--window-count", type=int, default=250)
     parser.add_argument("--raw-steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=5)
+    add_shared_args(parser, server=False)
     args = parser.parse_args()
     print(f"$ {' '.join([Path(sys.executable).name, *sys.argv])}")
     print(f"machine: {os.cpu_count()} cores, load average before {os.getloadavg()[0]:.2f}; PostgreSQL; run of "
           f"{WORLD_SIZE:,} ranks, {STEPS:,} steps\n")
-    with pg_scratch_db("tv_bench_postmortem") as url:
+    with pg_scratch_db(f"{args.db_prefix}_postmortem") as url:
         db.upgrade(url)
         engine = db.make_engine(url)
         try:

@@ -17,7 +17,7 @@ import shutil
 import tempfile
 import time
 
-from ingest_throughput import scratch_db
+from ingest_throughput import add_shared_args, scratch_db
 
 from trainvitals.service.analysis import pipeline
 from trainvitals.service.ingest.replay import replay_files
@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--db", choices=("sqlite", "postgresql"), default="sqlite")
     parser.add_argument("--catch-up-steps", type=int, default=None, help="PipelineConfig.catch_up_steps")
+    add_shared_args(parser, server=False)
     args = parser.parse_args()
 
     sc = make_scenario(args.family, args.seed, layout=Layout(pp=2, dp=1, ranks_per_node=2, layers=3))
@@ -39,7 +40,7 @@ def main() -> None:
     with open(path, "w") as fh:
         fh.writelines(line if line.endswith("\n") else line + "\n" for line in to_wire_lines(sc))
     try:
-        with scratch_db(args.db, "tv_replay_long") as url:
+        with scratch_db(args.db, f"{args.db_prefix}_replay_long") as url:
             db.upgrade(url)
             engine = db.make_engine(url)
             with db.make_sessionmaker(engine)() as session:

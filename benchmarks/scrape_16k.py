@@ -1,6 +1,7 @@
 """How long a Prometheus scrape of a live 16,384-rank run takes, on SQLite and PostgreSQL.
 
     python benchmarks/scrape_16k.py [--backends sqlite,postgresql] [--scrapes 30] [--raw-steps 200]
+        [--port P] [--db-prefix tv_bench]
 
 Builds the run directly in a scratch database (INSERT ... SELECT over recursive CTEs: the rows are
 generated inside the database, so building takes seconds, not the minutes ingest would), then
@@ -31,7 +32,15 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from ingest_throughput import WORLD_SIZE, collector, create_token, percentile, registration, scratch_db
+from ingest_throughput import (
+    WORLD_SIZE,
+    add_shared_args,
+    collector,
+    create_token,
+    percentile,
+    registration,
+    scratch_db,
+)
 from sqlalchemy import Engine, text
 
 from trainvitals.service.store.db import make_engine
@@ -241,10 +250,12 @@ def _scrapes(base: str, token: str, *, backend: str, schema: str, scrapes: int, 
     )
 
 
-def measure(backend: str, *, scrapes: int, raw_steps: int, budget_s: float) -> list[ScrapeResult]:
+def measure(
+    backend: str, *, scrapes: int, raw_steps: int, budget_s: float, port: int = 0, db_prefix: str = "tv_bench"
+) -> list[ScrapeResult]:
     now = time.time()
     last_step = 50_000 - 1
-    with scratch_db(backend, "tv_bench_scrape") as url:
+    with scratch_db(backend, f"{db_prefix}_scrape") as url:
         token = create_token(url, project="bench", scope="read")  # also migrates the empty database
         engine = make_engine(url)
         try:
@@ -252,7 +263,7 @@ def measure(backend: str, *, scrapes: int, raw_steps: int, budget_s: float) -> l
             build(engine, raw_steps=raw_steps, last_step=last_step, now=now)
             rows = count_rows(engine)
             print(f"[{backend}] {rows:,} rows generated in {time.perf_counter() - t0:.1f} s", flush=True)
-            with collector(url, env={"TRAINVITALS_RUN_ANALYSIS": "false"}) as col:
+            with collector(url, env={"TRAINVITALS_RUN_ANALYSIS": "false"}, port=port) as col:
                 print(f"[{backend}] collector: {col.command}", flush=True)
                 args = {"backend": backend, "scrapes": scrapes, "budget_s": budget_s, "engine": engine}
                 before = _scrapes(col.base, token, schema="migrated (head)", **args)  # type: ignore[arg-type]
@@ -269,13 +280,15 @@ def main() -> None:
     parser.add_argument("--scrapes", type=int, default=30)
     parser.add_argument("--budget", type=float, default=45.0, help="seconds of scraping per variant, at most")
     parser.add_argument("--raw-steps", type=int, default=200, help="newest raw steps kept x 16,384 ranks")
+    add_shared_args(parser)
     args = parser.parse_args()
     print(f"$ {' '.join([Path(sys.executable).name, *sys.argv])}")
     print(f"machine: {os.cpu_count()} cores, load average before {os.getloadavg()[0]:.2f}; run of "
           f"{WORLD_SIZE} ranks; up to {args.scrapes} scrapes ({args.budget:.0f} s) after a warm-up scrape\n")
     results: list[ScrapeResult] = []
     for backend in args.backends.split(","):
-        results += measure(backend, scrapes=args.scrapes, raw_steps=args.raw_steps, budget_s=args.budget)
+        results += measure(backend, scrapes=args.scrapes, raw_steps=args.raw_steps, budget_s=args.budget,
+                           port=args.port, db_prefix=args.db_prefix)  # fmt: skip
     header = (f"{'backend':<11}{'schema':<15}{'n':>4}{'first ms':>9}{'p50 ms':>8}{'p99 ms':>8}{'max ms':>8}"
               f"{'size KB':>8}{'series':>7}{'families':>9}{'snapshot ms':>12}{'advice ms':>10}")
     print("\n" + header)

@@ -6,7 +6,10 @@ store: late data re-dirties the steps it lands on and the reduction rewrites the
 step this cache reloads from. So a 16,384-rank run costs the rows of its new steps per cycle, not
 its whole lookback again (600 steps x 16,384 ranks of timing and 20,000 steps of every monitored
 tensor: tens of millions of rows, minutes per cycle). A fresh instance loads the whole lookback,
-which is what replay and the first cycle after a start or a lease takeover do, through this code.
+which is what replay does, through this code. The live worker's inputs (`blocks=True`) also store
+each completed range of steps as arrays (store/detector_blocks.py: 1,000 steps of tensors, 50 of
+timing), so the first cycle after a collector start or a lease takeover loads those and reads rows
+only for the steps no block holds: seconds instead of two minutes at 16,384 ranks.
 
 A run that names a baseline run (registration `baseline_run`) gets that run's loss and gradient
 norm over the same steps as `RunSeries.baseline` (service/detectors/baseline.py compares them),
@@ -33,7 +36,7 @@ from trainvitals.service.detectors.series import (
     RunSteps,
     TensorSeries,
 )
-from trainvitals.service.store import detector_reads
+from trainvitals.service.store import detector_blocks, detector_reads
 from trainvitals.service.store.detector_reads import I64, STEP_DTYPES, TENSOR_DTYPES
 from trainvitals.service.store.models import Run
 
@@ -126,6 +129,41 @@ class _RankMatrix:
         known = ~np.isnan(pp)
         self.stage[ri[known]] = pp[known].astype(I64)
 
+    def block(self, first: int, last: int) -> dict[str, np.ndarray]:
+        """Steps first..last as a stored block: the ranks with a step there, their timing, and
+        their stage as kept now (a later block or row overwrites it, as a newer row does)."""
+        lo = int(np.searchsorted(self.steps, first, side="left"))
+        hi = int(np.searchsorted(self.steps, last, side="right"))
+        mats = [m[lo:hi] for m in self.mats]
+        present = ~np.all(np.isnan(mats[0]), axis=0) if hi > lo else np.zeros(len(self.ranks), bool)
+        arrays = {"steps": self.steps[lo:hi], "ranks": self.ranks[present], "stage": self.stage[present]}
+        arrays.update({name: m[:, present] for name, m in zip(_TIMING_MATS, mats, strict=True)})
+        return arrays
+
+    def append_blocks(self, blocks: Sequence[dict[str, np.ndarray]], *, after: int) -> None:
+        """Stored blocks (`block`), ascending, of steps newer than every held step; their rows at
+        or below `after` are left out (the lookback starts inside the first block)."""
+        parts = []
+        for b in blocks:
+            keep = b["steps"] > after
+            mats = [b[name][keep] for name in _TIMING_MATS]
+            present = ~np.all(np.isnan(mats[0]), axis=0) if keep.any() else np.zeros(len(b["ranks"]), bool)
+            parts.append((b["steps"][keep], b["ranks"][present], [m[:, present] for m in mats], b["stage"][present]))
+        if not any(len(steps) for steps, *_ in parts):
+            return
+        self._widen(np.unique(np.concatenate([ranks for _, ranks, *_ in parts])))
+        new: list[list[np.ndarray]] = [[] for _ in _TIMING_MATS]
+        for steps, ranks, mats, stage in parts:
+            at = np.searchsorted(self.ranks, ranks)
+            for out, m in zip(new, mats, strict=True):
+                wide = np.full((len(steps), len(self.ranks)), np.nan)
+                wide[:, at] = m
+                out.append(wide)
+            known = stage >= 0
+            self.stage[at[known]] = stage[known]
+        self.steps = np.concatenate([self.steps, *(steps for steps, *_ in parts)])
+        self.mats = [_frozen(np.concatenate([old, *more])) for old, more in zip(self.mats, new, strict=True)]
+
     def series(self) -> RankSteps | None:
         if not len(self.steps):
             return None
@@ -137,6 +175,30 @@ class _RankMatrix:
             wait_seconds=self.mats[2],
             pp_stage=self.stage.copy(),
         )
+
+
+_TIMING_MATS = ("step_seconds", "compute_seconds", "wait_seconds")
+_TENSORS, _TIMING = "tensors", "timing"
+BLOCK_STEPS = {_TENSORS: 1_000, _TIMING: 50}
+"""Steps per stored block: a block is written once its steps are reduced (tensors: 384 x 1,000 x 7
+values, 21 MB at the benchmark's size; timing: 3 x 50 x 16,384 values, 20 MB)."""
+_SAVES_PER_CYCLE = 2
+"""Blocks written per source and cycle, newest first: a run first seen with a long history gets its
+blocks over a few cycles instead of adding ~700 MB of writes to one."""
+
+
+def _block_run(stored: set[int], size: int, *, after: int, upto: int) -> tuple[int, int] | None:
+    """(first, last) step of the newest run of consecutive stored blocks that end at or before
+    `upto` and hold steps above `after` (the first may start at or below it); None: no such block."""
+    k = (upto + 1) // size - 1  # the newest block that ends at or before upto
+    while k >= 0 and (k + 1) * size - 1 > after and k * size not in stored:
+        k -= 1
+    if k < 0 or (k + 1) * size - 1 <= after:
+        return None
+    newest = k
+    while k > 0 and (k - 1) * size in stored and k * size - 1 > after:
+        k -= 1
+    return k * size, (newest + 1) * size - 1
 
 
 def _distinct(ranks: np.ndarray) -> np.ndarray:
@@ -161,10 +223,14 @@ class DetectorInputs:
     post-mortem's choice; the caller checked that it is in the run's project).
     `upto` (build): the view ends at this step instead of the newest reduced one; a walk over a
     stored run's history raises it cycle by cycle and reads only the steps each cycle adds.
+    `blocks`: load and store blocks of the input (store/detector_blocks.py): the live worker's
+    choice, whose reduction deletes the blocks of the steps it rewrites.
     """
 
-    def __init__(self, *, baseline_run: str | None = None) -> None:
+    def __init__(self, *, baseline_run: str | None = None, blocks: bool = False) -> None:
         self.loaded_upto: int | None = None  # newest step read (None: nothing read yet)
+        self._blocks = blocks
+        self._stored: dict[str, set[int]] | None = None  # first steps of the run's stored blocks
         self._steps = _Columns(STEP_DTYPES)
         self._groups = _Columns((I64, np.int32, np.float64))  # step, group code, norm
         self._group_names: list[str] = []
@@ -201,11 +267,15 @@ class DetectorInputs:
         since = -1 if self.loaded_upto is None else self.loaded_upto  # rows above this step are read
         if rewritten_from is not None:
             since = min(since, rewritten_from - 1)
-        lo = latest - lookback_steps
+        lo, rank_lo = latest - lookback_steps, latest - rank_lookback_steps
+        if self._blocks:
+            self._forget_rewritten(session, rid, rewritten_from)
         # Drop what is re-read and what left the lookback; then read (max(since, lo), latest].
-        self._cut(after=lo, upto=since, rank_after=latest - rank_lookback_steps)
-        self._read(session, rid, after=max(since, lo), upto=latest, rank_after=max(since, latest - rank_lookback_steps))
+        self._cut(after=lo, upto=since, rank_after=rank_lo)
+        self._read(session, rid, after=max(since, lo), upto=latest, rank_after=max(since, rank_lo))
         self.loaded_upto = latest
+        if self._blocks:
+            self._save_blocks(session, rid, after={_TENSORS: lo, _TIMING: rank_lo}, upto=latest)
         series = self._series(session, run, now=now, peak_flops_total=peak_flops_total)
         series.baseline = self._baseline_series(session, run, after=lo, upto=latest)
         return series
@@ -247,6 +317,69 @@ class DetectorInputs:
                 del self._tensors[key]
         self._ranks.cut(after=rank_after, upto=upto)
 
+    def _forget_rewritten(self, session: Session, rid: str, rewritten_from: int | None) -> None:
+        """List the stored blocks once; forget those the reduction deleted (rewritten steps)."""
+        if self._stored is None:
+            self._stored = {src: detector_blocks.stored(session, run_id=rid, source=src) for src in BLOCK_STEPS}
+        elif rewritten_from is not None:
+            for src, size in BLOCK_STEPS.items():
+                self._stored[src] = {f for f in self._stored[src] if f + size - 1 < rewritten_from}
+
+    def _save_blocks(self, session: Session, rid: str, *, after: dict[str, int], upto: int) -> None:
+        """Store the newest blocks not stored yet that the kept input holds whole; delete those
+        that left the lookback. Committed with the cycle's findings."""
+        assert self._stored is not None
+        for src, size in BLOCK_STEPS.items():
+            stored, saved = self._stored[src], 0
+            k = (upto + 1) // size - 1
+            while k >= 0 and k * size > after[src] and saved < _SAVES_PER_CYCLE:
+                first, last = k * size, (k + 1) * size - 1
+                if first not in stored:
+                    arrays = self._tensor_block(first, last) if src == _TENSORS else self._ranks.block(first, last)
+                    detector_blocks.save(session, run_id=rid, source=src, first=first, last=last, arrays=arrays)
+                    stored.add(first)
+                    saved += 1
+                k -= 1
+            gone = {f for f in stored if f + size - 1 <= after[src]}
+            if gone:
+                detector_blocks.forget_upto(session, run_id=rid, source=src, step=after[src])
+                stored -= gone
+
+    def _tensor_block(self, first: int, last: int) -> dict[str, np.ndarray]:
+        keys, formats, shadows, counts, parts = [], [], [], [], []
+        for key, (fmt, shadow, cols) in sorted(self._tensors.items()):
+            lo = int(np.searchsorted(cols.steps, first, side="left"))
+            hi = int(np.searchsorted(cols.steps, last, side="right"))
+            if hi > lo:
+                keys.append(key)
+                formats.append(fmt)
+                shadows.append(shadow)
+                counts.append(hi - lo)
+                parts.append([c[lo:hi] for c in cols.cols])
+        arrays = {
+            "tensor": np.array([t for t, _ in keys], dtype=str),
+            "role": np.array([r for _, r in keys], dtype=str),
+            "format": np.array(formats, dtype=str),
+            "shadow": np.array(shadows, dtype=bool),
+            "count": np.array(counts, dtype=I64),
+        }
+        for i, dtype in enumerate(TENSOR_DTYPES):
+            arrays[f"c{i}"] = np.concatenate([p[i] for p in parts]) if parts else np.empty(0, dtype=dtype)
+        return arrays
+
+    def _spans(self, src: str, *, after: int, upto: int) -> list[tuple[int, int, bool]]:
+        """(after, upto] as consecutive (after, upto, from blocks) spans: rows below the newest run
+        of stored blocks, the blocks, rows above them."""
+        size = BLOCK_STEPS[src]
+        run = None
+        if self._blocks and self._stored is not None and upto - after > size:
+            run = _block_run(self._stored[src], size, after=after, upto=upto)
+        if run is None:
+            return [(after, upto, False)]
+        first, last = run
+        spans = [(after, first - 1, False), (max(after, first - 1), last, True), (last, upto, False)]
+        return [(a, b, blk) for a, b, blk in spans if b > a]
+
     def _read(self, session: Session, rid: str, *, after: int, upto: int, rank_after: int) -> None:
         if upto <= after and upto <= rank_after:
             return
@@ -259,9 +392,36 @@ class DetectorInputs:
             self._group_names.append(name)
         self._groups.append([gsteps, np.array([code[n] for n in names], dtype=np.int32), norms])
 
-        self._read_tensors(session, rid, after=after, upto=upto)
+        for a, b, from_blocks in self._spans(_TENSORS, after=after, upto=upto):
+            if from_blocks:
+                self._load_tensor_blocks(session, rid, after=a, upto=b)
+            else:
+                self._read_tensors(session, rid, after=a, upto=b)
 
-        self._ranks.append(detector_reads.rank_timing_columns(session, run_id=rid, after=rank_after, upto=upto))
+        for a, b, from_blocks in self._spans(_TIMING, after=rank_after, upto=upto):
+            if from_blocks:
+                blocks = detector_blocks.load(session, run_id=rid, source=_TIMING, first=a + 1 - BLOCK_STEPS[_TIMING],
+                                              last=b)  # fmt: skip
+                self._ranks.append_blocks(blocks, after=a)
+            else:
+                self._ranks.append(detector_reads.rank_timing_columns(session, run_id=rid, after=a, upto=b))
+
+    def _load_tensor_blocks(self, session: Session, rid: str, *, after: int, upto: int) -> None:
+        """Stored tensor blocks of (after, upto], each tensor's rows appended at once."""
+        pieces: dict[tuple[str, str], list[list[np.ndarray]]] = {}
+        first = after + 1 - BLOCK_STEPS[_TENSORS]  # the first block may start at or below after
+        for b in detector_blocks.load(session, run_id=rid, source=_TENSORS, first=first, last=upto):
+            ends = np.cumsum(b["count"])
+            cols = [b[f"c{i}"] for i in range(len(TENSOR_DTYPES))]
+            for i, key in enumerate(zip(b["tensor"].tolist(), b["role"].tolist(), strict=True)):
+                lo, hi = int(ends[i] - b["count"][i]), int(ends[i])
+                lo += int(np.searchsorted(cols[0][lo:hi], after, side="right"))
+                if hi > lo:
+                    if key not in self._tensors:
+                        self._tensors[key] = (str(b["format"][i]), bool(b["shadow"][i]), _Columns(TENSOR_DTYPES))
+                    pieces.setdefault(key, []).append([c[lo:hi] for c in cols])
+        for key, parts in pieces.items():
+            self._tensors[key][2].append([np.concatenate(c) for c in zip(*parts, strict=True)])
 
     def _read_tensors(self, session: Session, rid: str, *, after: int, upto: int) -> None:
         """Tensor summaries, each tensor's rows appended to its columns."""

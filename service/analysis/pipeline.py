@@ -23,7 +23,7 @@ from trainvitals.service.analysis import reduction
 from trainvitals.service.analysis.detector_inputs import DetectorInputs
 from trainvitals.service.detectors.series import RunSeries
 from trainvitals.service.detectors.stragglers import StragglerConfig
-from trainvitals.service.store import findings, summaries
+from trainvitals.service.store import detector_blocks, findings, summaries
 from trainvitals.service.store.models import Run
 from trainvitals.wire.conventions import DEFAULT_DETECTOR_WARMUP_STEPS, GLOBAL_GROUP
 
@@ -84,6 +84,8 @@ def reduce_steps(
             session, run=run, start=state.start, now=now, settle_seconds=config.settle_seconds
         )
     if upto < state.start:
+        if state.dirty_from is not None:  # late raw timing rows: the detectors' stored blocks of them go
+            detector_blocks.forget_from(session, run_id=rid, step=state.dirty_from)
         session.commit()
         return 0, state.dirty_from
     claimed = summaries.claim_steps(session, run_id=rid, upto=upto)
@@ -102,6 +104,7 @@ def reduce_steps(
         peak_flops_total=reduction.peak_flops_total(run.registration),
         agent_grad_norms=global_norms,
     )
+    detector_blocks.forget_from(session, run_id=rid, step=start)  # committed with the rewrite
     summaries.replace_summaries(
         session,
         run_id=rid,

@@ -82,7 +82,7 @@ class AnalysisWorker:
                 try:
                     run = queries.get_run(session, run_id=run_id)
                     if run is not None:
-                        inputs = self._inputs.setdefault(run_id, DetectorInputs())
+                        inputs = self._inputs.setdefault(run_id, DetectorInputs(blocks=True))
                         total += pipeline.process_run(session, run, now=now, config=self._config, inputs=inputs)
                     self._last_error.pop(run_id, None)
                 except Exception as exc:  # noqa: BLE001 - keep analysing the other runs

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, ForeignKey, Index, Integer, String, Table, Text
+from sqlalchemy import JSON, BigInteger, Boolean, ForeignKey, Index, Integer, LargeBinary, String, Table, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from trainvitals.service.store.types import Real
@@ -374,3 +374,19 @@ class AnalysisStatus(Base):
     """Unix seconds at the end of the newest cycle."""
     holder: Mapped[str | None] = mapped_column(String(256))
     """host:pid of the process that ran the newest cycle."""
+
+
+class DetectorBlock(Base):
+    """The detectors' input for a fixed range of steps as numpy arrays (0015): what the analysis
+    worker read for those steps, kept so that the first cycle after a collector start or a lease
+    takeover loads a few hundred MB instead of converting 17M rows (store/detector_blocks.py).
+    Deleted with the range's summaries whenever the reduction rewrites a step in it."""
+
+    __tablename__ = "detector_blocks"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.run_id", ondelete="CASCADE"), primary_key=True)
+    source: Mapped[str] = mapped_column(String(16), primary_key=True)  # tensors | timing
+    first_step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    last_step: Mapped[int] = mapped_column(BigInteger)
+    payload: Mapped[bytes] = mapped_column(LargeBinary)
+    """np.savez of the block's arrays (no pickles)."""

@@ -1,0 +1,104 @@
+"""Stored blocks of the detector input (store/detector_blocks.py): a worker that starts without
+memory (a collector start, a lease takeover) and loads them builds exactly the input of a fresh
+read of the rows, cycle after cycle, through late data that rewrites stored steps, a restart that
+replays steps, a rank that joins late and lookbacks that blocks leave; and the first build after a
+start reads only the rows no block holds."""
+
+import random
+
+import pytest
+
+from tests.service.analysis.test_detector_inputs import _assert_same, _records
+from trainvitals.service.analysis import detector_inputs, pipeline
+from trainvitals.service.analysis.detector_inputs import DetectorInputs
+from trainvitals.service.store import batches, detector_blocks, detector_reads, queries
+from trainvitals.wire import Batch, RunRegistration
+
+WORLD = 4
+CONFIG = pipeline.PipelineConfig(settle_seconds=5.0, detector_lookback_steps=15, straggler_lookback_steps=7)
+
+
+@pytest.fixture(autouse=True)
+def _small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(detector_inputs.BLOCK_STEPS, "tensors", 4)
+    monkeypatch.setitem(detector_inputs.BLOCK_STEPS, "timing", 3)
+
+
+def _store(session, rank: int, steps: range, inc: int, seq: int, rng: random.Random) -> None:
+    recs = [r for s in steps for r in _records(rank, s, inc, rng)]
+    batch = Batch.model_validate({"run": "r", "rank": rank, "incarnation": inc, "seq": seq, "records": recs})
+    batches.store_batch(session, batch)
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_a_restarted_worker_loading_blocks_builds_what_a_fresh_read_does(session, seed: int) -> None:
+    rng = random.Random(seed)
+    batches.register_run(session, RunRegistration(run="r", parallelism={"world_size": WORLD},
+                                                 hardware={"gpu_count": WORLD, "peak_flops": 1e10}))  # fmt: skip
+    sent, seq, inc = dict.fromkeys(range(WORLD), 0), dict.fromkeys(range(WORLD), 0), dict.fromkeys(range(WORLD), 1)
+    kept = DetectorInputs(blocks=True)
+    loaded_blocks = 0
+    for cycle in range(14):
+        n = rng.randint(2, 5)
+        for rank in range(WORLD):
+            if rank == 3 and cycle < 3:
+                continue  # joins late
+            if rank == 3 and cycle == 3:
+                sent[3] = sent[0] - n
+            k = n
+            if rank == 2 and cycle in (5, 6):
+                continue  # an outage: its steps arrive late and rewrite stored blocks
+            if rank == 2 and cycle == 7:
+                k += sent[0] - n - sent[2]
+            if rank == 1 and cycle == 9:
+                inc[1] += 1  # restart: steps replayed, the newest incarnation wins
+                sent[1] -= 6
+                k += 6
+            _store(session, rank, range(sent[rank], sent[rank] + k), inc[rank], seq[rank], rng)
+            sent[rank] += k
+            seq[rank] += 1
+        now = 100.0 + max(sent.values()) + rng.choice([0.0, 10.0])
+        run = queries.get_run(session, run_id="r")
+        _, first = pipeline.reduce_steps(session, run, now=now, config=CONFIG)
+        live = pipeline.build_series(session, run, now=now, config=CONFIG, inputs=kept, rewritten_from=first)
+        session.commit()  # the cycle's findings commit the blocks it wrote
+        restarted = DetectorInputs(blocks=True)  # a new lease holder: blocks, then rows
+        loaded = pipeline.build_series(session, run, now=now, config=CONFIG, inputs=restarted)
+        loaded_blocks += len(restarted._stored["timing"]) + len(restarted._stored["tensors"])  # type: ignore[index]
+        session.rollback()  # what it would store is the live worker's to store
+        fresh = pipeline.build_series(session, run, now=now, config=CONFIG)
+        _assert_same(live, fresh)
+        _assert_same(loaded, fresh)
+    assert loaded_blocks > 20  # the restarted builds did load blocks
+    # Blocks that left the lookbacks are gone; the stored ones are the newest.
+    newest = detector_reads.newest_summary(session, run_id="r")
+    assert newest is not None
+    timing = detector_blocks.stored(session, run_id="r", source="timing")
+    assert timing and min(timing) > newest[0] - CONFIG.straggler_lookback_steps - 3
+
+
+def test_the_first_build_after_a_start_reads_rows_only_where_no_block_is(session, monkeypatch) -> None:
+    rng = random.Random(5)
+    batches.register_run(session, RunRegistration(run="r", parallelism={"world_size": WORLD}))
+    for rank in range(WORLD):
+        _store(session, rank, range(0, 30), 1, 0, rng)
+    run = queries.get_run(session, run_id="r")
+    pipeline.reduce_steps(session, run, now=1e9, config=CONFIG)
+    for _ in range(4):  # a few cycles store the blocks (two per source and cycle)
+        pipeline.build_series(session, run, now=1e9, config=CONFIG, inputs=DetectorInputs(blocks=True))
+        session.commit()
+    reads: list[tuple[str, int, int]] = []
+    for name in ("rank_timing_columns", "tensor_rows"):
+        real = getattr(detector_reads, name)
+
+        def spy(*args, _real=real, _name=name, **kw):  # type: ignore[no-untyped-def]
+            reads.append((_name, kw["after"], kw["upto"]))
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(detector_reads, name, spy)
+    series = pipeline.build_series(session, run, now=1e9, config=CONFIG, inputs=DetectorInputs(blocks=True))
+    # Steps 0..29: timing lookback 23..29 (blocks of 3: 24..26, 27..29 stored; 23 from rows);
+    # tensors 15..29 (blocks of 4: 16..19, 20..23, 24..27 stored; 15 and 28..29 from rows).
+    assert sorted(reads) == [("rank_timing_columns", 22, 23), ("tensor_rows", 14, 15), ("tensor_rows", 27, 29)]
+    fresh = pipeline.build_series(session, run, now=1e9, config=CONFIG)
+    _assert_same(series, fresh)
