@@ -62,12 +62,15 @@ def _format_plan(result: PlanResult) -> str:
         f"memory per GPU: params {m.params / GIB:.1f} + grads {m.grads / GIB:.1f} + optimizer "
         f"{m.optimizer / GIB:.1f} + activations {m.activations / GIB:.1f} + overhead {m.overhead / GIB:.1f} "
         f"= {m.total / GIB:.1f} GiB of {m.capacity / GIB:.0f} GiB -> {'fits' if m.fits else 'DOES NOT FIT'}",
-        f"step: {s.total_s:.2f} s = compute {s.compute_s:.2f} + tp {s.tp_comm_s:.2f} + pp {s.pp_comm_s:.2f} "
-        f"+ ep {s.ep_comm_s:.2f} + bubble {s.bubble_s:.2f} + exposed dp {s.dp_comm_exposed_s:.2f}",
+        f"step: {s.total_s:.2f} s = compute {s.compute_s:.2f} + tp {s.tp_comm_s:.2f} + cp {s.cp_comm_s:.2f} "
+        f"+ pp {s.pp_comm_s:.2f} + ep {s.ep_comm_s:.2f} + bubble {s.bubble_s:.2f} "
+        f"+ exposed dp {s.dp_comm_exposed_s:.2f}",
         f"tokens/s: {result.tokens_per_s:,.0f}",
-        f"MFU: {f.predicted:.1%} (band {f.low:.1%}-{f.high:.1%}{'' if f.calibrated else ', uncalibrated'})",
+        f"MFU: {f.predicted:.1%} (band {f.low:.1%}-{f.high:.1%}, +-{f.band:.0%} from {f.regime or 'no regime'}"
+        f"{'' if f.in_domain else '; outside the calibrated domain'})",
         f"binding wall: {result.binding_wall}",
     ]
+    lines += [f"assumes: {d}" for d in result.defaults]
     lines += [f"warning: {w}" for w in result.warnings]
     return "\n".join(lines)
 
@@ -79,8 +82,9 @@ def _format_recommendation(rec: Recommendation) -> str:
     else:
         c = rec.config
         lines.append(
-            f"config: tp={c.tp} pp={c.pp} dp={c.dp} ep={c.ep} zero={c.zero} "
+            f"config: tp={c.tp} cp={c.cp} pp={c.pp} vpp={c.vpp} dp={c.dp} ep={c.ep} zero={c.zero} "
             f"micro_batch={c.micro_batch} global_batch={c.global_batch}"
+            + (" uneven_stages" if c.uneven_stages else "")
         )
         assert rec.result is not None
         lines.append(_format_plan(rec.result))

@@ -190,8 +190,9 @@ def _best(candidates: Iterable[PlanInput | None], calibration: Calibration | Non
         scored.append((tokens, c))
         notes.append(f"{name}: {tokens:,.0f} tok/s")
     if not scored:
-        return _Choice(layout=None, comparison="; ".join(notes))
-    return _Choice(layout=max(scored, key=lambda sc: sc[0])[1], comparison="; ".join(notes))
+        return _Choice(layout=None, comparison="; ".join(dict.fromkeys(notes)))
+    # Candidates alike in what the note names (the same sharding at another stage split) say it once.
+    return _Choice(layout=max(scored, key=lambda sc: sc[0])[1], comparison="; ".join(dict.fromkeys(notes)))
 
 
 def _note_choice(steps: list[LadderStep], choice: _Choice) -> None:

@@ -250,6 +250,8 @@ class StepTimePublic(_Public):
 
     compute_s: float
     tp_comm_s: float
+    cp_comm_s: float
+    """Ring attention's exposed key/value exchange (context parallelism)."""
     pp_comm_s: float
     ep_comm_s: float
     dp_comm_exposed_s: float
@@ -266,6 +268,14 @@ class MfuPublic(_Public):
     """True when the GPU type is covered by the calibration data."""
     convention: str
     """FLOP counting convention of the numbers."""
+    band: float
+    """Relative half-width of low..high: the calibration's held-out error in the config's regime, widened
+    outside the calibrated domain."""
+    regime: str
+    """The calibration regime the band comes from (GPU type and layout)."""
+    in_domain: bool
+    """False: the config is outside the calibrated domain (`outside` says how); the band is widened."""
+    outside: list[str]
 
 
 class PlanPublic(_Public):
@@ -281,6 +291,8 @@ class PlanPublic(_Public):
     params_total: float
     params_active: float
     warnings: list[str]
+    defaults: list[str]
+    """Each field the config left unstated and the value assumed for it, with why."""
 
 
 class ParallelismPublic(_Public):
@@ -295,6 +307,7 @@ class ParallelismPublic(_Public):
     micro_batch: int
     global_batch: int
     recompute: str
+    uneven_stages: bool
 
 
 class LadderStepPublic(_Public):
@@ -502,12 +515,21 @@ class ParallelismSection(_Section):
     ep: _Gpus | None = None
     vpp: _Gpus | None = None
     zero: StrictInt | StrictStr | None = None
-    """ZeRO stage 0-3, or "fsdp" (= 3, the default)."""
+    """ZeRO stage 0-3, or "fsdp" (= 3). Default: 1 (distributed optimizer) with TP, PP or CP, FSDP for pure
+    data parallelism (the output's `defaults` says which)."""
     micro_batch: _Batch | None = None
     global_batch: _Batch | None = None
     """Sequences per optimizer step; default micro_batch * dp."""
     recompute: Literal["none", "selective", "full"] | None = None
     """Default selective."""
+    uneven_stages: StrictBool | None = None
+    """Allow a pp that does not divide the layers (the fullest stage sets the pace); default false."""
+    sequence_parallel: StrictBool | None = None
+    """Sequence parallelism with TP; default true."""
+    overlap_dp_comm: StrictBool | None = None
+    """Data-parallel traffic overlapped with backward/forward; default true."""
+    framework: Literal["megatron", "fsdp"] | None = None
+    """The training stack whose efficiency applies; default from the layout."""
 
 
 class HardwareSection(_Section):
