@@ -156,6 +156,10 @@ ALERT_PANELS: dict[str, AlertPanel] = {
     ),
     "TrainvitalsRunStalled": AlertPanel(board=p.RUN_UID, title="Stalled?"),
     "TrainvitalsAnalysisBehind": AlertPanel(board=p.RUN_UID, title="Analysis lag"),
+    # The collector's own finding about a run; the panel counts the analysis errors it comes from.
+    "TrainvitalsAnalysisFailing": AlertPanel(
+        board=p.RUN_UID, title="Analysis cycle time and errors", evidence="trainvitals_analysis_errors_total"
+    ),
     "TrainvitalsAgentDroppingRecords": AlertPanel(board=p.RUN_UID, title="Records the agents lost, by reason"),
     # About a collector instance, not a run.
     "TrainvitalsCollectorDown": AlertPanel(board=p.RUN_UID, title="Scrape of the collector", per_run=False),
