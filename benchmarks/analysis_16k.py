@@ -17,9 +17,10 @@ one analysis cycle runs, timed by phase. Two ways of building the detectors' inp
 `fresh` reads the whole lookback every cycle (what the worker did before DetectorInputs, and what
 replay and the first cycle after a start still do); `kept` keeps one DetectorInputs between
 cycles, as the worker does now (its first cycle is the fresh read and is reported apart).
-`restart` is the first cycle of a worker that starts (or takes the lease over) after the kept
-worker stored its blocks (store/detector_blocks.py): it loads the blocks and reads rows only for
-the steps no block holds, then later cycles go on as `kept`'s.
+`restart` is the first cycle of a worker that starts (or takes the lease over) after a worker that
+ran for a while stored its blocks (store/detector_blocks.py; emulated, untimed, by one read over
+lookbacks one block longer): it loads the blocks and reads rows only for the steps no block holds,
+then later cycles go on as `kept`'s.
 Also timed once: the watermark query the worker ran before (a group-by over every raw step row).
 """
 
@@ -166,15 +167,25 @@ def cycle(session_factory, *, now: float, config: pipeline.PipelineConfig, input
     return out
 
 
-def store_all_blocks(session_factory, *, now: float, config: pipeline.PipelineConfig, inputs: DetectorInputs) -> int:
-    """Let the kept worker's inputs store every block they hold (a live worker does so two per
-    source and cycle as steps complete); returns how many the run has."""
+def store_all_blocks(session_factory, *, now: float, config: pipeline.PipelineConfig) -> int:
+    """Store every block a worker that has been running for a while holds: its input covered each
+    block whole at some cycle, the one the lookback now starts inside included. Emulated by one
+    read with each lookback one block longer; returns how many blocks the run has."""
+    import dataclasses
+
     limit = detector_inputs._SAVES_PER_CYCLE
     detector_inputs._SAVES_PER_CYCLE = 10**6
+    sizes = detector_inputs.BLOCK_STEPS
+    wider = dataclasses.replace(
+        config,
+        detector_lookback_steps=config.detector_lookback_steps + sizes["tensors"],
+        straggler_lookback_steps=config.straggler_lookback_steps + sizes["timing"],
+    )
+    inputs = DetectorInputs(blocks=True)
     try:
         with session_factory() as session:
             run = queries.get_run(session, run_id=RUN)
-            pipeline.build_series(session, run, now=now, config=config, inputs=inputs, rewritten_from=None)
+            pipeline.build_series(session, run, now=now, config=wider, inputs=inputs, rewritten_from=None)
             session.commit()
             return sum(len(v) for v in (inputs._stored or {}).values())
     finally:
@@ -220,12 +231,11 @@ def main() -> None:
         step = last
         results: dict[str, list[dict]] = {}
         memory = {}
-        inputs: DetectorInputs | None = None
         for mode in modes:  # kept first: its peak memory is not the fresh reads
             if mode == "restart":  # the kept worker stores every block it holds (untimed), then stops
                 t0 = time.perf_counter()
-                saved = store_all_blocks(factory, now=now, config=config, inputs=inputs or DetectorInputs(blocks=True))
-                print(f"stored {saved} blocks in {time.perf_counter() - t0:.0f} s (untimed)")
+                saved = store_all_blocks(factory, now=now, config=config)
+                print(f"stored {saved} blocks in {time.perf_counter() - t0:.0f} s (untimed)", flush=True)
             inputs = DetectorInputs(blocks=True) if mode in ("kept", "restart") else None
             rows = []
             for _ in range(args.cycles + (mode != "fresh")):
