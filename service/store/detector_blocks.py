@@ -60,7 +60,7 @@ def load(session: Session, *, run_id: str, source: str, first: int, last: int) -
     return out
 
 
-def _payloads(session: Session, stmt: Select[tuple[bytes]]) -> Iterator[bytes]:
+def _payloads(session: Session, stmt: Select[bytes]) -> Iterator[bytes]:
     """The payloads, one at a time. PostgreSQL: in binary (its text form of bytea is hex, twice the
     bytes to send and decode: most of the load time of ~600 MB of blocks)."""
     conn = session.connection()
