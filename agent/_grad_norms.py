@@ -134,11 +134,11 @@ class GradNormTracker:
         # dispatch, 10-30 us with the caches cold after backward, far more than its arithmetic on a
         # few hundred values, so the number of ops (and of distinct ops) is what matters here. Hence
         # mul throughout (x * x is what square computes) and nonfinite as "sq * 0 is NaN" (exactly
-        # for inf and NaN): two ops where isfinite alone is four.
+        # for inf and NaN): two ops where isfinite alone is four. owned_sq and sq * 0 come from one
+        # broadcast mul by the [owned; 0] rows.
         norms32 = stacked if stacked.dtype == torch.float32 else stacked.float()
         torch.mul(norms32, norms32, out=r.sq)
-        torch.mul(r.sq, r.owned, out=r.owned_sq)
-        torch.mul(r.sq, r.zero_rows, out=r.nonfinite)
+        torch.mul(r.sq, r.owned_zero, out=r.tail)
         torch.ne(r.nonfinite, r.nonfinite, out=r.nonfinite)
         out = r.zeros.index_add(0, r.to_group, r.rows)  # [local_sq | owned_sq | nonfinite] per group
         out.index_add_(0, r.to_total, r.rows)  # the three totals, at the end
@@ -190,8 +190,8 @@ class _Reduction:
         n = group_of.numel()
         self.rows = torch.zeros(3 * n, dtype=torch.float32, device=device)
         self.sq, self.owned_sq, self.nonfinite = self.rows.view(3, n).unbind(0)
-        self.owned = owned.to(device)
-        self.zero_rows = torch.zeros(n, dtype=torch.float32, device=device)
+        self.tail = self.rows.view(3, n)[1:]  # owned_sq and nonfinite, written by one mul
+        self.owned_zero = torch.stack([owned, torch.zeros(n)]).to(device)  # [owned; 0] per parameter
         self.zeros = torch.zeros(3 * n_groups + 3, dtype=torch.float32, device=device)  # never written
         row = torch.arange(3).repeat_interleave(n)  # which row each element of `rows` belongs to
         self.to_group = (row * n_groups + group_of.repeat(3)).to(device)

@@ -82,8 +82,8 @@ class DeviceStack:
         """A step field that is a device tensor (its first element, as for a 0-dim loss)."""
         if value.requires_grad:
             value = value.detach()
-        if value.dim() != 0:
-            value = value.reshape(-1)[0]
+        # A one-element view: sample() concatenates it with the vectors, no stack of the scalars.
+        value = value.reshape(1) if value.dim() == 0 else value.reshape(-1)[:1]
         if self._scalars and value.device != self._scalars[0].device:
             value = value.to(self._scalars[0].device, non_blocking=True)
         self._names.append(name)
@@ -97,12 +97,9 @@ class DeviceStack:
     def sample(self, step_fields: dict[str, Any]) -> StepSample:
         """The step's sample, its device values copied to the host without waiting for them."""
         # Every torch op here runs with cold caches (the optimizer has just streamed through the
-        # parameters): ~5-20 us each on CPU, so as few as possible: one stack for the scalars, one
-        # cat for everything, one copy.
-        parts: list[torch.Tensor] = []
-        if self._scalars:
-            scalars = torch.stack(self._scalars)
-            parts.append(scalars if scalars.dtype == torch.float32 else scalars.float())
+        # parameters): ~5-20 us each on CPU, so as few as possible: one cat for everything (the
+        # scalars are one-element views; cat promotes mixed dtypes), one copy.
+        parts: list[torch.Tensor] = list(self._scalars)
         sections: list[tuple[int, int, Decoder]] = []
         offset = len(self._scalars)
         for vector, decode in zip(self._vectors, self._decoders, strict=True):
@@ -115,7 +112,10 @@ class DeviceStack:
             return StepSample(step_fields, None, None, [], [])
         # One small device tensor, one non-blocking copy to the host. Sync point: none here; the
         # exporter thread waits on the event.
-        stacked = torch.cat(parts) if len(parts) > 1 else parts[0]
+        # A copy whenever a scalar is in it: the job may reuse its loss tensor in place.
+        stacked = torch.cat(parts) if len(parts) > 1 or self._scalars else parts[0]
+        if stacked.dtype != torch.float32:  # e.g. a bf16 or float64 loss: the wire's values are float32
+            stacked = stacked.float()
         event = None
         if stacked.device.type == "cuda":
             values = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
