@@ -327,8 +327,10 @@ class DetectorInputs:
 
     def _save_blocks(self, session: Session, rid: str, *, after: dict[str, int], upto: int) -> None:
         """Store the newest blocks not stored yet that the kept input holds whole; delete those
-        that left the lookback. Committed with the cycle's findings."""
+        that left the lookback. Committed at once: on SQLite an open write would hold off ingest
+        while the detectors run (the cycle's reduction is committed already)."""
         assert self._stored is not None
+        changed = False
         for src, size in BLOCK_STEPS.items():
             stored, saved = self._stored[src], 0
             k = (upto + 1) // size - 1
@@ -344,6 +346,9 @@ class DetectorInputs:
             if gone:
                 detector_blocks.forget_upto(session, run_id=rid, source=src, step=after[src])
                 stored -= gone
+            changed = changed or bool(saved or gone)
+        if changed:
+            session.commit()
 
     def _tensor_block(self, first: int, last: int) -> dict[str, np.ndarray]:
         keys, formats, shadows, counts, parts = [], [], [], [], []

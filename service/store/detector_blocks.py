@@ -79,7 +79,7 @@ def _payloads(session: Session, stmt: Select[bytes]) -> Iterator[bytes]:
 def save(
     session: Session, *, run_id: str, source: str, first: int, last: int, arrays: Mapping[str, np.ndarray]
 ) -> None:
-    """Store (or replace) one block (not committed: the cycle's findings commit it)."""
+    """Store (or replace) one block (not committed)."""
     buf = io.BytesIO()
     np.savez(buf, **dict(arrays))  # type: ignore[arg-type]  # numpy's stub types **kwds oddly
     b = DetectorBlock
