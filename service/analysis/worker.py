@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 from trainvitals.service.analysis import pipeline
 from trainvitals.service.analysis.detector_inputs import DetectorInputs
 from trainvitals.service.settings import Settings
-from trainvitals.service.store import analysis_status, findings, queries, summaries
+from trainvitals.service.store import analysis_status, detector_blocks, findings, queries, summaries
 from trainvitals.service.store.lease import AnalysisLease
 
 logger = logging.getLogger("trainvitals.service")
@@ -75,6 +75,7 @@ class AnalysisWorker:
                 idle_seconds=self._settings.idle_run_seconds,
             )
             run_ids = [r.run_id for r in runs]
+            detector_blocks.forget_runs_except(session, live=run_ids)
         for gone in self._inputs.keys() - set(run_ids):
             del self._inputs[gone]
         for run_id in run_ids:

@@ -14,7 +14,7 @@ lands on, so a block never outlives a change of the rows it was made from.
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 
 import numpy as np
 from sqlalchemy import Select, delete, select
@@ -37,6 +37,17 @@ def forget_upto(session: Session, *, run_id: str, source: str, step: int) -> Non
     """Delete the source's blocks that end at or before `step` (they left the lookback)."""
     b = DetectorBlock
     session.execute(delete(b).where(b.run_id == run_id, b.source == source, b.last_step <= step))
+
+
+def forget_runs_except(session: Session, *, live: Collection[str]) -> None:
+    """Delete the blocks of every run not in `live` (finished past its grace, idle, or deleted): they
+    are only for a worker resuming a live run, and are about 640 MB for a 16,384-rank run. A run that
+    becomes live again is read from its rows once. Committed; a cheap look first (a few rows per run)."""
+    b = DetectorBlock
+    gone = set(session.scalars(select(b.run_id).distinct())) - set(live)
+    if gone:
+        session.execute(delete(b).where(b.run_id.in_(gone)))
+        session.commit()
 
 
 def stored(session: Session, *, run_id: str, source: str) -> set[int]:

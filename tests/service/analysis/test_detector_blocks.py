@@ -99,3 +99,15 @@ def test_the_first_build_after_a_start_reads_rows_only_where_no_block_is(session
     assert sorted(reads) == [("rank_timing_columns", 22, 23), ("tensor_rows", 14, 15), ("tensor_rows", 27, 29)]
     fresh = pipeline.build_series(session, run, now=1e9, config=CONFIG)
     _assert_same(series, fresh)
+
+
+def test_blocks_of_runs_that_left_the_live_set_are_deleted(session) -> None:
+    import numpy as np
+
+    for run in ("live", "done"):
+        batches.register_run(session, RunRegistration(run=run), now=0.0)
+        detector_blocks.save(session, run_id=run, source="timing", first=0, last=2, arrays={"x": np.zeros(3)})
+    session.commit()
+    detector_blocks.forget_runs_except(session, live=["live"])
+    assert detector_blocks.stored(session, run_id="live", source="timing") == {0}
+    assert detector_blocks.stored(session, run_id="done", source="timing") == set()
