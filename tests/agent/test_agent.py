@@ -74,7 +74,7 @@ def test_hooks_are_removed_on_close_and_close_is_idempotent(tmp_path: Path) -> N
     model, opt = _model()
     agent = tv.attach(model, opt, run="r1", config=tv.AgentConfig(collector="", spill_dir=str(tmp_path)))
     assert agent.hooks == 1 + _module_hooks(model) and len(opt._optimizer_step_pre_hooks) == 1
-    assert _module_hooks(model) >= 1 + 2 * 2  # step timer + FP8 hooks on both Linear layers
+    assert _module_hooks(model) >= 1 + 2  # step timer + one FP8 forward hook on each Linear layer
     agent.close()
     agent.close()
     assert agent.hooks == 0 and len(opt._optimizer_step_pre_hooks) == 0 and _module_hooks(model) == 0
