@@ -2,7 +2,7 @@
 
     python benchmarks/ingest_throughput.py [--backends sqlite,postgresql] [--seconds 40] [--warmup 10]
         [--clients 6] [--steps-per-batch 4] [--layers-per-rank 4] [--workers 1]
-        [--no-analysis | --analysis-thread] [--port P] [--db-prefix tv_bench]
+        [--no-analysis | --analysis-thread] [--floor-seconds 10] [--port P] [--db-prefix tv_bench]
 
 For each backend: start `trainvitals serve --db URL --port P` as a subprocess (analysis worker on,
 in its own child process as `serve` does by default; `--analysis-thread` runs it as a thread of the
@@ -18,6 +18,10 @@ Measured after `--warmup` seconds, over `--seconds`: acknowledged records/s and 
 request latency, CPU seconds per second of the collector, the PostgreSQL backends and the load
 generators (the machine has few cores: everything here shares them), and the collector's RSS
 (VmRSS at the end and VmHWM, from /proc/<pid>/status).
+
+The floor row (`--floor-seconds`, after each backend's ingest run): the same records, already row
+tuples, inserted from this one process into the same tables with nothing else in the way (SQLite
+`executemany`, PostgreSQL binary COPY; `--clients` batches per commit), and ingest's ratio to it.
 
 The SQLite file and the PostgreSQL scratch database are removed at the end; every process this
 script starts is stopped by it. scrape_16k.py and postmortem_queries.py import the collector and
@@ -45,6 +49,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.synchronize import Event as MpEvent
 from pathlib import Path
+from typing import Any
 
 PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 WORLD_SIZE = 16_384
@@ -543,6 +548,99 @@ def _drive(
     )
 
 
+# --------------------------------------------------------------------------- the raw-insert floor
+
+
+@dataclass(kw_only=True, slots=True)
+class FloorResult:
+    backend: str
+    records_per_s: float
+    method: str
+
+
+def _floor_batches(run: str, *, steps_per_batch: int, layers_per_rank: int) -> Iterator[bytes]:
+    """The load generators' batch bodies, in their order (ranks round-robin, then the next seq)."""
+    templates = {}
+    for key in range(TP * PP):
+        template, _ = batch_template(run, key, steps_per_batch=steps_per_batch, layers_per_rank=layers_per_rank)
+        templates[key] = re.split(rb"@([A-Z][0-9]*)@", template)
+    seq = 0
+    while True:
+        for rank in range(WORLD_SIZE):
+            values = {b"Q": b"%d" % seq, b"R": b"%d" % rank, b"D": b"%d" % (rank // (TP * PP))}
+            for k in range(steps_per_batch):
+                values[b"S%d" % k] = b"%d" % (seq * steps_per_batch + k)
+                values[b"T%d" % k] = b"1712900000.000"
+            parts = templates[rank % (TP * PP)]
+            yield b"".join(values[p] if i % 2 else p for i, p in enumerate(parts))
+        seq += 1
+
+
+def _floor_write(backend: str, raw: Any, group: dict[str, list[tuple[Any, ...]]]) -> None:
+    from trainvitals.service.store import batches as store
+
+    if backend == "sqlite":
+        cur = raw.cursor()
+        cur.execute("BEGIN")
+        for kind, rows in group.items():
+            cur.executemany(store._SQLITE_INSERT[kind], rows)  # noqa: SLF001 - the store's own statement
+    else:
+        with raw.cursor() as cur:
+            for kind, rows in group.items():
+                with cur.copy(store._PG_COPY[kind]) as copy:  # noqa: SLF001
+                    copy.set_types(store._PG_COPY_TYPES[kind])  # noqa: SLF001
+                    for row in rows:
+                        copy.write_row(row)
+    raw.commit()
+
+
+def measure_floor(
+    backend: str,
+    *,
+    seconds: float,
+    steps_per_batch: int,
+    layers_per_rank: int,
+    group_batches: int,
+    db_prefix: str = "tv_bench",
+) -> FloorResult:
+    """What the database takes from one Python process that does nothing else: the benchmark's
+    records, already row tuples, into the same tables (same schema, indexes and SQLite settings),
+    `group_batches` batches per transaction. SQLite: sqlite3 `executemany` per record kind;
+    PostgreSQL: psycopg binary COPY per kind. No HTTP, no decoding, no idempotency rows: only the
+    inserts and commits are timed. The bound that ingest's records/s is compared with."""
+    from trainvitals.service.ingest.decode import decode_batch
+    from trainvitals.service.store import batches as store
+    from trainvitals.service.store import db
+    from trainvitals.wire import RunRegistration
+
+    run = "bench-floor"
+    with scratch_db(backend, f"{db_prefix}_floor") as url:
+        create_token(url, project="bench", scope="ingest")  # migrates, as for the collector
+        engine = db.make_engine(url)
+        try:
+            with db.make_sessionmaker(engine)() as session:
+                store.register_run(session, RunRegistration.model_validate(registration(run)))
+            bodies = _floor_batches(run, steps_per_batch=steps_per_batch, layers_per_rank=layers_per_rank)
+            total, busy = 0, 0.0
+            raw = engine.raw_connection().driver_connection
+            if backend == "sqlite":
+                raw.isolation_level = None  # explicit BEGIN / COMMIT, one transaction per group
+            while busy < seconds:
+                group: dict[str, list[tuple[Any, ...]]] = {}
+                for _ in range(group_batches):
+                    for kind, rows in store.batch_rows(decode_batch(next(bodies)))[0].items():
+                        group.setdefault(kind, []).extend(rows)
+                t0 = time.perf_counter()
+                _floor_write(backend, raw, group)
+                busy += time.perf_counter() - t0
+                total += sum(map(len, group.values()))
+            raw.close()
+        finally:
+            engine.dispose()
+    method = "sqlite3 executemany" if backend == "sqlite" else "psycopg binary COPY"
+    return FloorResult(backend=backend, records_per_s=total / busy, method=method)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default="sqlite,postgresql")
@@ -558,6 +656,8 @@ def main() -> None:
     parser.add_argument(
         "--analysis-thread", action="store_true", help="serve --analysis-thread: analysis in the collector process"
     )
+    parser.add_argument("--floor-seconds", type=float, default=10.0,
+                        help="insert time of the raw-insert floor per backend (0: no floor rows)")  # fmt: skip
     add_shared_args(parser)
     args = parser.parse_args()
     print(f"$ {' '.join([Path(sys.executable).name, *sys.argv])}")
@@ -566,14 +666,15 @@ def main() -> None:
         f"processes; warm-up {args.warmup:.0f} s, window {args.seconds:.0f} s\n"
     )
     results = []
+    floors: dict[str, FloorResult] = {}
+    shape = {"steps_per_batch": args.steps_per_batch, "layers_per_rank": args.layers_per_rank}
     for backend in args.backends.split(","):
         res = measure(
             backend,
             seconds=args.seconds,
             warmup=args.warmup,
             clients=args.clients,
-            steps_per_batch=args.steps_per_batch,
-            layers_per_rank=args.layers_per_rank,
+            **shape,
             analysis=not args.no_analysis,
             analysis_thread=args.analysis_thread,
             workers=args.workers,
@@ -582,6 +683,11 @@ def main() -> None:
         )
         print(f"[{backend}] collector: {res.command}", flush=True)
         results.append(res)
+        if args.floor_seconds > 0:
+            # Right after the ingest run, so the two see the same machine (load from other work).
+            floors[backend] = measure_floor(
+                backend, seconds=args.floor_seconds, **shape, group_batches=args.clients, db_prefix=args.db_prefix
+            )
     header = (
         f"{'backend':<11}{'records/s':>11}{'batches/s':>10}{'rec/batch':>10}{'body KB':>8}"
         f"{'p50 ms':>8}{'p99 ms':>8}{'errors':>7}{'CPU coll':>9}{'CPU pg':>7}{'CPU gen':>8}"
@@ -596,6 +702,14 @@ def main() -> None:
             f"{r.postgres_cpu:>7.2f}{r.clients_cpu:>8.2f}{r.rss_mb:>8.0f}{r.hwm_mb:>8.0f}"
             f"{r.stored_rows:>13,}{r.reduced:>16}"
         )
+    if floors:
+        print(f"\n{'backend':<11}{'floor rec/s':>12}{'ingest rec/s':>13}{'ratio':>7}  floor method")
+        for r in results:
+            f = floors[r.backend]
+            print(
+                f"{r.backend:<11}{f.records_per_s:>12,.0f}{r.records_per_s:>13,.0f}"
+                f"{r.records_per_s / f.records_per_s:>7.2f}  {f.method}, {args.clients} batches per commit"
+            )
     print(
         "\nCPU columns: cores busy on average (collector process; PostgreSQL backends of the scratch "
         "database; all load generators). records/s counts acknowledged records in the window. "

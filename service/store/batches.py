@@ -10,6 +10,7 @@ is acknowledged without storing anything.
 from __future__ import annotations
 
 import functools
+import sqlite3
 import threading
 import time
 from collections.abc import Sequence
@@ -250,26 +251,40 @@ def _write_fast(session: Session, kind: str, rows: list[tuple[Any, ...]]) -> Non
         _sqlite_insert(conn.connection.driver_connection, kind, nan_as_text(rows, _SQLITE_REAL_POSITIONS[kind]))
 
 
-_SQLITE_CHUNK_ROWS = 512  # rows per statement at most: 17 columns x 512 = 8,704 variables (limit 32,766)
+# Rows per statement at most. Every sqlite3 execute releases the GIL around its step and must take
+# it back from the event loop, which holds it up to the switch interval (5 ms) while it decodes
+# requests: under load those waits, not SQLite, were most of a group's time. So few, large
+# statements: 4,096 rows (20 columns: 81,920 variables), fewer when the library's variable limit
+# is lower (32,766 by default since SQLite 3.32).
+_SQLITE_CHUNK_ROWS = 4096
 
 
 @functools.lru_cache(maxsize=64)
-def _sqlite_values_sql(kind: str, rows: int) -> str:
-    head, _, values = _SQLITE_INSERT[kind].partition(" VALUES ")
+def _sqlite_values_sql(head: str, values: str, rows: int) -> str:
     return f"{head} VALUES {','.join([values] * rows)}"
 
 
-def _sqlite_insert(dbapi_conn: Any, kind: str, rows: list[tuple[Any, ...]]) -> None:
+def _sqlite_multirow(dbapi_conn: Any, sql: str, rows: Sequence[tuple[Any, ...]], tail: str = "") -> list[Any]:
     """Multi-row INSERTs of power-of-two sizes (a handful of cached statements): sqlite3's
-    executemany steps the statement once per row, releasing and re-taking the GIL each time, which
-    under load means waiting for the event loop thread between rows; one statement per 512 rows
-    steps once. 15% less time per row with nothing competing, more under load."""
+    executemany steps the statement once per row, releasing and re-taking the GIL each time; one
+    statement per chunk steps once. Returns what the statements return (`tail`: RETURNING ...)."""
+    head, _, values = sql.partition(" VALUES ")
+    limit = dbapi_conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // max(1, values.count("?"))
+    most = min(_SQLITE_CHUNK_ROWS, 1 << (limit.bit_length() - 1))
     cur = dbapi_conn.cursor()
+    out: list[Any] = []
     i, n = 0, len(rows)
     while i < n:
-        k = min(_SQLITE_CHUNK_ROWS, 1 << ((n - i).bit_length() - 1))
-        cur.execute(_sqlite_values_sql(kind, k), list(chain.from_iterable(rows[i : i + k])))
+        k = min(most, 1 << ((n - i).bit_length() - 1))
+        cur.execute(_sqlite_values_sql(head, values, k) + tail, list(chain.from_iterable(rows[i : i + k])))
+        if tail:
+            out.extend(cur.fetchall())
         i += k
+    return out
+
+
+def _sqlite_insert(dbapi_conn: Any, kind: str, rows: list[tuple[Any, ...]]) -> None:
+    _sqlite_multirow(dbapi_conn, _SQLITE_INSERT[kind], rows)
 
 
 _STATE = table_of(ReductionState)
@@ -461,9 +476,9 @@ _PG_CLAIM = (
     "SELECT * FROM unnest(%s::varchar[], %s::int[], %s::bigint[], %s::bigint[], %s::float8[], %s::int[]) "
     "ON CONFLICT DO NOTHING RETURNING run_id, rank, incarnation, seq"
 )
-_SQLITE_CLAIM = (
-    f"INSERT INTO {DeliveredBatch.__tablename__} ({_BATCH_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
-)
+_SQLITE_CLAIM = f"INSERT INTO {DeliveredBatch.__tablename__} ({_BATCH_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)"
+_SQLITE_CLAIM_TAIL = " ON CONFLICT DO NOTHING RETURNING run_id, rank, incarnation, seq"
+_SQLITE_RETURNING = sqlite3.sqlite_version_info >= (3, 35)
 
 
 def _claim_keys(session: Session, batches: list[AnyBatch], now: float) -> set[tuple[str, int, int, int]]:
@@ -479,11 +494,14 @@ def _claim_keys(session: Session, batches: list[AnyBatch], now: float) -> set[tu
         with raw.cursor() as cur:  # type: ignore[union-attr]
             cur.execute(_PG_CLAIM, [list(col) for col in zip(*rows, strict=True)])
             return {tuple(r) for r in cur.fetchall()}
-    # SQLite: one writer at a time (the caller holds it), so a row-by-row rowcount is exact.
-    cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+    dbapi = conn.connection.driver_connection
+    if _SQLITE_RETURNING:  # one statement per group (the keys of a group are distinct: the caller's dict)
+        return {tuple(r) for r in _sqlite_multirow(dbapi, _SQLITE_CLAIM, rows, _SQLITE_CLAIM_TAIL)}
+    # SQLite before 3.35: one writer at a time (the caller holds it), so a row-by-row rowcount is exact.
+    cur = dbapi.cursor()  # type: ignore[union-attr]
     new = set()
     for row in rows:
-        cur.execute(_SQLITE_CLAIM, row)
+        cur.execute(_SQLITE_CLAIM + " ON CONFLICT DO NOTHING", row)
         if cur.rowcount == 1:
             new.add(row[:4])
     return new
