@@ -1,9 +1,11 @@
 """Group commit: store_batches and the BatchWriter thread, on SQLite and PostgreSQL."""
 
+import sqlite3
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import sqlalchemy
 from sqlalchemy import func, select
 
 from trainvitals.service.ingest.batch_writer import BatchWriter, WriterBusyError
@@ -190,3 +192,38 @@ def test_stop_writes_what_was_accepted(sessions) -> None:
     writer.stop()
     assert all(f.done() and f.result().accepted == 4 for f in futures)
     assert _count(sessions, StepRow) == 16
+
+
+def _wide_batch(rank: int, seq: int, steps: int) -> Batch:
+    """`steps` steps x (1 step + 1 tensor record): enough rows to cross several statement chunks."""
+    records: list[dict[str, object]] = []
+    for s in range(seq * steps, (seq + 1) * steps):
+        records.append({"kind": "step", "step": s, "ts": 100.0 + s, "step_seconds": 0.5})
+        records.append(
+            {"kind": "tensor", "step": s, "tensor": "blocks.0.fc1", "role": "input", "format": "e4m3", "amax": 3.0}
+        )
+    return Batch.model_validate({"run": "r1", "rank": rank, "incarnation": 1, "seq": seq, "records": records})
+
+
+def test_sqlite_groups_larger_than_a_statement_store_every_row_once(tmp_path) -> None:
+    """SQLite inserts a group's rows (and its idempotency rows) in multi-row statements sized to
+    the library's variable limit: with the limit lowered to 999 (old builds), a group of 70
+    batches and 10,500 records still stores each record once and tells duplicates apart."""
+    url = f"sqlite:///{tmp_path / 'tv.db'}"
+    db.upgrade(url)
+    engine = db.make_engine(url)
+
+    @sqlalchemy.event.listens_for(engine, "connect")
+    def _low_limit(dbapi_conn, _record) -> None:
+        dbapi_conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 999)
+
+    factory = db.make_sessionmaker(engine)
+    with factory() as s:
+        batches.register_run(s, RunRegistration(run="r1", project="a"))
+        batches.store_batch(s, _wide_batch(0, 1, 75))
+        group = [(_wide_batch(rank, seq, 75), "a") for rank in range(35) for seq in (0, 1)]
+        outcomes = batches.store_batches(s, group)
+    assert [o.duplicate for o in outcomes] == [rank == 0 and seq == 1 for rank in range(35) for seq in (0, 1)]
+    assert _count(factory, DeliveredBatch) == 70
+    assert _count(factory, StepRow) == _count(factory, TensorStatRow) == 70 * 75
+    engine.dispose()
