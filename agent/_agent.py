@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainvitals.agent import _sigterm
 from trainvitals.agent._checkpoints import CheckpointHandle, CheckpointRecorder
 from trainvitals.agent._config import AgentConfig, disabled_by_env
 from trainvitals.agent._delivery import spooling_exporter
@@ -107,6 +108,8 @@ class Agent:
                 agent.close()
 
         atexit.register(close_at_exit)
+        if config.exit_on_sigterm:
+            _sigterm.install()
 
     def _make_fp8_monitors(self, model: nn.Module | None, recipe: dict[str, Any]) -> list[Fp8Monitor]:
         """Up to two monitors, each with its own cadence: modules that train through an FP8 recipe

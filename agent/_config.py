@@ -73,6 +73,10 @@ class AgentConfig:
     """Also append every batch (JSONL, wire format) to this file; '{rank}' is replaced."""
     flush_timeout_s: float = 10.0
     """close()/exit waits at most this long for delivery; the rest stays spooled for later."""
+    exit_on_sigterm: bool = True
+    """Turn SIGTERM (torchrun stops every rank with it when one fails) into an orderly exit so the
+    exit pass spools and delivers the last records; only when the job left SIGTERM at its default
+    (agent/_sigterm.py). False: SIGTERM ends the process at once and what was queued is lost."""
     grad_groups: str = "block"
     """Gradient-norm groups: 'block' (per numbered layer, e.g. layers.3), 'param' or 'none'."""
     grad_ownership: str = "auto"
