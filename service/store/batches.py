@@ -210,9 +210,10 @@ _PG_COPY_TYPES = {
 
 RowsByKind = dict[str, list[tuple[Any, ...]]]
 DictRowsByKind = dict[str, list[dict[str, Any]]]
+BatchRows = tuple[RowsByKind, DictRowsByKind, int | None]
 
 
-def batch_rows(batch: AnyBatch) -> tuple[RowsByKind, DictRowsByKind, int | None]:
+def batch_rows(batch: AnyBatch) -> BatchRows:
     """A batch's records as rows (pure): tuples for the fast kinds in (run_id, rank, incarnation,
     *_FAST_COLUMNS[kind]) order, dicts for checkpoints and events, and the lowest step seen."""
     fast: dict[str, list[tuple[Any, ...]]] = {kind: [] for kind in _FAST_KINDS}
@@ -354,6 +355,7 @@ def store_batches(
     *,
     now: float | None = None,
     writer: str = "direct",
+    rows: Sequence[BatchRows | None] | None = None,
 ) -> list[BatchOutcome]:
     """Store several batches in one transaction (group commit); one outcome per item, in order.
 
@@ -365,6 +367,9 @@ def store_batches(
 
     writer: names the ingest_counts rows this transaction adds its outcomes to (one per writer
     thread, see IngestCount).
+
+    rows: per item, its `batch_rows` when the caller built them already (None: built here). The
+    group-commit writer has them built on the request's thread, so its own thread mostly writes.
     """
     now = time.time() if now is None else now
     run_ids = {batch.run for batch, _ in items}
@@ -395,7 +400,8 @@ def store_batches(
                 candidates[key] = i
     # Rows are built before the write transaction starts: on SQLite nothing else can write
     # while it is open, so it should hold only the inserts.
-    built = {i: batch_rows(items[i][0]) for i in candidates.values()}
+    given = rows or [None] * len(items)
+    built = {i: given[i] or batch_rows(items[i][0]) for i in candidates.values()}
     with _writer(session):
         new_keys = _claim_keys(session, [items[i][0] for i in candidates.values()], now) if candidates else set()
         stored = [i for key, i in candidates.items() if key in new_keys]
@@ -438,7 +444,7 @@ def _count(
     writer: str,
     runs: list[tuple[str, bool]],
     outcomes: Sequence[BatchOutcome | None],
-    stored_rows: Sequence[tuple[RowsByKind, DictRowsByKind, int | None] | None] | None = None,
+    stored_rows: Sequence[BatchRows | None] | None = None,
 ) -> None:
     """Add this group's outcomes to the writer's counter rows (same transaction: exact).
 
@@ -507,7 +513,7 @@ def _claim_keys(session: Session, batches: list[AnyBatch], now: float) -> set[tu
     return new
 
 
-def _write_records(session: Session, built: list[tuple[RowsByKind, DictRowsByKind, int | None]]) -> None:
+def _write_records(session: Session, built: list[BatchRows]) -> None:
     """Every record of the stored batches: one COPY / executemany per kind for the whole group."""
     fast: dict[str, list[tuple[Any, ...]]] = {}
     other: dict[str, list[dict[str, Any]]] = {}
