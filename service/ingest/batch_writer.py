@@ -121,7 +121,12 @@ class BatchWriter:
         # Rows are built here, on the request's thread: the writer thread is the bound on ingest
         # (busy all the time under load), the event loop is not. Not for a large batch, which would
         # stall the event loop (0.3-1 us per record): the writer builds those.
-        rows = batches.batch_rows(batch) if n <= _INLINE_ROWS_MAX else None
+        rows = None
+        if n <= _INLINE_ROWS_MAX:
+            try:
+                rows = batches.batch_rows(batch)
+            except Exception:  # noqa: BLE001 - the writer builds them again and answers this batch alone
+                rows = None  # (raising here would leave its records counted as pending for good)
         item = _Pending(batch, project, rows)
         self._queue.put(item)
         return item.future
