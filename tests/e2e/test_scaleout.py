@@ -96,9 +96,15 @@ def test_replicas_behind_nginx_agree(empty_pg_url: str, tmp_path: Path) -> None:
         assert _lease_holders(dsn) == 1, "one analysis child analyses for both replicas"
         assert a.poll() is None and b.poll() is None
 
-        # Retention as documented: every step is reduced, so with keep_steps 0 the partitions that
-        # take no more rows go (ids 1-16 and 17-32 of the 48 step rows); the newest stays.
+        # Retention as documented: once every step is reduced (the overview counts steps as they
+        # arrive, so wait for the reduction itself), with keep_steps 0 the partitions that take no
+        # more rows go (ids 1-16 and 17-32 of the 48 step rows); the newest stays.
         with psycopg.connect(dsn, autocommit=True) as conn:
+            deadline = time.monotonic() + 40
+            while (conn.execute("SELECT reduced_upto FROM reduction_state WHERE run_id = %s", (RUN,)).fetchone()
+                   or (-1,))[0] < STEPS - 1:
+                assert time.monotonic() < deadline, "the last steps were never reduced"
+                time.sleep(0.5)
             dropped = [r[0] for r in conn.execute("SELECT trainvitals_drop_reduced_partitions('steps', 0)")]
             assert dropped == ["steps_p0", "steps_p1"]
             assert conn.execute("SELECT count(*) FROM steps").fetchone() == (WORLD * STEPS - 32,)
