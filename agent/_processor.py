@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from trainvitals.agent._config import AgentConfig
 from trainvitals.agent._guard import ErrorBudget
 from trainvitals.wire import batch_header, event_record
+from trainvitals.wire.conventions import DROP_REASONS as WIRE_DROP_REASONS
 
 _QUIET_EXIT_S = 1.0
 """At exit, a collector that takes the last batches within this is not worth a message."""
@@ -48,7 +49,8 @@ QUARANTINE_ERROR = "quarantine_error"
 """Refused by the collector for good, and the quarantine file could not be written."""
 EXIT_TIMEOUT = "exit_timeout"
 """Still queued when shutdown gave up waiting for the exporter (a hung collector at exit)."""
-DROP_REASONS: tuple[str, ...] = (QUEUE_FULL, SPOOL_FULL, SPOOL_ERROR, QUARANTINE_FULL, QUARANTINE_ERROR, EXIT_TIMEOUT)
+# The wire names the reasons (the collector exports each by name); the constants above are its members.
+DROP_REASONS: tuple[str, ...] = WIRE_DROP_REASONS
 
 
 def _dumps(obj: Any) -> str:
