@@ -11,6 +11,15 @@ from typing import Any
 
 DISABLE_ENV = "TRAINVITALS_DISABLE"
 
+DEFAULT_SEND_INTERVAL_S = 2.0
+"""The automatic send interval of a job of up to JOB_BATCHES_PER_S * DEFAULT_SEND_INTERVAL_S ranks."""
+JOB_BATCHES_PER_S = 512
+"""What the automatic send interval holds a whole job to: about this many batches per second.
+A collector's cost is per request (about 1 ms of CPU each, docs/performance.md "Scale-out"), so a
+fixed per-rank interval would make the load grow with the job without bound (8,192 requests/s at
+16,384 ranks every 2 s). Above 1,024 ranks every rank waits world_size / 512 s instead (32 s at
+16,384): Prometheus scrapes every 15-30 s anyway, so that delivery delay costs little."""
+
 
 def default_spill_dir() -> str:
     """`<tmp>/trainvitals-spool-<user>`: node-local (tempfile's TMPDIR, else /tmp) and per user.
@@ -49,8 +58,10 @@ class AgentConfig:
     """The run's project. None: $TRAINVITALS_PROJECT, else none named: the collector registers the
     run under the token's project (with auth off, 'default'). A project the token is not for is
     refused (403), never stored elsewhere."""
-    send_interval_s: float = 2.0
-    """How often the background thread ships a batch."""
+    send_interval_s: float | None = None
+    """How often the background thread ships a batch. None: automatic, by the job's size
+    (send_interval_for): 2 s up to 1,024 ranks, world_size / 512 s above (32 s at 16,384 ranks),
+    so a whole job sends at most about 512 batches/s however large it grows."""
     max_batch_records: int = 20_000
     """Records per HTTP request at most; a backlog goes out as several batches."""
     queue_max_records: int = 200_000
@@ -114,8 +125,8 @@ class AgentConfig:
     """Free-form run tags sent with the registration."""
 
     def __post_init__(self) -> None:
-        if self.send_interval_s <= 0:
-            raise ValueError("send_interval_s must be > 0")
+        if self.send_interval_s is not None and self.send_interval_s <= 0:
+            raise ValueError("send_interval_s must be > 0 (or None: automatic)")
         if self.max_batch_records < 1 or self.queue_max_records < self.max_batch_records:
             raise ValueError("need 1 <= max_batch_records <= queue_max_records")
         if self.grad_groups not in ("block", "param", "none"):
@@ -140,3 +151,23 @@ class AgentConfig:
             raise ValueError("auth_retry_s must be >= 0")
         if self.spill_dir is None:
             self.spill_dir = os.environ.get("TRAINVITALS_SPILL_DIR") or default_spill_dir()
+
+    def send_interval_for(self, world_size: int) -> float:
+        """The send interval of one rank of a job of `world_size` ranks: send_interval_s when set,
+        else auto_send_interval_s(world_size)."""
+        return self.send_interval_s if self.send_interval_s is not None else auto_send_interval_s(world_size)
+
+
+def auto_send_interval_s(world_size: int) -> float:
+    """2 s up to 1,024 ranks, world_size / 512 s above: the job sends about 512 batches/s at most
+    (JOB_BATCHES_PER_S says why)."""
+    return max(DEFAULT_SEND_INTERVAL_S, world_size / JOB_BATCHES_PER_S)
+
+
+def send_phase(rank: int) -> float:
+    """Where in the send interval this rank's passes fall, a fraction in [0, 1): the ranks of a job
+    spread evenly over the interval (the golden ratio's low-discrepancy sequence: any n consecutive
+    ranks split it into gaps of at most three sizes). The ranks of a job attach within a second or
+    so of each other; with one phase for all, a 16,384-rank job's requests would reach the
+    collector as one burst every 32 s instead of 512 a second."""
+    return (rank * 0.6180339887498949) % 1.0

@@ -492,5 +492,11 @@ def spooling_exporter(
         hold_max_bytes=hold_max_bytes,
     )
     return BatchProcessor(
-        config=config, run=run, rank=rank, incarnation=incarnation, delivery=delivery, errors=errors
+        config=config,
+        run=run,
+        rank=rank,
+        incarnation=incarnation,
+        delivery=delivery,
+        errors=errors,
+        world_size=int(registration.get("parallelism", {}).get("world_size") or 1),
     )

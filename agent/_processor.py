@@ -2,11 +2,11 @@
 
 `emit()` is O(1), never blocks and never raises: it appends a record dict (or a step sample that
 expands into records later) to a bounded deque; when full, the oldest item is dropped and counted.
-A named daemon thread wakes every `send_interval_s`, cuts the queue into batches with consecutive
-`seq` numbers, encodes them and hands them to a `Delivery` (the network and the spool,
-agent/_delivery.py), whose errors it catches per pass. `flush()` and `shutdown()` run the same
-pass synchronously; `shutdown()` is idempotent and bounded. A forked child (a DataLoader worker)
-stops exporting: the records are the parent's to send.
+A named daemon thread wakes every send interval (`AgentConfig.send_interval_for`: it grows with the
+job), cuts the queue into batches with consecutive `seq` numbers, encodes them and hands them to a
+`Delivery` (the network and the spool, agent/_delivery.py), whose errors it catches per pass.
+`flush()` and `shutdown()` run the same pass synchronously; `shutdown()` is idempotent and bounded.
+A forked child (a DataLoader worker) stops exporting: the records are the parent's to send.
 
 Nothing is lost silently: every record that will never reach the collector is counted by reason
 (`ExporterStats.dropped`), the counts travel to the collector as a cumulative 'dropped' event with
@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from trainvitals.agent._config import AgentConfig
+from trainvitals.agent._config import AgentConfig, send_phase
 from trainvitals.agent._guard import ErrorBudget
 from trainvitals.wire import batch_header, event_record
 from trainvitals.wire.conventions import DROP_REASONS as WIRE_DROP_REASONS
@@ -162,7 +162,7 @@ class BatchProcessor:
 
     Usage::
 
-        proc = BatchProcessor(config=cfg, run="r1", rank=0, incarnation=inc, delivery=delivery)
+        proc = BatchProcessor(config=cfg, run="r1", rank=0, incarnation=inc, delivery=delivery, world_size=8)
         proc.start()
         proc.emit(step_record(step=1, ts=time.time(), step_seconds=0.4))
         proc.shutdown()          # idempotent; waits at most cfg.flush_timeout_s
@@ -177,8 +177,13 @@ class BatchProcessor:
         incarnation: int,
         delivery: Delivery,
         errors: ErrorBudget | None = None,
+        world_size: int = 1,
     ) -> None:
         self._cfg = config
+        # The one place the send interval is decided: the config's, else one that grows with the
+        # job (agent/_config.py, JOB_BATCHES_PER_S: a collector's cost is per request).
+        self.send_interval_s: float = config.send_interval_for(world_size)
+        """Seconds between two passes of the worker thread."""
         self._run = run
         self._rank = rank
         self._incarnation = incarnation
@@ -260,12 +265,16 @@ class BatchProcessor:
     # ------------------------------------------------------------------ background side
 
     def _worker(self) -> None:
+        # The first pass comes at this rank's phase of the interval, so the job's requests arrive
+        # spread over it (send_phase); rank 0, and a single process, wait one whole interval.
+        wait_s = self.send_interval_s * (1.0 - send_phase(self._rank))
         while not self._stopping.is_set():
-            self._wake.wait(self._cfg.send_interval_s)
+            self._wake.wait(wait_s)
+            wait_s = self.send_interval_s
             self._wake.clear()
             if self._stopping.is_set():
                 break
-            self.run_once(deadline=time.monotonic() + self._cfg.send_interval_s + self._cfg.http_timeout_s)
+            self.run_once(deadline=time.monotonic() + self.send_interval_s + self._cfg.http_timeout_s)
         # The last pass: the process is ending, so everything goes to disk before the collector is
         # tried, and a hung request or the interpreter's exit cannot lose it.
         self.run_once(deadline=time.monotonic() + self._cfg.flush_timeout_s, ignore_backoff=True, write_ahead=True)

@@ -185,7 +185,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-steps", type=int, default=0, help="timed steps per block; 0: >= 2 send intervals")
     p.add_argument("--block-warmup", type=int, default=3, help="untimed steps at the start of every block")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps before the first round")
-    p.add_argument("--send-interval", type=float, default=tv.AgentConfig(collector="").send_interval_s)
+    # A single process: the agent's automatic interval for a world of 1 (2 s).
+    p.add_argument("--send-interval", type=float, default=tv.AgentConfig(collector="").send_interval_for(1))
     p.add_argument(
         "--collector",
         choices=("sink", "unreachable", "off"),
