@@ -335,9 +335,7 @@ def _client_main(
                 break
             key = rank % (TP * PP)
             if key not in templates:
-                template, n = batch_template(
-                    run, key, steps_per_batch=steps_per_batch, layers_per_rank=layers_per_rank
-                )
+                template, n = batch_template(run, key, steps_per_batch=steps_per_batch, layers_per_rank=layers_per_rank)
                 templates[key] = (re.split(rb"@([A-Z][0-9]*)@", template), n)
             parts, n = templates[key]
             now = b"%.3f" % time.time()
@@ -478,9 +476,7 @@ def _drive(
     status, body = post_json(col.base, "/v1/runs", registration(run), token)
     if status >= 300:
         raise RuntimeError(f"registration failed: {status} {body!r}")
-    template, n_records = batch_template(
-        run, 0, steps_per_batch=steps_per_batch, layers_per_rank=layers_per_rank
-    )
+    template, n_records = batch_template(run, 0, steps_per_batch=steps_per_batch, layers_per_rank=layers_per_rank)
     ctx = mp.get_context("fork")
     stop = ctx.Event()
     out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
@@ -628,8 +624,9 @@ def measure_floor(
             while busy < seconds:
                 group: dict[str, list[tuple[Any, ...]]] = {}
                 for _ in range(group_batches):
-                    for kind, rows in store.batch_rows(decode_batch(next(bodies)))[0].items():
-                        group.setdefault(kind, []).extend(rows)
+                    for kind, flat in store.batch_rows(decode_batch(next(bodies)))[0].items():
+                        width = store._WIDTH[kind]  # noqa: SLF001 - the store's own row layout
+                        group.setdefault(kind, []).extend(zip(*[iter(flat)] * width, strict=True))
                 t0 = time.perf_counter()
                 _floor_write(backend, raw, group)
                 busy += time.perf_counter() - t0
@@ -649,9 +646,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=6, help="load-generator processes")
     parser.add_argument("--steps-per-batch", type=int, default=4)
     parser.add_argument("--layers-per-rank", type=int, default=LAYERS // PP)
-    parser.add_argument(
-        "--no-analysis", action="store_true", help="TRAINVITALS_RUN_ANALYSIS=false: ingest alone"
-    )
+    parser.add_argument("--no-analysis", action="store_true", help="TRAINVITALS_RUN_ANALYSIS=false: ingest alone")
     parser.add_argument("--workers", type=int, default=1, help="collector processes (serve --workers N)")
     parser.add_argument(
         "--analysis-thread", action="store_true", help="serve --analysis-thread: analysis in the collector process"

@@ -13,21 +13,29 @@ replicas) because the database decides duplicates (ON CONFLICT DO NOTHING); rows
 transactions (a run's `runs` and `reduction_state` rows) are updated in run-id order, so two
 groups cannot deadlock on them. SQLite has one writer at a time, so one thread.
 
+Answers: a batch submitted on an event loop (the route) gets an asyncio future, and the writer
+settles all of a group's with one `call_soon_threadsafe` on that loop. A concurrent.futures
+Future per batch (wrapped for the loop) cost a condition variable each and one cross-thread
+callback per batch, taken on both threads under the GIL. Elsewhere (tests, tools) `submit` returns
+a concurrent.futures Future.
+
 Backpressure: at most `max_pending_records` records wait; beyond that `submit` refuses and the
 route answers 503, which the agent treats like an outage (spool, retry later).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import queue
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TypeAlias
 
 import psycopg
 import sqlalchemy.exc
@@ -46,12 +54,16 @@ class WriterBusyError(RuntimeError):
     """Too many records are waiting to be written; the sender should retry later."""
 
 
+Answer: TypeAlias = "Future[batches.BatchOutcome] | asyncio.Future[batches.BatchOutcome]"
+
+
 @dataclass(slots=True)
 class _Pending:
     batch: AnyBatch
     project: str | None
     rows: batches.BatchRows | None
-    future: Future[batches.BatchOutcome] = field(default_factory=Future)
+    loop: asyncio.AbstractEventLoop | None  # the submitter's, when it submitted on one
+    future: Answer
 
 
 class BatchWriter:
@@ -60,6 +72,7 @@ class BatchWriter:
     writer = BatchWriter(sessionmaker)
     writer.start()
     outcome = writer.submit(batch, project=None).result()  # BatchAck or a refusal
+    outcome = await asyncio.wrap_future(writer.submit(batch, project=None))  # on an event loop
     writer.stop()
     """
 
@@ -109,8 +122,10 @@ class BatchWriter:
         """Records accepted and not yet committed (the /metrics queue depth)."""
         return self._pending_records
 
-    def submit(self, batch: AnyBatch, *, project: str | None) -> Future[batches.BatchOutcome]:
-        """Queue a validated batch; the future resolves after the commit that stores it."""
+    def submit(self, batch: AnyBatch, *, project: str | None) -> Answer:
+        """Queue a validated batch; the future resolves after the commit that stores it: an asyncio
+        future when called on a running event loop, else a concurrent.futures one (both can be
+        awaited through `asyncio.wrap_future`)."""
         if not self._workers:
             self.start()  # lazily too: an app used without its lifespan (plain TestClient) still writes
         n = len(batch.records)
@@ -127,9 +142,13 @@ class BatchWriter:
                 rows = batches.batch_rows(batch)
             except Exception:  # noqa: BLE001 - the writer builds them again and answers this batch alone
                 rows = None  # (raising here would leave its records counted as pending for good)
-        item = _Pending(batch, project, rows)
-        self._queue.put(item)
-        return item.future
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        future: Answer = Future() if loop is None else loop.create_future()
+        self._queue.put(_Pending(batch, project, rows, loop, future))
+        return future
 
     def _run(self, name: str) -> None:
         stopping = False
@@ -167,15 +186,44 @@ class BatchWriter:
                     self._write([item], name)
                 return
             if isinstance(exc, _DATA_ERRORS):  # this batch's values, not the database's state
-                group[0].future.set_result(batches.UnstorableBatchError(f"{type(exc).__name__}: {exc}"[:500]))
+                _answer(group, [batches.UnstorableBatchError(f"{type(exc).__name__}: {exc}"[:500])])
                 with contextlib.suppress(Exception), self._sessions() as session:
                     batches.count_unstorable(session, group[0].batch, writer=name)
                 return
             log.exception("storing batch %s failed", _describe(group[0].batch))
-            group[0].future.set_exception(exc)
+            _answer(group, [None], failure=exc)
             return
-        for item, outcome in zip(group, outcomes, strict=True):
-            item.future.set_result(outcome)
+        _answer(group, outcomes)
+
+
+def _answer(
+    group: list[_Pending], outcomes: Sequence[batches.BatchOutcome | None], failure: Exception | None = None
+) -> None:
+    """Settle the group's futures with their outcomes (or all with `failure`, nothing stored):
+    concurrent ones here, asyncio ones on their loop, one callback per loop for the group."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[_Answered]] = {}
+    for item, outcome in zip(group, outcomes, strict=True):
+        answered = (item.future, outcome, failure)
+        if item.loop is None:
+            _settle([answered])
+        else:
+            by_loop.setdefault(item.loop, []).append(answered)
+    for loop, answers in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for these any more
+            loop.call_soon_threadsafe(_settle, answers)
+
+
+_Answered: TypeAlias = "tuple[Answer, batches.BatchOutcome | None, Exception | None]"
+
+
+def _settle(answers: list[_Answered]) -> None:
+    for future, outcome, failure in answers:
+        if future.cancelled():  # its request went away (the client disconnected); stored all the same
+            continue
+        if failure is not None:
+            future.set_exception(failure)
+        else:
+            future.set_result(outcome)  # type: ignore[arg-type]  # an outcome whenever failure is None
 
 
 # Refusals caused by a value in the batch: psycopg's DataError (numeric value out of range, also

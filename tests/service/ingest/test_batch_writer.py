@@ -1,5 +1,6 @@
 """Group commit: store_batches and the BatchWriter thread, on SQLite and PostgreSQL."""
 
+import asyncio
 import sqlite3
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -227,3 +228,44 @@ def test_sqlite_groups_larger_than_a_statement_store_every_row_once(tmp_path) ->
     assert _count(factory, DeliveredBatch) == 70
     assert _count(factory, StepRow) == _count(factory, TensorStatRow) == 70 * 75
     engine.dispose()
+
+
+def test_batches_submitted_on_an_event_loop_are_answered_there_one_callback_per_group(sessions) -> None:
+    """The route submits on the event loop: its futures are the loop's own, settled on the loop's
+    thread after the commit, refusals as results and not raised; a waiter that went away (its
+    request cancelled) does not keep the others of its group from their answers."""
+    opened, gate, slow_first_session = _first_session_held(sessions)
+    writer = BatchWriter(slow_first_session)
+
+    async def scenario() -> tuple[list[object], set[int], int]:
+        answered_on: set[int] = set()
+        first = writer.submit(_batch(0, 0), project=None)
+        assert await asyncio.to_thread(opened.wait, 10)
+        group = [
+            writer.submit(_batch(1, 0), project=None),
+            writer.submit(_batch(0, 0), project=None),  # a retry of the first: a duplicate
+            writer.submit(_batch(2, 0, run="nope"), project=None),
+            writer.submit(_batch(3, 0), project=None),  # its waiter goes away before the commit
+            writer.submit(_batch(4, 0), project=None),
+        ]
+        for future in (first, *group):
+            assert isinstance(future, asyncio.Future)
+            future.add_done_callback(lambda _f: answered_on.add(threading.get_ident()))
+        group[3].cancel()
+        gate.set()
+        outcomes = await asyncio.gather(*(asyncio.wrap_future(f) for f in (first, *group)), return_exceptions=True)
+        return outcomes, answered_on, threading.get_ident()
+
+    try:
+        outcomes, answered_on, loop_thread = asyncio.run(scenario())
+    finally:
+        gate.set()
+        writer.stop()
+    first, new, duplicate, unknown, cancelled, last = outcomes
+    assert first == new == last == BatchAck(accepted=4, duplicate=False)
+    assert duplicate == BatchAck(accepted=0, duplicate=True)
+    assert isinstance(unknown, batches.UnknownRunError)
+    assert isinstance(cancelled, asyncio.CancelledError)
+    assert answered_on == {loop_thread}
+    assert writer.groups == 2
+    assert _count(sessions, DeliveredBatch) == 4  # ranks 0, 1, 3 (stored though nobody waited) and 4

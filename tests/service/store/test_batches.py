@@ -1,10 +1,14 @@
 """store_batch: atomic, idempotent, on SQLite and PostgreSQL."""
 
+import json
+import math
+
 import pytest
 from sqlalchemy import func, select
 
+from trainvitals.service.ingest.decode import decode_batch
 from trainvitals.service.store import batches, queries
-from trainvitals.service.store.models import DeliveredBatch, GradStatRow, StepRow
+from trainvitals.service.store.models import DeliveredBatch, GradStatRow, StepRow, TensorStatRow
 from trainvitals.wire import Batch, RunRegistration
 
 
@@ -30,9 +34,7 @@ def _steps(rank: int, steps: range, seq: int, incarnation: int = 1) -> Batch:
         }
         for s in steps
     ]
-    return Batch.model_validate(
-        {"run": "r1", "rank": rank, "incarnation": incarnation, "seq": seq, "records": records}
-    )
+    return Batch.model_validate({"run": "r1", "rank": rank, "incarnation": incarnation, "seq": seq, "records": records})
 
 
 def test_batches_are_stored_once(session) -> None:
@@ -161,3 +163,48 @@ def test_delete_run_removes_every_record(session) -> None:
     assert queries.count_step_rows(session, run_id="r1") == 0
     assert queries.list_runs(session) == []
     assert queries.delete_run(session, run_id="r1") is False
+
+
+def _fp8_batch(rank: int, values: list[dict[str, object]]) -> dict[str, object]:
+    records = [
+        {"kind": "tensor", "step": i, "tensor": f"layers.{i}.fc", "role": "input", "format": "e4m3", **v}
+        for i, v in enumerate(values)
+    ]
+    records.append({"kind": "grad", "step": 0, "group": "layers.0", "owned_sq": 1.5, "local_sq": 2.5, "nonfinite": 1})
+    return {"run": "r1", "rank": rank, "incarnation": 1, "seq": 0, "records": records}
+
+
+def test_the_routes_structs_and_pydantic_batches_become_the_same_rows() -> None:
+    """The route's msgspec structs are read as rows in one C call (their fields are the columns,
+    in order); pydantic batches by attribute name: the same body must give the same rows."""
+    body = _fp8_batch(3, [{"amax": 3.0, "scale": 2.0, "shadow": True}, {"amax": 1.0, "sat_frac": 0.5}])
+    body["records"].append({"kind": "step", "step": 1, "ts": 100.0, "step_seconds": 0.5, "loss": 2.0})
+    body["records"].append(
+        {"kind": "event", "step": 1, "ts": 100.0, "event": "stop", "detail": "done", "domains": {"node": "n1"}}
+    )
+    fast = decode_batch(json.dumps(body).encode())
+    assert batches.batch_rows(fast) == batches.batch_rows(Batch.model_validate(body))
+
+
+def test_nan_is_stored_as_nan_and_infinities_as_themselves_on_both_backends(session) -> None:
+    """SQLite gets NaN as text (a NaN REAL would be NULL): the check runs on each REAL column of a
+    statement's parameters at once. A column holding inf and -inf sums to NaN too: those must still
+    be stored as the infinities they are."""
+    batches.register_run(session, RunRegistration(run="r1"))
+    nan, inf = float("nan"), float("inf")
+    values = [{"amax": 1.0 + i, "scale": 2.0} for i in range(40)]
+    values[17] = {"amax": nan, "scale": 2.0, "crest_bits": nan}
+    values[30] = {"amax": 3.0, "scale": inf}
+    values[31] = {"amax": 3.0, "scale": -inf, "underflow_frac": 0.25}
+    assert batches.store_batch(session, Batch.model_validate(_fp8_batch(0, values))).accepted == 41
+    rows = session.execute(
+        select(TensorStatRow.step, TensorStatRow.amax, TensorStatRow.scale, TensorStatRow.crest_bits,
+               TensorStatRow.underflow_frac).order_by(TensorStatRow.step)
+    ).all()  # fmt: skip
+    assert len(rows) == 40
+    assert math.isnan(rows[17].amax) and math.isnan(rows[17].crest_bits)
+    assert (rows[30].scale, rows[31].scale, rows[31].underflow_frac) == (inf, -inf, 0.25)
+    assert [r.amax for i, r in enumerate(rows) if i != 17] == [
+        3.0 if i in (30, 31) else 1.0 + i for i in range(40) if i != 17
+    ]
+    assert all(r.crest_bits is None for i, r in enumerate(rows) if i != 17)
