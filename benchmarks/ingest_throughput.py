@@ -31,6 +31,7 @@ scratch-database helpers from here.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import multiprocessing as mp
@@ -77,6 +78,15 @@ def add_shared_args(parser: argparse.ArgumentParser, *, server: bool = True) -> 
                             help="port of the collector this benchmark starts (default: one the OS picks)")  # fmt: skip
     parser.add_argument("--db-prefix", default="tv_bench",
                         help="name prefix of the scratch databases (PostgreSQL: <prefix>_<what>_<pid>)")  # fmt: skip
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), which the numbers depend on as much as the code."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return "unknown CPU"
 
 
 def free_port() -> int:
@@ -657,8 +667,9 @@ def main() -> None:
     args = parser.parse_args()
     print(f"$ {' '.join([Path(sys.executable).name, *sys.argv])}")
     print(
-        f"machine: {os.cpu_count()} cores; world_size {WORLD_SIZE}; {args.clients} load-generator "
-        f"processes; warm-up {args.warmup:.0f} s, window {args.seconds:.0f} s\n"
+        f"machine: {cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; "
+        f"world_size {WORLD_SIZE}; {args.clients} load-generator processes; "
+        f"warm-up {args.warmup:.0f} s, window {args.seconds:.0f} s\n"
     )
     results = []
     floors: dict[str, FloorResult] = {}

@@ -16,6 +16,7 @@ from trainvitals.service.analysis.worker import AnalysisWorker
 from trainvitals.service.api.routes import advisors, health, ingest, runs
 from trainvitals.service.auth import TokenVerifier
 from trainvitals.service.exposition import TrainvitalsCollector, make_registry
+from trainvitals.service.gc_policy import serving_gc
 from trainvitals.service.http_limits import HEADER_TIMEOUT_KEY, BodyDeadline, BodyLimit
 from trainvitals.service.ingest.batch_writer import BatchWriter
 from trainvitals.service.logs import IngestSummary
@@ -56,7 +57,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         writer.start()
         checkpointer.start()
         summary.start()
-        yield {HEADER_TIMEOUT_KEY: settings.header_timeout_seconds}  # for serve's protocol (http_limits.py)
+        with serving_gc():  # the start-up heap frozen, fewer young collections (service/gc_policy.py)
+            yield {HEADER_TIMEOUT_KEY: settings.header_timeout_seconds}  # for serve's protocol (http_limits.py)
         summary.stop()
         writer.stop()  # writes what was already accepted before the process exits
         worker.stop()
