@@ -9,7 +9,7 @@ and delivered from there, oldest first, by a later pass or by the next process o
 (the last pass), every batch is written to the spool before anything is sent. Why not every
 batch ahead of sending: docs/agent.md, "Spool".
 
-A message the collector refuses for good (agent/_refusals.py: malformed, another project's run,
+A message the collector refuses for good (agent/_refusals.py: malformed, a refused registration,
 or an auth refusal that outlasted its retry window) is moved to the quarantine file next to the
 spool, so that delivery in order never lets one refusal hold back later data; what the user is
 told about it is agent/_notices.py. Every batch is also appended to `record_file` when one is set.
@@ -130,8 +130,8 @@ class SpoolingDelivery:
         self._next_attempt = 0.0
         self._backoff_s = config.retry_backoff_s  # after the latest failure
         self._registered = False  # the collector acknowledged this process's registration
-        # The collector refused this process's registration for good (409: another project's run, or
-        # another job's): it refuses its batches too, so they are set aside without asking again.
+        # The collector refused this process's registration for good (409: another job's run id, or
+        # with auth off another project's): it refuses its batches too, so they are set aside without asking again.
         self._refused_for_good = False
         # Record counts of the batches this process spooled, oldest first; lines that an earlier
         # process left (the first `_leftover_end` bytes of the file) are not this process's records.

@@ -2,10 +2,10 @@
 it aside in the quarantine file so that later data flows (docs/agent.md, "When the collector
 refuses").
 
-Retrying the same bytes cannot fix a malformed message (400, 413, 422) or a run registered under
-another project (409); an operator can fix a token while the job runs, so authentication
-refusals (401, 403) are retried for `auth_retry_s` first. Everything else (5xx, 404, 429) is the
-collector's own trouble: retried until it answers.
+Retrying the same bytes cannot fix a malformed message (400, 413, 422) or a refused registration
+(409: another job's run id, or with auth off another project's); an operator can fix a token
+while the job runs, so authentication refusals (401, 403) are retried for `auth_retry_s` first.
+Everything else (5xx, 404, 429) is the collector's own trouble: retried until it answers.
 """
 
 from __future__ import annotations

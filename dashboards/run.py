@@ -42,7 +42,10 @@ ANALYSIS_LAG = f"({_m('trainvitals_run_latest_step')} - {_m('trainvitals_run_com
 # $__unixEpochFilter keeps the dashboard's time range (ts is epoch seconds), and
 # $__unixEpochGroupAlias buckets by the panel's interval so cells stay within the pixels. Cost:
 # every step row of the run in the range, sorted once for DISTINCT ON (index ix_steps_run_step_rank
-# finds the run); a week of a 16k-rank job is a post-mortem query, not a 30 s refresh.
+# finds the run); a week of a 16k-rank job is a post-mortem query, not a 30 s refresh. The table
+# holds the run under its key (service/store/run_keys.py): the bare id for the default project,
+# "<project>/<run>" for another, found through `runs`. Like the Prometheus panels, which select by
+# the run label alone, it shows two projects' runs of the same id together.
 RANK_STEP_HEATMAP_SQL = """\
 SELECT
   $__unixEpochGroupAlias(ts, $__interval),
@@ -52,7 +55,8 @@ FROM (
   -- a relaunch repeats steps: the newest incarnation of each (rank, step) wins
   SELECT DISTINCT ON (rank, step) rank, ts, step_seconds
   FROM steps
-  WHERE run_id = ${run:sqlstring} AND $__unixEpochFilter(ts)
+  WHERE run_id IN (SELECT run_id FROM runs WHERE run_id IN (${run:sqlstring}, project || '/' || ${run:sqlstring}))
+    AND $__unixEpochFilter(ts)
   ORDER BY rank, step, incarnation DESC
 ) AS newest
 GROUP BY 1, 2

@@ -288,16 +288,17 @@ def _wait_analysed(db_url: str, run: str, slow: int, timeout: float = 30.0) -> N
     """Until the analysis has reduced the whole run and passed over it once more (it runs every 2 s)."""
     from sqlalchemy import func, select
 
-    from trainvitals.service.store import db
+    from trainvitals.service.store import db, run_keys
     from trainvitals.service.store.models import ReductionState, StepRow
 
     engine = db.make_engine(db_url)
     deadline = time.monotonic() + timeout
+    key = run_keys.run_key(PROJECT, run)  # the demo's tokens are for PROJECT
     try:
         while time.monotonic() < deadline:
             with db.make_sessionmaker(engine)() as session:
-                last = session.scalar(select(func.max(StepRow.step)).where(StepRow.run_id == run))
-                state = session.get(ReductionState, run)
+                last = session.scalar(select(func.max(StepRow.step)).where(StepRow.run_id == key))
+                state = session.get(ReductionState, key)
                 if last is not None and state is not None and state.reduced_upto >= last:
                     break
             time.sleep(0.5)
@@ -314,14 +315,15 @@ def _metrics(url: str, token: str) -> str:
 
 def _print_summary(db_url: str, run: str, metrics: str, *, slow: int) -> bool:
     """The summary; True when the findings on ranks are exactly the straggler on the slowed rank."""
-    from trainvitals.service.store import db, queries
+    from trainvitals.service.store import db, queries, run_keys
 
+    key = run_keys.run_key(PROJECT, run)  # the demo's tokens are for PROJECT
     engine = db.make_engine(db_url)
     with db.make_sessionmaker(engine)() as session:
-        ov = queries.run_overview(session, run_id=run)
-        per_rank = queries.rank_step_seconds(session, run_id=run)
-        found = queries.findings(session, run_id=run)
-        gens = queries.checkpoint_generations(session, run_id=run)
+        ov = queries.run_overview(session, run_id=key)
+        per_rank = queries.rank_step_seconds(session, run_id=key)
+        found = queries.findings(session, run_id=key)
+        gens = queries.checkpoint_generations(session, run_id=key)
     engine.dispose()
     if ov is None:
         print("[demo] the collector saw nothing: see collector.log and training.log")

@@ -264,8 +264,8 @@ def _query(args: argparse.Namespace) -> int:
                 # The warm-up the collector's analysis applies (TRAINVITALS_DETECTOR_WARMUP_STEPS).
                 if (o := queries.run_overview(session, run_id=r.run_id, warmup_steps=_warmup_steps())) is not None
             ]
-        elif (run := queries.get_run(session, run_id=args.run)) is None:
-            print(f"trainvitals: no run {args.run!r} in {db_url.describe(args.db)}", file=sys.stderr)
+        elif isinstance(run := _run_of(session, args), str):
+            print(f"trainvitals: {run}", file=sys.stderr)
             return 1
         elif args.query_command == "analysis":
             from trainvitals.service.analysis.on_request import UnknownBaselineError, analyse_run
@@ -279,9 +279,9 @@ def _query(args: argparse.Namespace) -> int:
             data = [{k: v for k, v in dataclasses.asdict(f).items() if k != "run"} for f in found]
         elif args.query_command == "timeline":
             data = queries.tensor_timeline(
-                session, run_id=args.run, tensor=args.tensor, role=args.role, start=args.start, end=args.end
+                session, run_id=run.run_id, tensor=args.tensor, role=args.role, start=args.start, end=args.end
             )
-            if not data and not queries.has_tensor(session, run_id=args.run, tensor=args.tensor):
+            if not data and not queries.has_tensor(session, run_id=run.run_id, tensor=args.tensor):
                 print(
                     f"trainvitals: run {args.run!r} has no tensor {args.tensor!r} (names are module names, "
                     f"e.g. layers.3.fc; `trainvitals query worst-tensors --run {args.run}` lists some)",
@@ -289,30 +289,46 @@ def _query(args: argparse.Namespace) -> int:
                 )
                 return 1
         elif args.query_command == "worst-tensors":
-            data = queries.worst_tensors(session, run_id=args.run, start=args.start, end=args.end, k=args.k)
+            data = queries.worst_tensors(session, run_id=run.run_id, start=args.start, end=args.end, k=args.k)
         elif args.query_command == "step-times":
-            data = queries.step_time_matrix(session, run_id=args.run, start=args.start, end=args.end)
+            data = queries.step_time_matrix(session, run_id=run.run_id, start=args.start, end=args.end)
         elif args.query_command == "steps":
-            data = queries.step_history(session, run_id=args.run, start=args.start, end=args.end)
+            data = queries.step_history(session, run_id=run.run_id, start=args.start, end=args.end)
         elif args.query_command == "findings":
-            data = queries.findings(session, run_id=args.run, active_only=args.active)
+            data = queries.findings(session, run_id=run.run_id, active_only=args.active)
         elif args.query_command == "checkpoints":
-            data = queries.checkpoint_generations(session, run_id=args.run)
+            data = queries.checkpoint_generations(session, run_id=run.run_id)
         else:
-            data = queries.rollback_target(session, run_id=args.run, before_step=args.before_step)
+            data = queries.rollback_target(session, run_id=run.run_id, before_step=args.before_step)
         if hasattr(args, "start") and not (data["steps"] if isinstance(data, dict) else data):
             # An empty step range is an answer, not an error: the empty result on stdout, why on stderr.
-            print(f"trainvitals: {_empty_range(session, args)}", file=sys.stderr)
+            print(f"trainvitals: {_empty_range(session, args, run.run_id)}", file=sys.stderr)
     _emit(data, args.format)
     return 0
 
 
-def _empty_range(session: Any, args: argparse.Namespace) -> str:
+def _run_of(session: Any, args: argparse.Namespace) -> Any:
+    """The run `--run` names in `--project` (default: the one run with that id in any project), or
+    why there is none (store/run_keys.py)."""
+    from trainvitals.service.store import queries, run_keys
+
+    try:
+        key = run_keys.resolve(session, args.run, args.project)
+    except run_keys.AmbiguousRunError as exc:
+        return f"{exc}: name one with --project"
+    run = None if key is None else queries.get_run(session, run_id=key)
+    if run is None:
+        where = "" if args.project is None else f" of project {args.project!r}"
+        return f"no run {args.run!r}{where} in {db_url.describe(args.db)}"
+    return run
+
+
+def _empty_range(session: Any, args: argparse.Namespace, key: str) -> str:
     from trainvitals.service.store import queries
 
     bounds = ("" if b is None else str(b) for b in (args.start, args.end))
     asked = "any step" if args.start is None and args.end is None else "steps " + "..".join(bounds)
-    have = queries.reduced_step_range(session, run_id=args.run)
+    have = queries.reduced_step_range(session, run_id=key)
     where = f"run {args.run!r}" + (f", tensor {args.tensor!r}" if getattr(args, "tensor", None) else "")
     if have is None:
         return f"nothing for {where} in {asked}: no step of the run is reduced yet"
@@ -328,7 +344,9 @@ def _replay(args: argparse.Namespace) -> int:
 
         config = PipelineConfig(catch_up_steps=args.catch_up_steps)
     with _session(args.db, migrate=True) as session:
-        report = replay_files(session, args.files, analyse=not args.no_analysis, config=config)
+        report = replay_files(
+            session, args.files, analyse=not args.no_analysis, config=config, project=args.project
+        )
     print(json.dumps(dataclasses.asdict(report), indent=2))
     return 0 if report.rejected_lines == 0 else 1
 
@@ -419,6 +437,7 @@ def _add_query(
     _add_db(p)
     if run:
         p.add_argument("--run", required=True, help="run id")
+        p.add_argument("--project", help="the run's project (default: the one run with that id in any project)")
     _add_format(p)
     if extra is not None:
         extra(p)
@@ -561,6 +580,11 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("files", nargs="+", help="JSONL files")
     _add_db(replay)
     replay.add_argument("--no-analysis", action="store_true", help="store only; skip reduction and detectors")
+    replay.add_argument(
+        "--project",
+        help="store the runs in this project, whatever their registrations name (a job that named the wrong one); "
+        "default: the registrations' own, or for a file without one the run with that id",
+    )
     replay.add_argument(
         "--catch-up-steps",
         type=_positive_int,

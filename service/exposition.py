@@ -112,13 +112,14 @@ class TrainvitalsCollector(Collector):
                     sn.checkpoints.advice = self._advice_for(session, r, now)
             counts = queries.ingest_counts(session, project=project)
             analysis = analysis_status.read(session)
+        _disambiguate(snaps)
         yield from _run_families(snaps)
         yield from _omitted_families(omitted)
         yield from _fp8_families(snaps)
         yield from _rank_families(snaps)
         yield from _finding_families(snaps)
         yield from _checkpoint_families(snaps, now)
-        yield from _ingest_families(counts, {r.run_id for r in snaps})
+        yield from _ingest_families(counts, {r.run_id: r.label for r in snaps})
         # The collector's own state, whatever the token: it names no run or project, and the
         # shipped scrape config uses a project's read token.
         yield from _analysis_families(analysis, now)
@@ -166,6 +167,18 @@ def _exported_runs(runs: list[Run], severity: dict[str, int]) -> tuple[list[Run]
         key = p if p in shown else ""
         omitted[key] = omitted.get(key, 0) + n - shown.get(p, 0)
     return kept, omitted
+
+
+def _disambiguate(snaps: list[snapshot.RunSnapshot]) -> None:
+    """Label runs by their run id, but by their key where two exported runs of different projects
+    share one (a scrape of every project, auth off, of runs registered while it was on): two runs
+    must never be one series."""
+    seen: dict[str, int] = {}
+    for sn in snaps:
+        seen[sn.label] = seen.get(sn.label, 0) + 1
+    for sn in snaps:
+        if seen[sn.label] > 1:
+            sn.label = sn.run_id
 
 
 def _omitted_families(omitted: dict[str, int]) -> Iterator[Metric]:
@@ -286,7 +299,7 @@ def _run_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
         ["run", "group"],
     )
     for sn in snaps:
-        r = sn.run_id
+        r = sn.label
         info.add_metric([r, sn.project, sn.status], 1.0)
         world.add_metric([r], sn.world_size)
         if sn.progress.latest_step is not None:
@@ -388,12 +401,12 @@ def _fp8_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
         f = sn.fp8
         if f.step is None:
             continue
-        fp8_step.add_metric([sn.run_id], f.step)
-        saturated.add_metric([sn.run_id], f.saturated_tensors)
+        fp8_step.add_metric([sn.label], f.step)
+        saturated.add_metric([sn.label], f.saturated_tensors)
         for (lay, role), hr in sorted(f.layer_min_headroom.items()):
-            layer.add_metric([sn.run_id, lay, role], hr)
+            layer.add_metric([sn.label, lay, role], hr)
         for tensor, role, hr in f.worst_tensors:
-            worst.add_metric([sn.run_id, tensor, role], hr)
+            worst.add_metric([sn.label, tensor, role], hr)
     yield from (layer, worst, saturated, fp8_step)
 
 
@@ -412,8 +425,8 @@ def _rank_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
     for sn in snaps:
         for rank, mean, rel in sn.slowest_ranks:
             host = sn.rank_hosts.get(rank, "")
-            slow.add_metric([sn.run_id, str(rank), host], mean)
-            ratio.add_metric([sn.run_id, str(rank), host], rel)
+            slow.add_metric([sn.label, str(rank), host], mean)
+            ratio.add_metric([sn.label, str(rank), host], rel)
     yield from (slow, ratio)
 
 
@@ -443,14 +456,14 @@ def _finding_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
     )
     for sn in snaps:
         for f in sn.findings.active:
-            active.add_metric([sn.run_id, f.kind, f.severity, f.subject_kind, f.subject], 1.0)
-            onset.add_metric([sn.run_id, f.kind, f.subject_kind, f.subject], f.onset_step)
+            active.add_metric([sn.label, f.kind, f.severity, f.subject_kind, f.subject], 1.0)
+            onset.add_metric([sn.label, f.kind, f.subject_kind, f.subject], f.onset_step)
             if f.detected_step is not None:  # None: stored before revision 0009
-                detected.add_metric([sn.run_id, f.kind, f.subject_kind, f.subject], f.detected_step)
-            magnitude.add_metric([sn.run_id, f.kind, f.subject_kind, f.subject], f.magnitude)
+                detected.add_metric([sn.label, f.kind, f.subject_kind, f.subject], f.detected_step)
+            magnitude.add_metric([sn.label, f.kind, f.subject_kind, f.subject], f.magnitude)
         for (kind, severity), n in sorted(sn.findings.by_kind.items()):
-            total.add_metric([sn.run_id, kind, severity], n)
-        omitted.add_metric([sn.run_id], sn.findings.omitted)
+            total.add_metric([sn.label, kind, severity], n)
+        omitted.add_metric([sn.label], sn.findings.omitted)
     yield from (active, onset, detected, magnitude, total, omitted)
 
 
@@ -491,19 +504,19 @@ def _checkpoint_families(snaps: list[snapshot.RunSnapshot], now: float) -> Itera
     for sn in snaps:
         c = sn.checkpoints
         if c.last_persisted_step is not None:
-            step.add_metric([sn.run_id], c.last_persisted_step)
-            age.add_metric([sn.run_id], max(0.0, now - (c.last_persisted_ts or now)))
+            step.add_metric([sn.label], c.last_persisted_step)
+            age.add_metric([sn.label], max(0.0, now - (c.last_persisted_ts or now)))
         if c.last_stall_seconds is not None:
-            stall.add_metric([sn.run_id], c.last_stall_seconds)
+            stall.add_metric([sn.label], c.last_stall_seconds)
         if c.last_persist_seconds is not None:
-            persist.add_metric([sn.run_id], c.last_persist_seconds)
+            persist.add_metric([sn.label], c.last_persist_seconds)
         for status, n in sorted(c.status_counts.items()):
-            records.add_metric([sn.run_id, status], n)
+            records.add_metric([sn.label, status], n)
         a = c.advice
         if a is not None:
-            advised.add_metric([sn.run_id], a.recommended_interval_s)
-            band.add_metric([sn.run_id, "low"], a.band_s[0])
-            band.add_metric([sn.run_id, "high"], a.band_s[1])
+            advised.add_metric([sn.label], a.recommended_interval_s)
+            band.add_metric([sn.label, "low"], a.band_s[0])
+            band.add_metric([sn.label, "high"], a.band_s[1])
     yield from (step, age, stall, persist, records, advised, band)
 
 
@@ -513,7 +526,8 @@ def make_registry(collector: TrainvitalsCollector) -> CollectorRegistry:
     return registry
 
 
-def _ingest_families(counts: list[queries.IngestCountRow], live: set[str]) -> Iterator[Metric]:
+def _ingest_families(counts: list[queries.IngestCountRow], live: dict[str, str]) -> Iterator[Metric]:
+    """live: the exported runs' labels by key."""
     records = CounterMetricFamily(
         "trainvitals_ingest_records",
         "Records stored, per live run (all collector processes sharing the database)",
@@ -524,7 +538,8 @@ def _ingest_families(counts: list[queries.IngestCountRow], live: set[str]) -> It
     for row in counts:
         by_outcome[row.outcome] = by_outcome.get(row.outcome, 0) + row.batches
         if row.outcome == "stored" and row.run_id in live:
-            stored[row.run_id] = stored.get(row.run_id, 0) + row.records
+            label = live[row.run_id]
+            stored[label] = stored.get(label, 0) + row.records
     for run, n in sorted(stored.items()):
         records.add_metric([run], n)
     outcome = CounterMetricFamily(

@@ -35,6 +35,7 @@ from trainvitals.service.detectors.series import (
     RunSteps,
     TensorSeries,
 )
+from trainvitals.service.store import run_keys
 from trainvitals.wire.conventions import FP8_MAX, GLOBAL_GROUP, layer_of
 from trainvitals.wire.v1 import (
     Batch,
@@ -958,13 +959,22 @@ def _opt(x: float) -> float | None:
     return None if math.isnan(x) else float(x)
 
 
+SCENARIO_PROJECT = "synthetic"
+"""The project of every scenario's registration: its runs are stored under "synthetic/<run>"."""
+
+
+def scenario_key(run: str) -> str:
+    """The key a scenario's run is stored under (service/store/run_keys.py)."""
+    return run_keys.run_key(SCENARIO_PROJECT, run)
+
+
 def registration_for(sc: Scenario, *, baseline_run: str | None = None) -> RunRegistration:
     """The run registration the synthetic job would send (naming `baseline_run`, if given)."""
     lay = sc.layout
     s = sc.series
     return RunRegistration(
         run=s.run,
-        project="synthetic",
+        project=SCENARIO_PROJECT,
         baseline_run=baseline_run,
         started_at=T0,
         model=ModelDims(layers=lay.layers, params=lay.params, non_embedding_params=lay.params),

@@ -26,6 +26,10 @@ FP8_MAX: Final[dict[str, float]] = {"e4m3": 448.0, "e5m2": 57344.0}
 DEFAULT_FORMATS: Final[dict[str, Fp8Format]] = {"input": "e4m3", "weight": "e4m3", "grad_output": "e5m2"}
 """The usual hybrid recipe: E4M3 forward, E5M2 for gradients."""
 
+DEFAULT_PROJECT: Final = "default"
+"""The project of a registration that names none (and of every run when the collector runs without
+auth); its runs are stored under their bare run id (service/store/run_keys.py)."""
+
 DEFAULT_DETECTOR_WARMUP_STEPS: Final = 300
 """Steps from a run's first step during which the baseline detectors stay quiet (LR warm-up, early
 loss drop), unless the run registers its own `detector_warmup_steps` or the collector is set

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainvitals.wire.conventions import (
     DEFAULT_DETECTOR_WARMUP_STEPS,
+    DEFAULT_PROJECT,
     GLOBAL_GROUP,
     AmaxAlgo,
     CheckpointStatus,
@@ -121,7 +122,7 @@ class RunRegistration(_Strict):
 
     wire_version: Literal[1] = 1
     run: _RunId = Field(description="run id shared by all ranks: letters, digits, . _ : -")
-    project: _Name = Field("default", description="tokens are scoped to a project")
+    project: _Name = Field(DEFAULT_PROJECT, description="tokens are scoped to a project; run ids are the project's own")
     baseline_run: str | None = Field(
         None,
         min_length=1,

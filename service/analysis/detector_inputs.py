@@ -36,7 +36,7 @@ from trainvitals.service.detectors.series import (
     RunSteps,
     TensorSeries,
 )
-from trainvitals.service.store import detector_blocks, detector_reads
+from trainvitals.service.store import detector_blocks, detector_reads, run_keys
 from trainvitals.service.store.detector_reads import I64, STEP_DTYPES, TENSOR_DTYPES
 from trainvitals.service.store.models import Run
 
@@ -289,9 +289,10 @@ class DetectorInputs:
         name = self._baseline_run or (run.registration or {}).get("baseline_run")
         if not name:
             return None
+        key = run_keys.run_key(run.project, name)  # a run id of the run's own project
         if name not in self._baseline_ok:
             # Checked again each cycle until found (one key lookup): a baseline may be registered later.
-            if name == run.run_id or not detector_reads.run_in_project(session, run_id=name, project=run.project):
+            if key == run.run_id or not detector_reads.run_in_project(session, run_id=key, project=run.project):
                 if name not in self._baseline_warned:
                     self._baseline_warned.add(name)
                     log.warning(
@@ -300,11 +301,11 @@ class DetectorInputs:
                     )  # fmt: skip
                 return None
             self._baseline_ok.add(name)
-        newest = detector_reads.newest_summary(session, run_id=name)
+        newest = detector_reads.newest_summary(session, run_id=key)
         have = self._baseline_upto
         self._baseline.cut(after=after, upto=have)
         reach = min(upto, -1 if newest is None else newest[0])
-        self._baseline.append(detector_reads.step_columns(session, run_id=name, after=max(have, after), upto=reach))
+        self._baseline.append(detector_reads.step_columns(session, run_id=key, after=max(have, after), upto=reach))
         self._baseline_upto = max(have, reach)
         return RunSeries(run=name, steps=_run_steps(self._baseline.cols, with_mfu=False))
 

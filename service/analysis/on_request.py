@@ -29,7 +29,7 @@ from trainvitals.service.analysis.detector_inputs import DetectorInputs
 from trainvitals.service.detectors.findings import Finding, Severity, SubjectKind
 from trainvitals.service.detectors.run_all import DetectorConfig, detect
 from trainvitals.service.detectors.suppression import SuppressionConfig
-from trainvitals.service.store import detector_reads, queries, summaries
+from trainvitals.service.store import detector_reads, queries, run_keys, summaries
 from trainvitals.service.store.findings import HeldFinding, Key, fold_findings
 from trainvitals.service.store.models import Run
 
@@ -51,11 +51,13 @@ def analyse_run(
     """The findings a live collector would hold for the run now, over its whole history, against
     `baseline` (None: the registered one); open and resolved, pages first, then by onset."""
     config = config or pipeline.PipelineConfig()
-    if baseline == run.run_id:
+    if baseline is not None and run_keys.run_key(run.project, baseline) == run.run_id:
         raise UnknownBaselineError(
             f"baseline run {baseline!r} is the run itself: name an earlier run of the same project"
         )
-    if baseline is not None and not detector_reads.run_in_project(session, run_id=baseline, project=run.project):
+    if baseline is not None and not detector_reads.run_in_project(
+        session, run_id=run_keys.run_key(run.project, baseline), project=run.project
+    ):
         raise UnknownBaselineError(
             f"no run {baseline!r} in project {run.project!r} to compare with: name a run of the same project "
             "(trainvitals query runs, GET /v1/runs)"

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from trainvitals.service.auth import ANONYMOUS, Principal
-from trainvitals.service.store import queries
+from trainvitals.service.store import queries, run_keys
 from trainvitals.service.store.models import Run
 from trainvitals.wire.v1 import _RUN_ID_PATTERN as RUN_ID_PATTERN  # the one definition of a run id
 
@@ -74,24 +74,31 @@ SessionDep = Annotated[Session, Depends(_session)]
 PrincipalDep = Annotated[Principal, Depends(authenticate)]
 
 
-def _authorized_run(session: Session, principal: Principal, run_id: str, scope: str) -> Run:
-    run = queries.get_run(session, run_id=run_id)
-    # Another project's run answers exactly like an unknown one: run ids are global, and whether a
-    # project uses one is nobody else's business (a 403 would tell).
-    if run is None or (principal.project is not None and run.project != principal.project):
+def _authorized_run(session: Session, principal: Principal, run_id: str, project: str | None, scope: str) -> Run:
+    """The caller's project's run `run_id` (run ids are a project's own: store/run_keys.py).
+
+    Auth off: the one run with that id, or the named project's when several projects have one."""
+    if principal.project is not None:
+        require(principal, scope, project or principal.project)
+        project = principal.project
+    try:
+        key = run_keys.resolve(session, run_id, project)
+    except run_keys.AmbiguousRunError as exc:
+        raise HTTPException(status.HTTP_409_CONFLICT, f"{exc}: name one with ?project=...") from None
+    run = None if key is None else queries.get_run(session, run_id=key)
+    if run is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
-    require(principal, scope, run.project)
     return run
 
 
-def readable_run(run_id: RunId, session: SessionDep, principal: PrincipalDep) -> Run:
-    """The path's run: 404 when unknown or another project's, 403 unless the caller may read it."""
-    return _authorized_run(session, principal, run_id, "read")
+def readable_run(run_id: RunId, session: SessionDep, principal: PrincipalDep, project: ProjectParam = None) -> Run:
+    """The path's run of the caller's project: 404 when it has none, 403 unless the caller may read."""
+    return _authorized_run(session, principal, run_id, project, "read")
 
 
-def deletable_run(run_id: RunId, session: SessionDep, principal: PrincipalDep) -> Run:
-    """The path's run: 404 when unknown or another project's, 403 without the admin scope."""
-    return _authorized_run(session, principal, run_id, "admin")
+def deletable_run(run_id: RunId, session: SessionDep, principal: PrincipalDep, project: ProjectParam = None) -> Run:
+    """The path's run of the caller's project: 404 when it has none, 403 without the admin scope."""
+    return _authorized_run(session, principal, run_id, project, "admin")
 
 
 def readable_project(principal: PrincipalDep, project: ProjectParam = None) -> str | None:

@@ -41,7 +41,7 @@ import psycopg
 import sqlalchemy.exc
 from sqlalchemy.orm import Session
 
-from trainvitals.service.store import batches
+from trainvitals.service.store import batches, run_keys
 from trainvitals.service.store.batches import AnyBatch
 
 log = logging.getLogger(__name__)
@@ -136,6 +136,8 @@ class BatchWriter:
         # Rows are built here, on the request's thread: the writer thread is the bound on ingest
         # (busy all the time under load), the event loop is not. Not for a large batch, which would
         # stall the event loop (0.3-1 us per record): the writer builds those.
+        if project is not None:  # under its run's key (store/run_keys.py), so the rows built here carry it
+            batch = run_keys.with_key(batch, run_keys.key_for(project, batch.run))
         rows = None
         if n <= _INLINE_ROWS_MAX:
             try:
@@ -188,7 +190,7 @@ class BatchWriter:
             if isinstance(exc, _DATA_ERRORS):  # this batch's values, not the database's state
                 _answer(group, [batches.UnstorableBatchError(f"{type(exc).__name__}: {exc}"[:500])])
                 with contextlib.suppress(Exception), self._sessions() as session:
-                    batches.count_unstorable(session, group[0].batch, writer=name)
+                    batches.count_unstorable(session, group[0].batch, writer=name, project=group[0].project)
                 return
             log.exception("storing batch %s failed", _describe(group[0].batch))
             _answer(group, [None], failure=exc)

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from trainvitals.service.analysis import pipeline
-from trainvitals.service.store import batches, queries
+from trainvitals.service.store import batches, queries, run_keys
 from trainvitals.wire import Batch, RunRegistration
 
 
@@ -37,8 +37,13 @@ class ReplayReport:
     steps_reduced: int = 0
 
 
-def replay_lines(session: Session, lines: Iterable[tuple[str, int, bytes]], report: ReplayReport) -> None:
-    runs = set(report.runs)
+def replay_lines(
+    session: Session, lines: Iterable[tuple[str, int, bytes]], report: ReplayReport, *, project: str | None = None
+) -> None:
+    """project: store every run in this project, whatever the registrations name (a job that
+    named the wrong one); None: the registrations' own."""
+    runs = set(report.runs)  # keys (store/run_keys.py)
+    projects: dict[str, str] = {}  # run id -> project, from the registrations read so far
     for source, lineno, raw in lines:
         if not raw.strip():
             continue
@@ -47,16 +52,21 @@ def replay_lines(session: Session, lines: Iterable[tuple[str, int, bytes]], repo
             body = json.loads(raw)
             if isinstance(body, dict) and "records" in body:
                 batch = Batch.model_validate(body)
-                ack = batches.store_batch(session, batch)
+                # A batch names no project: its registration's in this file, else the one run with its id.
+                named = project or projects.get(batch.run)
+                ack = batches.store_batch(session, batch, project=named)
                 report.batches += 1
                 report.duplicates += int(ack.duplicate)
                 report.records += ack.accepted
-                runs.add(batch.run)
+                runs.add(run_keys.resolve(session, batch.run, named) or batch.run)
             else:
                 reg = RunRegistration.model_validate(body)
+                if project is not None:
+                    reg = reg.model_copy(update={"project": project})
                 batches.register_run(session, reg)
                 report.registrations += 1
-                runs.add(reg.run)
+                projects[reg.run] = reg.project
+                runs.add(run_keys.run_key(reg.project, reg.run))
         except (ValueError, ValidationError, LookupError) as exc:  # JSON, schema, unknown run, project
             session.rollback()
             report.rejected_lines += 1
@@ -71,9 +81,11 @@ def replay_files(
     *,
     analyse: bool = True,
     config: pipeline.PipelineConfig | None = None,
+    project: str | None = None,
 ) -> ReplayReport:
-    """Store every line of `files`, then (analyse) analyse each run they touched over its whole
-    history, with `config` (None: the defaults, as `trainvitals replay` uses)."""
+    """Store every line of `files` (in `project`, see replay_lines), then (analyse) analyse each
+    run they touched over its whole history, with `config` (None: the defaults, as `trainvitals
+    replay` uses)."""
     report = ReplayReport()
 
     def lines() -> Iterable[tuple[str, int, bytes]]:
@@ -82,7 +94,7 @@ def replay_files(
                 for i, raw in enumerate(fh, 1):
                     yield name, i, raw
 
-    replay_lines(session, lines(), report)
+    replay_lines(session, lines(), report, project=project)
     config = config or pipeline.PipelineConfig()
     if analyse:
         for run_id in report.runs:

@@ -24,6 +24,7 @@ from sqlalchemy import BigInteger, Boolean, Integer, String, case, delete, inser
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from trainvitals.service.store import run_keys
 from trainvitals.service.store.models import (
     RECORD_TABLES,
     DeliveredBatch,
@@ -93,10 +94,10 @@ def _contradictions(stored: dict[str, Any], registration: RunRegistration) -> li
     return out
 
 
-def _fence(session: Session, registration: RunRegistration, reason: str, now: float) -> None:
+def _fence(session: Session, run_key: str, registration: RunRegistration, reason: str, now: float) -> None:
     """Remember the refused process (committed: the registration's request fails, the fence stays)."""
     if registration.incarnation is not None:
-        key = (registration.run, registration.incarnation)
+        key = (run_key, registration.incarnation)
         if session.get(RefusedIncarnation, key) is None:
             session.add(RefusedIncarnation(run_id=key[0], incarnation=key[1], refused_at=now, reason=reason))
     try:
@@ -105,8 +106,13 @@ def _fence(session: Session, registration: RunRegistration, reason: str, now: fl
         session.rollback()
 
 
-def register_run(session: Session, registration: RunRegistration, *, now: float | None = None) -> bool:
-    """Insert the run if new; returns True when it was created.
+def register_run(
+    session: Session, registration: RunRegistration, *, now: float | None = None, unique_ids: bool = False
+) -> bool:
+    """Insert the run if new (under its project's key, store/run_keys.py); True when it was created.
+
+    unique_ids: refuse (ValueError) a run id another project has (auth off: a batch names no
+    project, so its run id must name one run).
 
     An existing run id registered again is a relaunch of the same job (a restart: a new
     incarnation, whose steps replace the old ones at equal steps) when the project agrees and so does
@@ -116,13 +122,11 @@ def register_run(session: Session, registration: RunRegistration, *, now: float 
     refused from then on (docs/wire-format.md, "Run ids").
     """
     now = time.time() if now is None else now
-    existing = session.get(Run, registration.run)
+    key = run_keys.run_key(registration.project, registration.run)
+    existing = session.get(Run, key)
+    if existing is None and unique_ids and run_keys.keys_by_id(session, registration.run):
+        raise ValueError(f"run {registration.run!r} is registered under another project than {registration.project!r}")
     if existing is not None:
-        if existing.project != registration.project:
-            raise ValueError(
-                f"run {registration.run!r} is registered under project {existing.project!r}, "
-                f"not {registration.project!r}"
-            )
         differs = _contradictions(existing.registration, registration)
         if differs and not registration.resume:
             reason = (
@@ -131,14 +135,14 @@ def register_run(session: Session, registration: RunRegistration, *, now: float 
                 "TRAINVITALS_RUN); if it continues that run on a new model or layout, register it with "
                 "resume=true (attach(registration={'resume': True}))"
             )
-            _fence(session, registration, reason, now)
+            _fence(session, key, registration, reason, now)
             raise RunConflictError(reason)
         if differs:  # a declared resume on a new layout: the run's world size and config are its own now
             existing.registration = registration.model_dump(mode="json")
             existing.world_size = registration.parallelism.world_size
         if registration.incarnation is not None:  # accepted now (e.g. declared a resume): not fenced
             t = RefusedIncarnation
-            session.execute(delete(t).where(t.run_id == registration.run, t.incarnation == registration.incarnation))
+            session.execute(delete(t).where(t.run_id == key, t.incarnation == registration.incarnation))
         existing.last_seen_at = now
         if existing.status != "running":
             existing.status = "running"  # a resumed run is live again
@@ -146,7 +150,7 @@ def register_run(session: Session, registration: RunRegistration, *, now: float 
         return False
     session.add(
         Run(
-            run_id=registration.run,
+            run_id=key,
             project=registration.project,
             registration=registration.model_dump(mode="json"),
             world_size=registration.parallelism.world_size,
@@ -393,12 +397,43 @@ def _fenced(session: Session, run_ids: set[str], incarnations: set[int]) -> dict
 def store_batch(session: Session, batch: AnyBatch, *, now: float | None = None, project: str | None = None) -> BatchAck:
     """Store one batch atomically; a duplicate is acknowledged and stores nothing.
 
-    project: the caller's project (None: auth off); a run of another project is refused.
+    project: the caller's project, whose run the batch names (None: auth off, the run with that
+    id, store/run_keys.py).
     """
     outcome = store_batches(session, [(batch, project)], now=now)[0]
     if isinstance(outcome, Exception):
         raise outcome
     return outcome
+
+
+def _keyed(
+    session: Session, items: Sequence[tuple[AnyBatch, str | None]], rows: Sequence[BatchRows | None] | None
+) -> tuple[list[tuple[AnyBatch, str | None]], list[BatchRows | None], dict[int, str]]:
+    """Each batch under its run's key (store/run_keys.py), with its rows (None where they must be
+    built again, under the key), and why an item cannot be keyed (auth off, an id several projects
+    hold) by index. The caller's project gives the key; with none (auth off), the run with that id."""
+    given: list[BatchRows | None] = list(rows) if rows is not None else [None] * len(items)
+    unscoped = {b.run for b, project in items if project is None}
+    keys: dict[str, str] = {}
+    refusals: dict[str, str] = {}
+    if unscoped:
+        bare = set(session.scalars(select(Run.run_id).where(Run.run_id.in_(unscoped))))  # the default project's
+        for run in unscoped - bare:
+            try:
+                keys[run] = run_keys.key_by_id(session, run) or run
+            except run_keys.AmbiguousRunError as exc:
+                why = "with auth off a batch cannot name one: serve with auth (no --insecure-no-auth), or rename one"
+                refusals[run] = f"{exc}; {why}"
+    out: list[tuple[AnyBatch, str | None]] = []
+    refused: dict[int, str] = {}
+    for i, (batch, project) in enumerate(items):
+        key = run_keys.key_for(project, batch.run) if project is not None else keys.get(batch.run, batch.run)
+        if key != batch.run:
+            batch, given[i] = run_keys.with_key(batch, key), None
+        if batch.run in refusals:
+            refused[i] = refusals[batch.run]
+        out.append((batch, project))
+    return out, given, refused
 
 
 def store_batches(
@@ -424,6 +459,7 @@ def store_batches(
     group-commit writer has them built on the request's thread, so its own thread mostly writes.
     """
     now = time.time() if now is None else now
+    items, rows, refused = _keyed(session, items, rows)
     run_ids = {batch.run for batch, _ in items}
     runs = {
         r.run_id: r
@@ -436,8 +472,11 @@ def store_batches(
     candidates: dict[tuple[str, int, int, int], int] = {}  # idempotency key -> item index
     for i, (batch, project) in enumerate(items):
         run = runs.get(batch.run)
-        if run is None:
-            outcomes[i] = UnknownRunError(f"run {batch.run!r} is not registered: POST /v1/runs first")
+        if i in refused:
+            outcomes[i] = UnknownRunError(refused[i])
+        elif run is None:
+            run_id = run_keys.run_id_of(batch.run)  # as the sender named it
+            outcomes[i] = UnknownRunError(f"run {run_id!r} is not registered: POST /v1/runs first")
         elif project is not None and run.project != project:
             outcomes[i] = WrongProjectError(
                 f"run {batch.run!r} belongs to another project than this token's ({project!r})"
@@ -474,8 +513,10 @@ def store_batches(
     return [o for o in outcomes if o is not None]
 
 
-def count_unstorable(session: Session, batch: AnyBatch, *, writer: str) -> None:
-    """Count a batch the database refused (its transaction rolled back) as rejected."""
+def count_unstorable(session: Session, batch: AnyBatch, *, writer: str, project: str | None = None) -> None:
+    """Count a batch the database refused (its transaction rolled back) as rejected (under its
+    run's key: project as for store_batches)."""
+    batch = _keyed(session, [(batch, project)], None)[0][0][0]
     known = session.get(Run, batch.run) is not None
     _count(session, writer, [(batch.run, known)], [UnstorableBatchError()])
     session.commit()

@@ -15,6 +15,9 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from trainvitals.service.store.types import Real
 
+RUN_KEY_LENGTH = 385
+"""A run's key: its project (256), "/" and its run id (128); store/run_keys.py."""
+
 # SQLite only auto-increments an INTEGER PRIMARY KEY; PostgreSQL wants BIGINT for big tables.
 _BigId = BigInteger().with_variant(Integer(), "sqlite")
 
@@ -26,7 +29,7 @@ class Base(DeclarativeBase):
 class Run(Base):
     __tablename__ = "runs"
 
-    run_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    run_id: Mapped[str] = mapped_column(String(RUN_KEY_LENGTH), primary_key=True)
     project: Mapped[str] = mapped_column(String(256), index=True)
     registration: Mapped[dict[str, Any]] = mapped_column(JSON)
     world_size: Mapped[int] = mapped_column(Integer)
@@ -67,7 +70,7 @@ class StepRow(Base):
     __table_args__ = (Index("ix_steps_run_step_rank", "run_id", "step", "rank"),)
 
     id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = mapped_column(String(128))
+    run_id: Mapped[str] = mapped_column(String(RUN_KEY_LENGTH))
     rank: Mapped[int] = mapped_column(Integer)
     incarnation: Mapped[int] = mapped_column(BigInteger)
     step: Mapped[int] = mapped_column(BigInteger)
@@ -94,7 +97,7 @@ class TensorStatRow(Base):
     )
 
     id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = mapped_column(String(128))
+    run_id: Mapped[str] = mapped_column(String(RUN_KEY_LENGTH))
     rank: Mapped[int] = mapped_column(Integer)
     incarnation: Mapped[int] = mapped_column(BigInteger)
     step: Mapped[int] = mapped_column(BigInteger)
@@ -118,7 +121,7 @@ class GradStatRow(Base):
     __table_args__ = (Index("ix_grad_stats_run_step_group", "run_id", "step", "group_name"),)
 
     id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = mapped_column(String(128))
+    run_id: Mapped[str] = mapped_column(String(RUN_KEY_LENGTH))
     rank: Mapped[int] = mapped_column(Integer)
     incarnation: Mapped[int] = mapped_column(BigInteger)
     step: Mapped[int] = mapped_column(BigInteger)
@@ -136,7 +139,7 @@ class CheckpointRow(Base):
     )
 
     id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = mapped_column(String(128))
+    run_id: Mapped[str] = mapped_column(String(RUN_KEY_LENGTH))
     rank: Mapped[int] = mapped_column(Integer)
     incarnation: Mapped[int] = mapped_column(BigInteger)
     step: Mapped[int] = mapped_column(BigInteger)
@@ -156,7 +159,7 @@ class EventRow(Base):
     __table_args__ = (Index("ix_events_run_ts", "run_id", "ts"),)
 
     id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = mapped_column(String(128))
+    run_id: Mapped[str] = mapped_column(String(RUN_KEY_LENGTH))
     rank: Mapped[int] = mapped_column(Integer)
     incarnation: Mapped[int] = mapped_column(BigInteger)
     ts: Mapped[float] = mapped_column(Real)
@@ -189,7 +192,7 @@ class StepSummary(Base):
 
     __tablename__ = "step_summaries"
 
-    run_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    run_id: Mapped[str] = mapped_column(String(RUN_KEY_LENGTH), primary_key=True)
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     ranks: Mapped[int] = mapped_column(Integer)
     ts: Mapped[float] = mapped_column(Real)
@@ -228,7 +231,7 @@ class TensorSummary(Base):
     __tablename__ = "tensor_summaries"
     __table_args__ = (Index("ix_tensor_summaries_run_step", "run_id", "step"),)
 
-    run_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    run_id: Mapped[str] = mapped_column(String(RUN_KEY_LENGTH), primary_key=True)
     tensor: Mapped[str] = mapped_column(String(256), primary_key=True)
     role: Mapped[str] = mapped_column(String(16), primary_key=True)
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
@@ -250,7 +253,7 @@ class GradSummary(Base):
     __tablename__ = "grad_summaries"
     __table_args__ = (Index("ix_grad_summaries_run_step", "run_id", "step"),)
 
-    run_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    run_id: Mapped[str] = mapped_column(String(RUN_KEY_LENGTH), primary_key=True)
     group_name: Mapped[str] = mapped_column(String(256), primary_key=True)
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     norm: Mapped[float] = mapped_column(Real)
@@ -265,7 +268,7 @@ class RankWindow(Base):
     __tablename__ = "rank_windows"
     __table_args__ = (Index("ix_rank_windows_run_rank", "run_id", "rank", "window_start"),)
 
-    run_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    run_id: Mapped[str] = mapped_column(String(RUN_KEY_LENGTH), primary_key=True)
     window_start: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
     steps: Mapped[int] = mapped_column(Integer)
@@ -303,7 +306,7 @@ class FindingRow(Base):
     )
 
     id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = mapped_column(String(128))
+    run_id: Mapped[str] = mapped_column(String(RUN_KEY_LENGTH))
     kind: Mapped[str] = mapped_column(String(64))
     severity: Mapped[str] = mapped_column(String(8))
     subject_kind: Mapped[str] = mapped_column(String(16))
@@ -344,7 +347,7 @@ class IngestCount(Base):
 
     __tablename__ = "ingest_counts"
 
-    run_id: Mapped[str] = mapped_column(String(128), primary_key=True)  # '' for batches of unknown runs
+    run_id: Mapped[str] = mapped_column(String(RUN_KEY_LENGTH), primary_key=True)  # '' for batches of unknown runs
     outcome: Mapped[str] = mapped_column(String(16), primary_key=True)  # stored | duplicate | rejected
     writer: Mapped[str] = mapped_column(String(128), primary_key=True)  # host:pid:thread
     batches: Mapped[int] = mapped_column(BigInteger, default=0)

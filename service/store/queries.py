@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 from sqlalchemy import case, delete, func, select
 from sqlalchemy.orm import Session
 
+from trainvitals.service.store import run_keys
 from trainvitals.service.store.incarnations import newest_incarnation_only
 from trainvitals.service.store.models import (
     CheckpointRow,
@@ -190,7 +191,7 @@ def run_overview(
     warmup = warmup_steps if own is None else int(own)
     starts, remaining, detection = _detection(status=run.status, first=first_step, last=last_step, warmup=warmup)
     return RunOverview(
-        run_id=run.run_id,
+        run_id=run_keys.run_id_of(run.run_id),
         project=run.project,
         status=run.status,
         world_size=run.world_size,
@@ -421,7 +422,7 @@ def step_time_matrix(
     ranks = sorted({r for _, r in cells})
     steps = sorted({s for s, _ in cells})
     return {
-        "run": run_id,
+        "run": run_keys.run_id_of(run_id),
         "ranks": ranks,
         "steps": steps,
         "seconds": [[cells.get((s, r)) for r in ranks] for s in steps],
@@ -542,7 +543,7 @@ def rollback_target(session: Session, *, run_id: str, before_step: int | None = 
     verified = [g for g in candidates if g["status"] == "verified"]
     pick = (verified or candidates)[-1] if candidates else None
     return {
-        "run": run_id,
+        "run": run_keys.run_id_of(run_id),
         "before_step": before_step,
         "reason": reason or "newest usable generation",
         "target": pick,

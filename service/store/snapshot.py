@@ -28,6 +28,7 @@ import numpy as np
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
+from trainvitals.service.store import run_keys
 from trainvitals.service.store.models import (
     CheckpointRow,
     EventRow,
@@ -111,6 +112,9 @@ class CheckpointStatus:
 @dataclass(kw_only=True, slots=True)
 class RunSnapshot:
     run_id: str
+    """The run's key (store/run_keys.py)."""
+    label: str
+    """Its `run` label: the run id (exposition.py makes it the key when two projects' runs share it)."""
     project: str
     status: str
     world_size: int
@@ -153,6 +157,7 @@ def run_snapshot(
     slowest = slowest_ranks(session, run_id=rid, top_k=top_k)
     return RunSnapshot(
         run_id=rid,
+        label=run_keys.run_id_of(rid),
         project=run.project,
         status=run.status,
         world_size=run.world_size,

@@ -127,7 +127,8 @@ def _emit_steps(exp: BatchProcessor, steps: range) -> None:
 
 
 def _stored(db_url: str) -> tuple[dict[str, str], list[tuple[int, int]]]:
-    """Runs by project, and (incarnation, step) of every stored step row."""
+    """Runs by project (keyed as stored: "<project>/<run>" but for the default project's), and
+    (incarnation, step) of every stored step row."""
     engine = db.make_engine(db_url)
     with engine.connect() as conn:
         runs = {r.run_id: r.project for r in conn.execute(select(Run.run_id, Run.project))}
@@ -144,7 +145,7 @@ def test_a_registration_naming_no_project_takes_the_tokens(secured: CollectorSer
     exp = _exporter(secured.url, tmp_path, token=_token(secured.db_url, "llm"), project=None)
     _emit_steps(exp, range(STEPS))
     exp.shutdown()
-    assert _stored(secured.db_url) == ({"r1": "llm"}, [(1, s) for s in range(STEPS)])
+    assert _stored(secured.db_url) == ({"llm/r1": "llm"}, [(1, s) for s in range(STEPS)])
     assert exp.stats.delivered_batches == STEPS and exp.stats.rejected_batches == 0
 
 
@@ -192,7 +193,7 @@ def test_a_token_fixed_within_the_window_delivers_everything(secured: CollectorS
         tokens.add_token(session, digest=auth.digest(later), project="llm", scope="ingest", name=None, now=0.0)
     engine.dispose()
     _emit_steps(exp, range(3, STEPS))
-    assert _stored(secured.db_url) == ({"r1": "llm"}, [(1, s) for s in range(STEPS)])
+    assert _stored(secured.db_url) == ({"llm/r1": "llm"}, [(1, s) for s in range(STEPS)])
     assert not (tmp_path / "spool" / "r1.rank0.quarantine.jsonl").exists()
     exp.shutdown()
 
@@ -218,7 +219,7 @@ def test_refused_for_good_is_set_aside_then_a_fixed_rerun_delivers_and_the_quara
     fixed = _exporter(secured.url, tmp_path, token=token, project=None, incarnation=2)
     _emit_steps(fixed, range(STEPS + 2))
     fixed.shutdown()
-    assert _stored(secured.db_url) == ({"r1": "llm"}, [(2, s) for s in range(STEPS + 2)])
+    assert _stored(secured.db_url) == ({"llm/r1": "llm"}, [(2, s) for s in range(STEPS + 2)])
 
     engine = db.make_engine(secured.db_url)
     with db.make_sessionmaker(engine)() as session:
@@ -238,7 +239,7 @@ def test_an_earlier_processs_refused_spool_does_not_hold_back_this_ones_data(
     assert (tmp_path / "spool" / "r1.rank0.jsonl").exists()
     fixed = _exporter(secured.url, tmp_path, token=token, project=None, incarnation=2)
     _emit_steps(fixed, range(STEPS))
-    assert _stored(secured.db_url) == ({"r1": "llm"}, [(2, s) for s in range(STEPS)])
+    assert _stored(secured.db_url) == ({"llm/r1": "llm"}, [(2, s) for s in range(STEPS)])
     assert fixed.stats.rejected_batches == 3  # the leftover's, set aside at once, not after 300 s
     assert len((tmp_path / "spool" / "r1.rank0.quarantine.jsonl").read_bytes().splitlines()) == 3
     fixed.shutdown()

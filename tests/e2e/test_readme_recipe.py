@@ -65,9 +65,9 @@ def test_the_readme_recipe_delivers_every_step_to_the_tokens_project(tmp_path: P
     engine = db.make_engine(f"sqlite:///{tmp_path / 'trainvitals.db'}")
     with engine.connect() as conn:
         runs = {r.run_id: r.project for r in conn.execute(select(Run.run_id, Run.project))}
-        steps = sorted(conn.execute(select(StepRow.step).where(StepRow.run_id == "quickstart")).scalars())
+        steps = sorted(conn.execute(select(StepRow.step).where(StepRow.run_id == "llm/quickstart")).scalars())
     engine.dispose()
-    assert runs == {"quickstart": "llm"}
+    assert runs == {"llm/quickstart": "llm"}  # the project's own run id (store/run_keys.py)
     assert steps == list(range(50))
     assert not any((tmp_path / "spool").glob("*.jsonl"))
 
@@ -164,7 +164,7 @@ def test_a_wrong_project_then_fixed_delivers_and_the_set_aside_batches_replay(
     with engine.connect() as conn:
         runs = {r.run_id: r.project for r in conn.execute(select(Run.run_id, Run.project))}
         stored = sorted(conn.execute(select(StepRow.step)).scalars())
-    assert runs == {"typo": "llm"} and stored == list(range(30))
+    assert runs == {"llm/typo": "llm"} and stored == list(range(30))
 
     replay = subprocess.run(
         [tv, "replay", str(quarantine), "--db", db_url, "--no-analysis"], capture_output=True, text=True, timeout=300

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import scaleout_16k as so  # noqa: E402 - benchmarks/ is a directory of scripts, not a package
 from ingest_throughput import create_token, free_port  # noqa: E402
 
+from trainvitals.service.store import run_keys  # noqa: E402
 from trainvitals.wire.builders import batch_header, step_record  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -101,7 +102,8 @@ def test_replicas_behind_nginx_agree(empty_pg_url: str, tmp_path: Path) -> None:
         # more rows go (ids 1-16 and 17-32 of the 48 step rows); the newest stays.
         with psycopg.connect(dsn, autocommit=True) as conn:
             deadline = time.monotonic() + 40
-            while (conn.execute("SELECT reduced_upto FROM reduction_state WHERE run_id = %s", (RUN,)).fetchone()
+            key = run_keys.run_key("bench", RUN)  # the tokens' project's run (store/run_keys.py)
+            while (conn.execute("SELECT reduced_upto FROM reduction_state WHERE run_id = %s", (key,)).fetchone()
                    or (-1,))[0] < STEPS - 1:
                 assert time.monotonic() < deadline, "the last steps were never reduced"
                 time.sleep(0.5)

@@ -84,23 +84,32 @@ def test_revoked_token_stops_working(db_url: str) -> None:
     engine.dispose()
 
 
-def test_a_run_id_taken_by_another_project_is_refused_for_good_without_naming_it(app_and_tokens) -> None:
-    """Run ids are global: B registering A's run id gets a 409 that says the id is taken and what to
-    do (the agent sets its data aside and says so once, agent/_refusals.py), not whose it is;
-    B's batches for it are answered as for an unknown run, and A's run is untouched."""
+def test_run_ids_are_each_projects_own(app_and_tokens) -> None:
+    """B registering the run id A uses gets a run of its own: nothing to squat, nothing told about
+    A's. Batches, reads, /metrics and deletion each reach the caller's project's run only."""
     client, tok = app_and_tokens
-    assert (
-        client.post("/v1/runs", json={"run": "ra", "project": "a"}, headers=_h(tok["a", "ingest"])).status_code == 201
-    )
-    squat = client.post("/v1/runs", json={"run": "ra"}, headers=_h(tok["b", "ingest"]))
-    assert squat.status_code == 409
-    assert squat.json()["detail"] == (
-        "run id 'ra' is taken by another project: nothing of this job is stored. Give this job its own run id "
-        "(attach(run=...) or TRAINVITALS_RUN)"
-    )
-    assert "'a'" not in squat.text
-    assert client.post("/v1/batches", json=BATCH, headers=_h(tok["b", "ingest"])).status_code == 409
-    assert client.get("/v1/runs/ra", headers=_h(tok["a", "read"])).json()["step_records"] == 0
+    for project in ("a", "b"):
+        reg = client.post("/v1/runs", json={"run": "ra"}, headers=_h(tok[project, "ingest"]))
+        assert (reg.status_code, reg.json()["project"]) == (201, project)
+    for project, steps in (("a", 3), ("b", 5)):
+        for seq in range(steps):
+            batch = {**BATCH, "seq": seq, "records": [{**BATCH["records"][0], "step": seq}]}  # type: ignore[dict-item]
+            assert client.post("/v1/batches", json=batch, headers=_h(tok[project, "ingest"])).json()["accepted"] == 1
+    for project, steps in (("a", 3), ("b", 5)):
+        read = _h(tok[project, "read"])
+        overview = client.get("/v1/runs/ra", headers=read).json()
+        assert (overview["run_id"], overview["project"], overview["step_records"]) == ("ra", project, steps)
+        assert [(r["run"], r["project"]) for r in client.get("/v1/runs", headers=read).json()] == [("ra", project)]
+        assert 'trainvitals_run_info{project="' + project + '",run="ra",status="running"} 1.0' in client.get(
+            "/metrics", headers=read
+        ).text
+    # Naming the other project is refused, whether or not it has such a run.
+    assert client.get("/v1/runs/ra?project=a", headers=_h(tok["b", "read"])).status_code == 403
+    assert client.get("/v1/runs/zz?project=a", headers=_h(tok["b", "read"])).status_code == 403
+    # B's admin deletes B's run; A's stays whole.
+    assert client.delete("/v1/runs/ra", headers=_h(tok["b", "admin"])).status_code == 204
+    assert client.get("/v1/runs/ra", headers=_h(tok["b", "read"])).status_code == 404
+    assert client.get("/v1/runs/ra", headers=_h(tok["a", "read"])).json()["step_records"] == 3
 
 
 def test_scope_grants() -> None:

@@ -314,3 +314,19 @@ def test_an_unknown_tensor_is_an_error(replayed: str, capsys: pytest.CaptureFixt
     assert captured.out == ""
     assert captured.err.startswith(f"trainvitals: run '{RUN}' has no tensor 'layers.9.fc' (names are module names")
     assert captured.err.count("\n") == 1
+
+
+def test_replay_into_another_project_and_query_by_project(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`replay --project` stores a file's runs in that project whatever its registrations name (a
+    job that named the wrong one); `query --project` reads that project's run, and names what is
+    missing in one line."""
+    (tmp_path / "run.jsonl").write_text("\n".join(_wire_lines()[:2]) + "\n")  # registers project p
+    url = f"sqlite:///{tmp_path / 'tv.db'}"
+    assert main(["replay", str(tmp_path / "run.jsonl"), "--db", url, "--no-analysis", "--project", "fixed"]) == 0
+    capsys.readouterr()
+    assert main(["query", "runs", "--db", url]) == 0
+    assert [(r["run_id"], r["project"]) for r in json.loads(capsys.readouterr().out)] == [(RUN, "fixed")]
+    assert main(["query", "checkpoints", "--db", url, "--run", RUN, "--project", "fixed"]) == 0
+    capsys.readouterr()
+    assert main(["query", "checkpoints", "--db", url, "--run", RUN, "--project", "p"]) == 1
+    assert capsys.readouterr().err == f"trainvitals: no run {RUN!r} of project 'p' in {url}\n"

@@ -20,7 +20,7 @@ from trainvitals.service.analysis import pipeline
 from trainvitals.service.detectors.findings import Finding
 from trainvitals.service.exposition import TrainvitalsCollector, make_registry
 from trainvitals.service.settings import Settings
-from trainvitals.service.store import batches, db, findings, queries
+from trainvitals.service.store import batches, db, findings, queries, run_keys
 from trainvitals.service.store.models import Run
 from trainvitals.wire import Batch, RunRegistration
 from trainvitals.wire.conventions import DROP_REASONS
@@ -182,6 +182,7 @@ def test_a_thousand_live_runs_export_the_capped_most_severe_and_most_recent(db_u
     sweep = [f"sweep-{i:04d}" for i in range(1_000)]
     singles = [(f"p{i:03d}", f"solo-{i:03d}") for i in range(120)]
     exported = ["sweep-0000", *sweep[-49:], *(run for _p, run in singles[-50:])]
+    key = {run: run_keys.run_key(project, run) for project, run in [("sweep", r) for r in sweep] + singles}
     with maker() as session:
         # A registration makes a run live. The runs that will be exported also get steps, reduced,
         # so the timed scrape reads a full snapshot of each; the others cost a scrape only their
@@ -191,14 +192,14 @@ def test_a_thousand_live_runs_export_the_capped_most_severe_and_most_recent(db_u
             batches.register_run(session, RunRegistration(run=run, project=project), now=NOW)
         for run in exported:
             _batch(session, run, 0, [{"kind": "step", "step": s, "ts": NOW - 1, "step_seconds": 1.0} for s in range(2)])
-            pipeline.process_run(session, queries.get_run(session, run_id=run), now=NOW)
-        page = Finding(kind="run_stalled", severity="page", run="sweep-0000", subject_kind="run", subject="run",
+            pipeline.process_run(session, queries.get_run(session, run_id=key[run]), now=NOW)
+        page = Finding(kind="run_stalled", severity="page", run=key["sweep-0000"], subject_kind="run", subject="run",
                        onset_step=1, last_step=1, magnitude=60.0, summary="stalled", active=True)  # fmt: skip
-        findings.store_findings(session, run_id="sweep-0000", findings=[page], now=NOW)
+        findings.store_findings(session, run_id=key["sweep-0000"], findings=[page], now=NOW)
         # Last seen: the one-run projects longest ago (solo-000 first), then the sweep (sweep-0999
         # the most recent); the ingest path sets it to now, so it is set here, after every write.
         for i, (_project, run) in enumerate(singles + [("sweep", r) for r in sweep]):
-            row = session.get(Run, run)
+            row = session.get(Run, key[run])
             assert row is not None
             row.last_seen_at = NOW - 3_000 + i
         session.commit()
@@ -208,7 +209,7 @@ def test_a_thousand_live_runs_export_the_capped_most_severe_and_most_recent(db_u
     total = sum(len(sets) for sets in series.values())
     print(f"\n[{db_url.split(':')[0]}] 1,120 live runs: {total} series, scrape {seconds:.3f} s")
     runs = _label(series, "trainvitals_run_info", "run")
-    assert runs == set(exported)
+    assert runs == set(exported)  # labelled by run id: no two projects share one here
     assert len(runs) == exposition.EXPORTED_RUNS
     omitted = {dict(labels)["project"]: n for labels, n in series["trainvitals_runs_omitted"].items()}
     assert omitted == {"sweep": 950, "": 70, **{p: 0 for p, _r in singles[-50:]}}

@@ -31,6 +31,7 @@ from trainvitals.service.api.schemas import (
     RecommendRequest,
     RunCadenceAdvicePublic,
 )
+from trainvitals.service.store import run_keys
 
 ADVISOR_BODY_MAX = 1024 * 1024
 """Bytes: a plan or cadence request is well under 1 KiB (the collector's own limit is for batches)."""
@@ -123,5 +124,10 @@ def advise_run(
     except ValueError as exc:
         raise _bad(exc) from exc
     return RunCadenceAdvicePublic.model_validate(
-        {"run": run.run_id, "observed_saves": saves, "observed_failures": failures, **result.as_dict()}
+        {
+            "run": run_keys.run_id_of(run.run_id),
+            "observed_saves": saves,
+            "observed_failures": failures,
+            **result.as_dict(),
+        }
     )

@@ -197,10 +197,11 @@ def register_run(
         registration = registration.model_copy(update={"project": principal.project})
     require(principal, "ingest", registration.project)
     try:
-        created = batches.register_run(session, registration)
+        # Auth off: a batch names no project, so a run id must name one run whatever the project.
+        created = batches.register_run(session, registration, unique_ids=principal.project is None)
     except batches.RunConflictError as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
-    except ValueError:  # the id is another project's run: say it is taken, not whose it is
+    except ValueError:  # auth off, and another project has this id: say it is taken, not whose it is
         raise HTTPException(
             status.HTTP_409_CONFLICT,
             f"run id {registration.run!r} is taken by another project: nothing of this job is stored. Give this "
@@ -242,12 +243,11 @@ async def post_batch(request: Request) -> Response:
             status.HTTP_503_SERVICE_UNAVAILABLE, f"storage failed, nothing stored, retry: {exc}"[:500]
         ) from exc
     # Counted in the database by the transaction that decided the outcome (ingest_counts).
-    if isinstance(outcome, batches.WrongProjectError):
-        # Another project's run is answered as an unknown one, word for word (the store's words,
-        # tests/service/api/test_api.py holds them equal): whether a run id is in use is that
-        # project's business. Retrying cannot fix either.
+    if isinstance(outcome, batches.WrongProjectError):  # cannot happen (the key is the project's): as unknown
         outcome = batches.UnknownRunError(f"run {batch.run!r} is not registered: POST /v1/runs first")
     if isinstance(outcome, batches.UnknownRunError):
+        # Run ids are a project's own: another project's run of the same id is another run, and
+        # nothing of it is said. Retrying cannot fix this.
         refuse(request, "unknown_run")
         raise HTTPException(status.HTTP_409_CONFLICT, str(outcome))
     if isinstance(outcome, batches.RefusedIncarnationError):  # counted as a conflict (the 409's default)

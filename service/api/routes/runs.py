@@ -33,7 +33,7 @@ from trainvitals.service.api.schemas import (
     WorstTensorPublic,
 )
 from trainvitals.service.csv_output import to_csv
-from trainvitals.service.store import queries
+from trainvitals.service.store import queries, run_keys
 
 router = APIRouter(prefix="/v1/runs", tags=["post-mortem"])
 
@@ -63,7 +63,7 @@ def _reply(data: Reply, fmt: Format) -> Reply | Response:
 def list_runs(session: SessionDep, project: ReadableProject, format: Format = "json") -> list[RunPublic] | Response:
     runs = [
         RunPublic(
-            run=r.run_id,
+            run=run_keys.run_id_of(r.run_id),
             project=r.project,
             status=r.status,
             world_size=r.world_size,

@@ -131,7 +131,7 @@ def _store_steps(session, run: str, steps: range, seq: int, rng: random.Random) 
 def test_the_registered_baseline_is_read_like_the_run_and_only_from_its_project(session, caplog) -> None:
     """The baseline's steps over the run's lookback, kept between cycles like the run's own (equal
     to a fresh read, also while the baseline is still running behind it); a run of another project
-    is never read."""
+    is never read. (Project p's runs are stored under "p/<run>": store/run_keys.py.)"""
     rng = random.Random(3)
     for run, project, baseline in (("b", "p", None), ("x", "q", None), ("r", "p", "b"), ("r2", "p", "x")):
         batches.register_run(session, RunRegistration(run=run, project=project, baseline_run=baseline))
@@ -141,15 +141,15 @@ def test_the_registered_baseline_is_read_like_the_run_and_only_from_its_project(
         _store_steps(session, "r", range(5 * cycle, 5 * cycle + 5), cycle, rng)
         _store_steps(session, "b", range(4 * cycle, 4 * cycle + 4), cycle, rng)  # behind the run
         for name in ("b", "r"):
-            pipeline.reduce_steps(session, queries.get_run(session, run_id=name), now=1e9, config=CONFIG)
-        run = queries.get_run(session, run_id="r")
+            pipeline.reduce_steps(session, queries.get_run(session, run_id=f"p/{name}"), now=1e9, config=CONFIG)
+        run = queries.get_run(session, run_id="p/r")
         cached = pipeline.build_series(session, run, now=1e9, config=CONFIG, inputs=inputs, rewritten_from=None)
         fresh = pipeline.build_series(session, run, now=1e9, config=CONFIG)
         _assert_same(cached, fresh)
         assert fresh.baseline is not None and fresh.baseline.run == "b"
         # The run's lookback, as far as the baseline has been reduced.
         assert list(fresh.baseline.steps.steps) == [s for s in fresh.steps.steps if s < 4 * cycle + 4]
-    other = queries.get_run(session, run_id="r2")
+    other = queries.get_run(session, run_id="p/r2")
     _store_steps(session, "r2", range(20), 0, rng)
     pipeline.reduce_steps(session, other, now=1e9, config=CONFIG)
     with caplog.at_level("WARNING"):
@@ -158,13 +158,13 @@ def test_the_registered_baseline_is_read_like_the_run_and_only_from_its_project(
     # A baseline registered after the run's first cycle is picked up by the next one.
     batches.register_run(session, RunRegistration(run="r3", project="p", baseline_run="late"))
     _store_steps(session, "r3", range(20), 0, rng)
-    late = queries.get_run(session, run_id="r3")
+    late = queries.get_run(session, run_id="p/r3")
     pipeline.reduce_steps(session, late, now=1e9, config=CONFIG)
     kept = DetectorInputs()
     assert pipeline.build_series(session, late, now=1e9, config=CONFIG, inputs=kept).baseline is None
     batches.register_run(session, RunRegistration(run="late", project="p"))
     _store_steps(session, "late", range(20), 0, rng)
-    pipeline.reduce_steps(session, queries.get_run(session, run_id="late"), now=1e9, config=CONFIG)
+    pipeline.reduce_steps(session, queries.get_run(session, run_id="p/late"), now=1e9, config=CONFIG)
     found = pipeline.build_series(session, late, now=1e9, config=CONFIG, inputs=kept, rewritten_from=None).baseline
     assert found is not None and len(found.steps.steps) == CONFIG.detector_lookback_steps
 

@@ -12,7 +12,7 @@ from trainvitals.service.ingest.replay import replay_files
 from trainvitals.service.main import create_app
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import batches, db, queries
-from trainvitals.testing.scenarios import Layout, make_scenario, to_wire_lines
+from trainvitals.testing.scenarios import Layout, make_scenario, scenario_key, to_wire_lines
 from trainvitals.wire import RunRegistration
 
 # A small job (2 ranks, 1 layer) keeps the two replays quick; the step series is the full 5,000 steps.
@@ -37,8 +37,8 @@ def test_baseline_named_at_registration_and_per_request(
             path.write_text("".join(line + "\n" for line in to_wire_lines(sc, baseline_run=baseline)))
             assert replay_files(session, [str(path)]).rejected_lines == 0
         # Alone, the end-of-training rise is a drift ticket; against the registered baseline, nothing.
-        assert _kinds(queries.findings(session, run_id=base)) == {"grad_norm_drift"}
-        assert _kinds(queries.findings(session, run_id=run)) == set()
+        assert _kinds(queries.findings(session, run_id=scenario_key(base))) == {"grad_norm_drift"}
+        assert _kinds(queries.findings(session, run_id=scenario_key(run))) == set()
         batches.register_run(session, RunRegistration(run="elsewhere-run", project="elsewhere"))
     engine.dispose()
 

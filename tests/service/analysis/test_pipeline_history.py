@@ -24,7 +24,7 @@ from trainvitals.service.analysis import on_request, pipeline
 from trainvitals.service.analysis.detector_inputs import DetectorInputs
 from trainvitals.service.ingest.replay import replay_files
 from trainvitals.service.store import batches, queries
-from trainvitals.testing.scenarios import Layout, Scenario, make_scenario, prefix, to_wire_lines
+from trainvitals.testing.scenarios import Layout, Scenario, make_scenario, prefix, scenario_key, to_wire_lines
 from trainvitals.wire import Batch, RunRegistration
 
 # Lookback 800 steps over a 2,400-step run: three lookbacks; cycles of 50 steps (the default).
@@ -55,7 +55,8 @@ def _renamed(sc: Scenario, run: str) -> Scenario:
 
 
 def _findings(session, run: str) -> set[tuple[str, str, int, str]]:
-    return {(f["kind"], f["subject"], f["onset_step"], f["severity"]) for f in queries.findings(session, run_id=run)}
+    stored = queries.findings(session, run_id=scenario_key(run))
+    return {(f["kind"], f["subject"], f["onset_step"], f["severity"]) for f in stored}
 
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
@@ -77,7 +78,7 @@ def test_replay_walks_the_whole_run_and_equals_live(session, tmp_path: Path) -> 
     assert sc.injected_step is not None and abs(onset - sc.injected_step) <= 25 and severity == "page"
 
     # On request, over the stored summaries: the same findings, the early ones with their onsets.
-    run = queries.get_run(session, run_id="replayed")
+    run = queries.get_run(session, run_id=scenario_key("replayed"))
     asked = on_request.analyse_run(session, run, config=CONFIG)
     assert {(f.kind, f.subject, f.onset_step, f.severity) for f in asked} == replayed
     early = {
@@ -89,7 +90,7 @@ def test_replay_walks_the_whole_run_and_equals_live(session, tmp_path: Path) -> 
     assert early[("grad_spikes_recurring", "")] == (SPIKE_STEPS[0], "page")
     stored = {
         (f["kind"], f["subject"]): (f["detected_step"], f["active"])
-        for f in queries.findings(session, run_id="replayed")
+        for f in queries.findings(session, run_id=scenario_key("replayed"))
     }
     assert {(f.kind, f.subject): (f.detected_step, f.active) for f in asked} == stored
 
@@ -105,7 +106,7 @@ def test_replay_walks_the_whole_run_and_equals_live(session, tmp_path: Path) -> 
         rng.shuffle(arriving)
         for body in arriving:
             batches.store_batch(session, Batch.model_validate(body))
-        run = queries.get_run(session, run_id="live")
+        run = queries.get_run(session, run_id=scenario_key("live"))
         now = max(b["sent_at"] for b in arriving)
         pipeline.process_run(session, run, now=now, config=CONFIG, inputs=inputs)
     assert _findings(session, "live") == replayed

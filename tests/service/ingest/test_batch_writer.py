@@ -61,15 +61,15 @@ def test_one_group_decides_each_batch_on_its_own(sessions) -> None:
                 (_batch(0, 0), "a"),  # already in the database
                 (_batch(1, 0), "a"),  # the same batch twice in one group (a retry beside its original)
                 (_batch(2, 0, run="nope"), "a"),
-                (_batch(3, 0, run="r2"), "a"),  # project b's run with project a's token
-                (_batch(4, 0), None),  # auth off
+                (_batch(3, 0, run="r2"), "a"),  # project a has no r2 (project b's is another run)
+                (_batch(4, 0), None),  # auth off: the one run r1, a's
             ],
         )
     assert outcomes[0] == BatchAck(accepted=4, duplicate=False)
     assert outcomes[1] == BatchAck(accepted=0, duplicate=True)
     assert outcomes[2] == BatchAck(accepted=0, duplicate=True)
     assert isinstance(outcomes[3], batches.UnknownRunError)
-    assert isinstance(outcomes[4], batches.WrongProjectError)
+    assert str(outcomes[4]) == "run 'r2' is not registered: POST /v1/runs first"  # nothing said of b's
     assert outcomes[5] == BatchAck(accepted=4, duplicate=False)
     # ranks 0, 1 and 4, two steps each, once
     assert _count(sessions, StepRow) == 6
@@ -79,12 +79,11 @@ def test_one_group_decides_each_batch_on_its_own(sessions) -> None:
         counts = {(c.run_id, c.outcome): (c.batches, c.records) for c in queries.ingest_counts(s)}
         project_a = {(c.run_id, c.outcome) for c in queries.ingest_counts(s, project="a")}
     assert counts == {
-        ("r1", "stored"): (3, 12),  # the earlier store_batch and this group's two
-        ("r1", "duplicate"): (2, 0),
-        ("", "rejected"): (1, 0),  # unknown run: not a label per typo
-        ("r2", "rejected"): (1, 0),
+        ("a/r1", "stored"): (3, 12),  # the earlier store_batch and this group's two (a's key)
+        ("a/r1", "duplicate"): (2, 0),
+        ("", "rejected"): (2, 0),  # unknown runs: not a label per typo
     }
-    assert project_a == {("r1", "stored"), ("r1", "duplicate")}
+    assert project_a == {("a/r1", "stored"), ("a/r1", "duplicate")}
 
 
 def _first_session_held(sessions):
@@ -133,7 +132,7 @@ def test_concurrent_senders_and_retries_store_every_record_once(sessions) -> Non
     # The counters /metrics exports were kept by the same transactions, per writer thread: exact.
     with sessions() as s:
         counts = {(c.run_id, c.outcome): (c.batches, c.records) for c in queries.ingest_counts(s)}
-    assert counts == {("r1", "stored"): (48, 48 * 4), ("r1", "duplicate"): (48, 0)}
+    assert counts == {("a/r1", "stored"): (48, 48 * 4), ("a/r1", "duplicate"): (48, 0)}
 
 
 def _unvalidated(batch: Batch, **tensor_values: object) -> Batch:
@@ -163,7 +162,7 @@ def test_a_value_the_database_refuses_rejects_only_its_batch(sessions) -> None:
     assert _count(sessions, DeliveredBatch) == 2
     with sessions() as s:
         counts = {(c.run_id, c.outcome): c.batches for c in queries.ingest_counts(s)}
-    assert counts == {("r1", "stored"): 2, ("r1", "rejected"): 1}
+    assert counts == {("a/r1", "stored"): 2, ("a/r1", "rejected"): 1}
 
 
 def test_backpressure_refuses_past_the_pending_bound(sessions) -> None:

@@ -15,7 +15,7 @@ from trainvitals.service.ingest.replay import replay_files
 from trainvitals.service.main import create_app
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import db, queries
-from trainvitals.testing.scenarios import Layout, make_scenario, prefix, to_wire_lines
+from trainvitals.testing.scenarios import Layout, make_scenario, prefix, scenario_key, to_wire_lines
 
 CLI = [sys.executable, "-m", "trainvitals.service.cli"]
 
@@ -43,7 +43,7 @@ def test_replay_then_postmortem(db_url: str, recorded, tmp_path: Path) -> None:
         assert any("bad.jsonl:2" in e for e in first.errors)
         again = replay_files(session, [str(path)], analyse=False)
         assert again.duplicates == again.batches and again.records == 0
-        run_id = scenario.series.run
+        run_id = scenario_key(scenario.series.run)
         assert (
             queries.count_step_rows(session, run_id=run_id)
             == len(scenario.series.steps.steps) * scenario.layout.world
@@ -62,29 +62,29 @@ def test_replay_then_postmortem(db_url: str, recorded, tmp_path: Path) -> None:
         [*CLI, "replay", str(path), "--db", db_url, "--no-analysis"], capture_output=True, text=True
     )
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["runs"] == [run_id] and json.loads(out.stdout)["records"] == 0
+    assert json.loads(out.stdout)["runs"] == [run_id] and json.loads(out.stdout)["records"] == 0  # keys
     with TestClient(create_app(Settings(db=db_url, auth=False, run_analysis=False))) as client:
-        findings = client.get(f"/v1/runs/{run_id}/findings").json()
+        findings = client.get(f"/v1/runs/{scenario.series.run}/findings").json()
         assert findings, "the injected divergence must be found"
         onset = min(f["onset_step"] for f in findings if f["severity"] in ("page", "ticket"))
-        rollback = client.get(f"/v1/runs/{run_id}/rollback").json()
+        rollback = client.get(f"/v1/runs/{scenario.series.run}/rollback").json()
         assert rollback["before_step"] == onset
         assert rollback["target"]["step"] < onset
         assert rollback["target"]["status"] in ("verified", "persisted")
-        gens = client.get(f"/v1/runs/{run_id}/checkpoints").json()
+        gens = client.get(f"/v1/runs/{scenario.series.run}/checkpoints").json()
         assert rollback["target"]["step"] == max(
             g["step"] for g in gens if g["step"] < onset and g["status"] in ("verified", "persisted")
         )
-        csv_text = client.get(f"/v1/runs/{run_id}/checkpoints", params={"format": "csv"}).text
+        csv_text = client.get(f"/v1/runs/{scenario.series.run}/checkpoints", params={"format": "csv"}).text
         assert csv_text.splitlines()[0].startswith("generation,step,")
-        worst = client.get(f"/v1/runs/{run_id}/tensors/worst", params={"k": 3}).json()
+        worst = client.get(f"/v1/runs/{scenario.series.run}/tensors/worst", params={"k": 3}).json()
         assert len(worst) == 3 and worst[0]["min_headroom_bits"] <= worst[-1]["min_headroom_bits"]
         tensor, role = worst[0]["tensor"], worst[0]["role"]
         timeline = client.get(
-            f"/v1/runs/{run_id}/tensors/{tensor}/timeline", params={"role": role, "start": 100, "end": 200}
+            f"/v1/runs/{scenario.series.run}/tensors/{tensor}/timeline", params={"role": role, "start": 100, "end": 200}
         ).json()
         assert timeline and all(100 <= r["step"] <= 200 and r["role"] == role for r in timeline)
-        matrix = client.get(f"/v1/runs/{run_id}/ranks/step-times", params={"start": 10, "end": 19}).json()
+        matrix = client.get(f"/v1/runs/{scenario.series.run}/ranks/step-times", params={"start": 10, "end": 19}).json()
         assert matrix["steps"] == list(range(10, 20)) and len(matrix["ranks"]) == scenario.layout.world
         assert all(v is not None for row in matrix["seconds"] for v in row)
         assert client.get("/v1/runs/nope/findings").status_code == 404
@@ -131,8 +131,8 @@ def test_shadow_fp8_findings_never_move_the_rollback_target(db_url: str, tmp_pat
     engine = db.make_engine(db_url)
     with db.make_sessionmaker(engine)() as session:
         replay_files(session, [str(path)])
-        stored = queries.findings(session, run_id=series.run)
-        rollback = queries.rollback_target(session, run_id=series.run)
+        stored = queries.findings(session, run_id=scenario_key(series.run))
+        rollback = queries.rollback_target(session, run_id=scenario_key(series.run))
     engine.dispose()
     fp8 = [f for f in stored if f["kind"].startswith("fp8_")]
     assert fp8 and {f["kind"] for f in fp8} >= {"fp8_headroom_trend"}

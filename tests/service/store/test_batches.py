@@ -87,11 +87,21 @@ def test_unregistered_run_is_refused_and_stores_nothing(session) -> None:
     assert session.scalar(select(func.count()).select_from(StepRow)) == 0
 
 
-def test_registration_is_idempotent_and_project_bound(session) -> None:
+def test_registration_is_idempotent_and_run_ids_are_the_projects_own(session) -> None:
     assert batches.register_run(session, RunRegistration(run="r1", project="a")) is True
     assert batches.register_run(session, RunRegistration(run="r1", project="a")) is False
-    with pytest.raises(ValueError, match="project"):
-        batches.register_run(session, RunRegistration(run="r1", project="b"))
+    # Another project's r1 is another run: nothing of a's is touched or told.
+    assert batches.register_run(session, RunRegistration(run="r1", project="b")) is True
+    assert {r.run_id: r.project for r in queries.list_runs(session)} == {"a/r1": "a", "b/r1": "b"}
+    for project, steps in (("a", range(3)), ("b", range(5))):
+        batches.store_batch(session, _steps(0, steps, seq=0), project=project)
+    assert queries.count_step_rows(session, run_id="a/r1") == 3
+    assert queries.count_step_rows(session, run_id="b/r1") == 5
+    # Auth off (unique_ids): a batch names no project, so an id must name one run.
+    with pytest.raises(ValueError, match="another project"):
+        batches.register_run(session, RunRegistration(run="r1", project="c"), unique_ids=True)
+    with pytest.raises(batches.UnknownRunError, match="run 'r1' exists in projects 'a', 'b'; with auth off"):
+        batches.store_batch(session, _steps(0, range(3), seq=1))
 
 
 def _job(incarnation: int, *, world: int = 2, hidden: int | None = 1024, **kw: object) -> RunRegistration:

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import pytest
-from sqlalchemy import inspect
+from sqlalchemy import String, inspect
 
 from trainvitals.service.store import db
 from trainvitals.service.store.models import Base
@@ -37,16 +37,27 @@ def test_postgresql_upgrade_downgrade(empty_pg_url: str) -> None:
     _round_trip(empty_pg_url)
 
 
-def test_models_and_migrations_agree(tmp_path: Path) -> None:
+def _sqlite_ignores_lengths(context, inspected, metadata, inspected_type, metadata_type) -> bool | None:
+    """SQLite keeps a VARCHAR's declared length but never enforces it, so migration 0016 leaves the
+    run_id columns' declared 128 there (widening would rebuild every table, and rebuilding `runs`
+    with foreign keys on would cascade-delete its children); any other type difference counts."""
+    if isinstance(inspected_type, String) and isinstance(metadata_type, String):
+        return False  # the same: lengths aside, a String is VARCHAR here
+    return None
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_models_and_migrations_agree(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """Autogenerate finds nothing to do after upgrading: no schema change without a revision."""
     from alembic.autogenerate import compare_metadata
     from alembic.runtime.migration import MigrationContext
 
-    url = f"sqlite:///{tmp_path / 'agree.db'}"
+    url = f"sqlite:///{tmp_path / 'agree.db'}" if backend == "sqlite" else request.getfixturevalue("empty_pg_url")
     db.upgrade(url)
     engine = db.make_engine(url)
+    opts = {"compare_type": _sqlite_ignores_lengths} if backend == "sqlite" else {}
     with engine.connect() as conn:
-        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+        assert compare_metadata(MigrationContext.configure(conn, opts=opts), Base.metadata) == []
     engine.dispose()
 
 
@@ -71,7 +82,7 @@ def _backfill_case(url: str) -> None:
     db.upgrade(url)  # 0006 counts what is already stored
     engine = db.make_engine(url)
     with db.make_sessionmaker(engine)() as session:
-        ov = queries.run_overview(session, run_id="old")
+        ov = queries.run_overview(session, run_id="p/old")  # project p's run, under its key since 0016
         assert ov is not None
         assert (ov.step_records, ov.tensor_records, ov.grad_records, ov.events) == (6, 2, 0, 0)
         assert (ov.steps, ov.ranks, ov.first_step, ov.last_step) == (3, 2, 0, 2)
@@ -119,3 +130,58 @@ def test_0008_stores_the_peak_of_summaries_reduced_before_it(tmp_path: Path, emp
     it in for the summaries already stored, on both backends."""
     _peak_backfill_case(f"sqlite:///{tmp_path / 'p.db'}")
     _peak_backfill_case(empty_pg_url)
+
+
+def _scoping_case(url: str) -> None:
+    """0016 moves another project's run, with every row that names it, to its key "<project>/<run>";
+    the default project's stays; downgrading moves it back, unless two projects now share an id."""
+    from sqlalchemy import text
+
+    from trainvitals.service.store import queries
+
+    db.upgrade(url, "0015")
+    engine = db.make_engine(url)
+    with engine.begin() as conn:
+        for run, project in (("d1", "default"), ("x1", "team/a")):
+            conn.execute(text("INSERT INTO runs (run_id, project, registration, world_size, status, "
+                              f"created_at, last_seen_at) VALUES ('{run}', '{project}', '{{}}', 2, 'running', 1.0, "
+                              "1.0)"))  # fmt: skip
+            conn.execute(text("INSERT INTO batches (run_id, rank, incarnation, seq, received_at, records) "
+                              f"VALUES ('{run}', 0, 1, 0, 1.0, 2)"))  # fmt: skip
+            conn.execute(text("INSERT INTO reduction_state (run_id, reduced_upto, claimed_upto, dirty_marks) "
+                              f"VALUES ('{run}', 0, 0, 0)"))  # fmt: skip
+            for step in range(2):
+                conn.execute(text("INSERT INTO steps (run_id, rank, incarnation, step, ts, step_seconds) "
+                                  f"VALUES ('{run}', 0, 1, {step}, 1.0, 1.0)"))  # fmt: skip
+    engine.dispose()
+
+    def keys() -> dict[str, set[str]]:
+        engine = db.make_engine(url)
+        with engine.connect() as conn:
+            out = {t: {r[0] for r in conn.execute(text(f"SELECT run_id FROM {t}"))}
+                   for t in ("runs", "batches", "reduction_state", "steps")}  # fmt: skip
+        engine.dispose()
+        return out
+
+    db.upgrade(url)
+    assert keys() == dict.fromkeys(("runs", "batches", "reduction_state", "steps"), {"d1", "team/a/x1"})
+    engine = db.make_engine(url)
+    with db.make_sessionmaker(engine)() as session:
+        assert queries.count_step_rows(session, run_id="team/a/x1") == 2
+        assert queries.run_overview(session, run_id="team/a/x1").run_id == "x1"  # type: ignore[union-attr]
+    engine.dispose()
+    db.downgrade(url, "0015")
+    assert keys() == dict.fromkeys(("runs", "batches", "reduction_state", "steps"), {"d1", "x1"})
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    with engine.begin() as conn:  # project b's own d1, which bare ids cannot hold beside the default's
+        conn.execute(text("INSERT INTO runs (run_id, project, registration, world_size, status, created_at, "
+                          "last_seen_at) VALUES ('b/d1', 'b', '{}', 2, 'running', 1.0, 1.0)"))  # fmt: skip
+    engine.dispose()
+    with pytest.raises(RuntimeError, match="run id 'd1' is used by two projects"):
+        db.downgrade(url, "0015")
+
+
+def test_0016_moves_other_projects_runs_to_their_keys(tmp_path: Path, empty_pg_url: str) -> None:
+    _scoping_case(f"sqlite:///{tmp_path / 's.db'}")
+    _scoping_case(empty_pg_url)

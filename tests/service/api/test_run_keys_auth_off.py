@@ -1,0 +1,62 @@
+"""Run ids with auth off, on both backends: nothing names a project, so an id must name one run.
+
+A run of a non-default project is found by its id alone; an id another project holds cannot be
+registered; and where runs of several projects share an id (registered while auth was on) a read
+asks for the project, a batch is refused in one line, and /metrics never merges the two."""
+
+import pytest
+from fastapi.testclient import TestClient
+
+from trainvitals.service.main import create_app
+from trainvitals.service.settings import Settings
+from trainvitals.service.store import batches, db
+from trainvitals.wire import RunRegistration
+
+
+@pytest.fixture
+def client(db_url: str):
+    with TestClient(create_app(Settings(db=db_url, run_analysis=False, auth=False, settle_seconds=0))) as c:
+        yield c
+
+
+def _batch(run: str, seq: int, steps: int) -> dict:
+    records = [{"kind": "step", "step": s, "ts": 1.0, "step_seconds": 0.25} for s in range(steps)]
+    return {"run": run, "rank": 0, "incarnation": 1, "seq": seq, "records": records}
+
+
+def test_a_projects_run_is_found_by_its_id_and_ids_stay_unique(client: TestClient) -> None:
+    assert client.post("/v1/runs", json={"run": "x", "project": "team-a"}).status_code == 201
+    assert client.post("/v1/batches", json=_batch("x", 0, 4)).json()["accepted"] == 4
+    overview = client.get("/v1/runs/x").json()
+    assert (overview["run_id"], overview["project"], overview["step_records"]) == ("x", "team-a", 4)
+    taken = client.post("/v1/runs", json={"run": "x"})  # the default project
+    assert taken.status_code == 409 and "taken by another project" in taken.json()["detail"]
+    assert 'run="x"' in client.get("/metrics").text
+
+
+def test_an_id_several_projects_hold_is_asked_about_never_guessed(client: TestClient, db_url: str) -> None:
+    engine = db.make_engine(db_url)  # as a collector with auth on would have stored them
+    with db.make_sessionmaker(engine)() as session:
+        for project in ("a", "b"):
+            batches.register_run(session, RunRegistration(run="x", project=project))
+        batches.store_batch(session, _as_batch(_batch("x", 0, 2)), project="a")
+        batches.store_batch(session, _as_batch(_batch("x", 0, 5)), project="b")
+    engine.dispose()
+    ambiguous = client.get("/v1/runs/x")
+    assert ambiguous.status_code == 409
+    assert ambiguous.json()["detail"] == "run 'x' exists in projects 'a', 'b': name one with ?project=..."
+    assert client.get("/v1/runs/x?project=b").json()["step_records"] == 5
+    assert client.get("/v1/runs/x?project=a").json()["step_records"] == 2
+    refused = client.post("/v1/batches", json=_batch("x", 1, 1))
+    assert refused.status_code == 409
+    assert refused.json()["detail"].startswith("run 'x' exists in projects 'a', 'b'; with auth off a batch cannot")
+    # Every project's /metrics: the two runs are two series, labelled by their keys.
+    text = client.get("/metrics").text
+    assert 'trainvitals_run_world_size_ranks{run="a/x"}' in text
+    assert 'trainvitals_run_world_size_ranks{run="b/x"}' in text
+
+
+def _as_batch(body: dict):
+    from trainvitals.wire import Batch
+
+    return Batch.model_validate(body)
