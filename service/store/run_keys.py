@@ -9,8 +9,9 @@ project's tokens) stores, serves and labels runs exactly as before project scopi
 existing rows need no rewrite (migration 0016 rewrites only other projects' runs).
 
 With auth on, the caller's token names the project, so a key is computed, never looked up. With
-auth off nothing names it (a batch carries only the run id): `key_by_id` finds the one run with
-that id, and registration keeps ids unique across projects while auth is off.
+auth off nothing names it (a batch carries only the run id): `key_by_id` finds the default
+project's run with that id, else the one other project's, and registration keeps ids unique across
+projects while auth is off.
 """
 
 from __future__ import annotations
