@@ -472,11 +472,11 @@ def _get(url: str, token: str, timeout: float = 120) -> tuple[float, bytes]:
 def _reduced(engine: Any) -> int:
     from sqlalchemy import text
 
-    # The run's key: `<project>/<run>` for a project other than 'default' (service/store/run_keys.py),
-    # the bare id before runs were scoped by project.
-    sql = "SELECT max(reduced_upto) FROM reduction_state WHERE run_id IN (:bare, :scoped)"
+    from trainvitals.service.store.run_keys import run_key
+
+    sql = "SELECT reduced_upto FROM reduction_state WHERE run_id = :key"
     with engine.connect() as conn:
-        v = conn.execute(text(sql), {"bare": RUN, "scoped": f"{PROJECT}/{RUN}"}).scalar()
+        v = conn.execute(text(sql), {"key": run_key(PROJECT, RUN)}).scalar()  # the run's key in its project
     return -1 if v is None else int(v)
 
 
