@@ -9,16 +9,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainvitals.wire.conventions import auto_send_interval_s
+
 DISABLE_ENV = "TRAINVITALS_DISABLE"
 
-DEFAULT_SEND_INTERVAL_S = 2.0
-"""The automatic send interval of a job of up to JOB_BATCHES_PER_S * DEFAULT_SEND_INTERVAL_S ranks."""
-JOB_BATCHES_PER_S = 512
-"""What the automatic send interval holds a whole job to: about this many batches per second.
-A collector's cost is per request (about 1 ms of CPU each, docs/performance.md "Scale-out"), so a
-fixed per-rank interval would make the load grow with the job without bound (8,192 requests/s at
-16,384 ranks every 2 s). Above 1,024 ranks every rank waits world_size / 512 s instead (32 s at
-16,384): Prometheus scrapes every 15-30 s anyway, so that delivery delay costs little."""
 
 
 def default_spill_dir() -> str:
@@ -156,12 +150,6 @@ class AgentConfig:
         """The send interval of one rank of a job of `world_size` ranks: send_interval_s when set,
         else auto_send_interval_s(world_size)."""
         return self.send_interval_s if self.send_interval_s is not None else auto_send_interval_s(world_size)
-
-
-def auto_send_interval_s(world_size: int) -> float:
-    """2 s up to 1,024 ranks, world_size / 512 s above: the job sends about 512 batches/s at most
-    (JOB_BATCHES_PER_S says why)."""
-    return max(DEFAULT_SEND_INTERVAL_S, world_size / JOB_BATCHES_PER_S)
 
 
 def send_phase(rank: int) -> float:

@@ -30,6 +30,23 @@ DEFAULT_PROJECT: Final = "default"
 """The project of a registration that names none (and of every run when the collector runs without
 auth); its runs are stored under their bare run id (service/store/run_keys.py)."""
 
+DEFAULT_SEND_INTERVAL_S: Final = 2.0
+"""The automatic send interval of a job of up to JOB_BATCHES_PER_S * DEFAULT_SEND_INTERVAL_S ranks."""
+JOB_BATCHES_PER_S: Final = 512
+"""What the automatic send interval holds a whole job to: about this many batches per second.
+A collector's cost is per request (about 1 ms of CPU each, docs/performance.md "Scale-out"), so a
+fixed per-rank interval would make the load grow with the job without bound (8,192 requests/s at
+16,384 ranks every 2 s). Above 1,024 ranks every rank waits world_size / 512 s instead (32 s at
+16,384): Prometheus scrapes every 15-30 s anyway, so that delivery delay costs little."""
+
+
+def auto_send_interval_s(world_size: int) -> float:
+    """2 s up to 1,024 ranks, world_size / 512 s above: the job sends about 512 batches/s at most
+    (JOB_BATCHES_PER_S says why). The agent's default (AgentConfig.send_interval_s None);
+    the collector waits at least this long for a rank's step before reducing it without that rank."""
+    return max(DEFAULT_SEND_INTERVAL_S, world_size / JOB_BATCHES_PER_S)
+
+
 DEFAULT_DETECTOR_WARMUP_STEPS: Final = 300
 """Steps from a run's first step during which the baseline detectors stay quiet (LR warm-up, early
 loss drop), unless the run registers its own `detector_warmup_steps` or the collector is set

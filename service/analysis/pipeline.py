@@ -25,13 +25,15 @@ from trainvitals.service.detectors.series import RunSeries
 from trainvitals.service.detectors.stragglers import StragglerConfig
 from trainvitals.service.store import detector_blocks, findings, summaries
 from trainvitals.service.store.models import Run
-from trainvitals.wire.conventions import DEFAULT_DETECTOR_WARMUP_STEPS, GLOBAL_GROUP
+from trainvitals.wire.conventions import DEFAULT_DETECTOR_WARMUP_STEPS, GLOBAL_GROUP, auto_send_interval_s
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class PipelineConfig:
     settle_seconds: float = 30.0
-    """A step is reduced once every rank sent it, or once it is this old (a rank may be dead)."""
+    """A step is reduced once every rank sent it, or once it is this old (a rank may be dead); at
+    least the agent's automatic send interval plus SETTLE_MARGIN_S for the run's size
+    (`settle_seconds_for`): 32 s at 16,384 ranks, when a rank's step may still be on its way."""
     rank_window_steps: int = 50
     """Steps per rank window (the straggler view)."""
     detector_lookback_steps: int = 20_000
@@ -67,6 +69,19 @@ def reduce_run(session: Session, run: Run, *, now: float, config: PipelineConfig
     return reduce_steps(session, run, now=now, config=config)[0]
 
 
+SETTLE_MARGIN_S = 15.0
+"""Beyond a rank's send interval: its pass's own time, a retry, the request's way to the database."""
+
+
+def settle_seconds_for(run: Run, config: PipelineConfig) -> float:
+    """How long a step waits for its missing ranks: the configured settle time, but never less than
+    one automatic send interval of the run's size plus SETTLE_MARGIN_S (wire/conventions.py
+    auto_send_interval_s): a larger job's ranks send less often, and reducing a step before its
+    last ranks' rows arrive would reduce it again when they do. An agent with a longer explicit
+    interval than that needs the settle time raised (TRAINVITALS_SETTLE_SECONDS)."""
+    return max(config.settle_seconds, auto_send_interval_s(run.world_size) + SETTLE_MARGIN_S)
+
+
 def reduce_steps(
     session: Session, run: Run, *, now: float, config: PipelineConfig, upto: int | None = None
 ) -> tuple[int, int | None]:
@@ -81,7 +96,7 @@ def reduce_steps(
     state = summaries.progress(session, run_id=rid)
     if upto is None:
         upto = summaries.reducible_upto(
-            session, run=run, start=state.start, now=now, settle_seconds=config.settle_seconds
+            session, run=run, start=state.start, now=now, settle_seconds=settle_seconds_for(run, config)
         )
     if upto < state.start:
         if state.dirty_from is not None:  # late raw timing rows: the detectors' stored blocks of them go
@@ -194,7 +209,9 @@ def process_run(
     detector_config = DetectorConfig(suppression=SuppressionConfig(warmup_steps=config.detector_warmup_steps))
     state = summaries.progress(session, run_id=run.run_id)
     start = state.start
-    reducible = summaries.reducible_upto(session, run=run, start=start, now=now, settle_seconds=config.settle_seconds)
+    reducible = summaries.reducible_upto(
+        session, run=run, start=start, now=now, settle_seconds=settle_seconds_for(run, config)
+    )
     # New steps that the shorter lookback still holds whole are one cycle, as live cycles always
     # were (splitting them would multiply a fast run's detector work every few seconds); a longer
     # backlog is walked, or its early steps would leave the detectors' view unseen.

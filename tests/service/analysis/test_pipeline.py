@@ -47,6 +47,18 @@ def test_watermark_waits_for_every_rank_then_reduces(session) -> None:
     assert _reduce(session, now=1e9) == 4  # much later: steps 6..9 settle with the rank that sent them
 
 
+@pytest.mark.parametrize(("world", "waits"), [(2, 30.0), (16_384, 32.0 + pipeline.SETTLE_MARGIN_S)])
+def test_a_step_waits_for_its_missing_ranks_one_send_interval_of_the_run_at_least(session, world, waits) -> None:
+    """A 16,384-rank job's ranks send every 32 s (the agent's automatic interval): a step one rank
+    sent is not reduced without the others at the configured 30 s, only once a whole interval (and
+    the margin) has passed; a small job keeps the configured settle time."""
+    _register(session, world=world)
+    batches.store_batch(session, _batch(0, 0, range(1)))  # step 0, ts 100.0, one rank of `world`
+    assert pipeline.settle_seconds_for(queries.get_run(session, run_id="r"), pipeline.PipelineConfig()) == waits
+    assert _reduce(session, now=100.0 + waits - 0.5) == 0
+    assert _reduce(session, now=100.0 + waits + 0.5) == 1
+
+
 def test_restart_keeps_the_newest_incarnation(session) -> None:
     _register(session, world=1)
     batches.store_batch(session, _batch(0, 0, range(10), inc=1))
