@@ -65,9 +65,10 @@ class AgentConfig:
     retry_backoff_s: float = 2.0
     """After a failed delivery, wait at least this long before trying the collector again."""
     auth_retry_s: float = 300.0
-    """How long the collector's authentication refusals (401, 403) are retried (every 10 s) before
-    the refused batches are set aside in the quarantine file: time for an operator to create or fix
-    a token while the job runs, short enough that a wrong one does not hold data back for long."""
+    """How long the collector's authentication refusals (401, 403) are retried (every 10 s, or every
+    send interval when that is longer) before the refused batches are set aside in the quarantine
+    file: time for an operator to create or fix a token while the job runs, short enough that a
+    wrong one does not hold data back for long."""
     spill_dir: str | None = None
     """Where batches wait on disk when they cannot be delivered now (and every batch of a process
     that is exiting, until delivered). None: $TRAINVITALS_SPILL_DIR, else the node-local

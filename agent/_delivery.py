@@ -123,7 +123,8 @@ class SpoolingDelivery:
             spool=self._spool.path,
             quarantine=self._quarantine.path,
             token=config.token,
-            retry_backoff_s=config.retry_backoff_s,
+            # A retry waits for the processor's next pass: what the user is told is the longer of the two.
+            retry_backoff_s=max(config.retry_backoff_s, config.send_interval_for(world_size_of(registration))),
             hold_max_bytes=hold_max_bytes,
         )
         self._record_path = Path(config.record_file.replace("{rank}", str(rank))) if config.record_file else None
@@ -498,5 +499,10 @@ def spooling_exporter(
         incarnation=incarnation,
         delivery=delivery,
         errors=errors,
-        world_size=int(registration.get("parallelism", {}).get("world_size") or 1),
+        world_size=world_size_of(registration),
     )
+
+
+def world_size_of(registration: JsonObject) -> int:
+    """The job's size as the registration declares it (1 when it does not)."""
+    return int(registration.get("parallelism", {}).get("world_size") or 1)

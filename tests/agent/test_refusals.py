@@ -268,7 +268,8 @@ def test_exit_report_for_an_unreachable_collector(tmp_path: Path, caplog: pytest
     spool = tmp_path / "spool" / "r1.rank0.jsonl"
     said = _warnings(caplog)
     assert said[0].startswith("trainvitals agent: cannot reach the collector at http://127.0.0.1:9 (")
-    assert f"batches wait in {spool} and are retried every 0 s" in said[0]
+    # Retried on the next pass (backoff 0 here, the send interval 2 s): the longer of the two is said.
+    assert f"batches wait in {spool} and are retried every 2 s" in said[0]
     assert said[-1].startswith(
         "trainvitals agent: 3 batch(es) were not delivered to the collector at http://127.0.0.1:9; "
         f"they wait in {spool}"
