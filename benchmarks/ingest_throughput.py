@@ -383,6 +383,8 @@ class IngestResult:
     p99_ms: float
     errors: int
     collector_cpu: float
+    collector_processes: int
+    """Processes counted in collector_cpu and the RSS columns: `serve`, its --workers, its analysis child."""
     postgres_cpu: float
     clients_cpu: float
     rss_mb: float
@@ -544,6 +546,7 @@ def _drive(
         p99_ms=percentile(lat, 0.99) * 1e3,
         errors=sum(e for _, _, e in results),
         collector_cpu=(cpu1[0] - cpu0[0]) / span,
+        collector_processes=len(collector_pids),
         postgres_cpu=(cpu1[1] - cpu0[1]) / span,
         clients_cpu=(cpu1[2] - cpu0[2]) / span,
         rss_mb=rss_peak / 1024,
@@ -687,7 +690,7 @@ def main() -> None:
             port=args.port,
             db_prefix=args.db_prefix,
         )
-        print(f"[{backend}] collector: {res.command}", flush=True)
+        print(f"[{backend}] collector ({res.collector_processes} processes): {res.command}", flush=True)
         results.append(res)
         if args.floor_seconds > 0:
             # Right after the ingest run, so the two see the same machine (load from other work).
@@ -696,7 +699,7 @@ def main() -> None:
             )
     header = (
         f"{'backend':<11}{'records/s':>11}{'batches/s':>10}{'rec/batch':>10}{'body KB':>8}"
-        f"{'p50 ms':>8}{'p99 ms':>8}{'errors':>7}{'CPU coll':>9}{'CPU pg':>7}{'CPU gen':>8}"
+        f"{'p50 ms':>8}{'p99 ms':>8}{'errors':>7}{'CPU coll':>9}{'us/rec':>7}{'CPU pg':>7}{'CPU gen':>8}"
         f"{'RSS MB':>8}{'HWM MB':>8}{'rows stored':>13}{'reduced/newest':>16}"
     )
     print("\n" + header)
@@ -705,6 +708,7 @@ def main() -> None:
         print(
             f"{r.backend:<11}{r.records_per_s:>11,.0f}{r.batches_per_s:>10.1f}{r.records_per_batch:>10}"
             f"{r.body_kb:>8.1f}{r.p50_ms:>8.1f}{r.p99_ms:>8.1f}{r.errors:>7}{r.collector_cpu:>9.2f}"
+            f"{r.collector_cpu * 1e6 / max(r.records_per_s, 1):>7.1f}"
             f"{r.postgres_cpu:>7.2f}{r.clients_cpu:>8.2f}{r.rss_mb:>8.0f}{r.hwm_mb:>8.0f}"
             f"{r.stored_rows:>13,}{r.reduced:>16}"
         )
@@ -717,8 +721,10 @@ def main() -> None:
                 f"{r.records_per_s / f.records_per_s:>7.2f}  {f.method}, {args.clients} batches per commit"
             )
     print(
-        "\nCPU columns: cores busy on average (collector process; PostgreSQL backends of the scratch "
-        "database; all load generators). records/s counts acknowledged records in the window. "
+        "\nCPU columns: cores busy on average (the collector's processes: serve, its --workers and its analysis "
+        "child; PostgreSQL backends of the scratch database; all load generators); RSS and HWM: summed over the "
+        "collector's processes. us/rec: the collector's CPU microseconds per acknowledged record. "
+        "records/s counts acknowledged records in the window. "
         "reduced/newest: the analysis worker's reduced step and the newest delivered step when the load stopped."
     )
 
