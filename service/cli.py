@@ -16,6 +16,8 @@ from trainvitals.service import db_url
 from trainvitals.service.store.db import DEFAULT_SQLITE_URL
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+ANALYSE_PARENT_ENV = "TRAINVITALS_ANALYSE_PARENT_PID"
+"""Set by `serve` for its analysis child: the child stops when that process is gone."""
 _LOG_LEVELS = ("debug", "info", "warning", "error")  # service/logs.py LEVELS (not imported: it loads SQLAlchemy)
 
 
@@ -104,6 +106,7 @@ def _analysis_process(settings: Any) -> Iterator[None]:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
     env = {**os.environ, **settings.model_copy(update={"migrate_on_start": False}).as_env()}
+    env[ANALYSE_PARENT_ENV] = str(os.getpid())
     child = subprocess.Popen(
         [sys.executable, "-m", "trainvitals.service.cli", "analyse"], env=env, preexec_fn=die_with_parent
     )
@@ -163,7 +166,7 @@ def _analyse(args: argparse.Namespace) -> int:
     """The analysis worker alone, until SIGTERM or SIGINT (settings from TRAINVITALS_* / --db)."""
     import logging
     import signal
-    import threading
+    import time
 
     from trainvitals.service import logs
     from trainvitals.service.analysis.worker import AnalysisWorker
@@ -181,11 +184,18 @@ def _analyse(args: argparse.Namespace) -> int:
         db.upgrade(settings.db)
     engine = db.make_engine(settings.db)
     worker = AnalysisWorker(db.make_sessionmaker(engine), settings, lease=AnalysisLease(engine))
-    stop = threading.Event()
+    # The main thread polls rather than blocking in Event.wait(): a signal the kernel delivers to
+    # the worker's thread does not wake a lock wait in this one, so the Python handler never ran
+    # and the child outlived serve (seen in CI, and as an orphaned `trainvitals analyse`).
+    signalled: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda signum, _frame: signalled.append(signum))
+    parent = os.environ.get(ANALYSE_PARENT_ENV)
     worker.start()
-    stop.wait()
+    # serve's child also stops once serve is gone, should the death signal not come (it is sent when
+    # the thread that started the child ends): it is then someone else's child.
+    while not signalled and (parent is None or str(os.getppid()) == parent):
+        time.sleep(0.5)
     worker.stop()
     engine.dispose()
     return 0

@@ -90,3 +90,23 @@ def test_child_analyses_and_dies_with_the_collector(tmp_path: Path, unused_port:
     finally:
         if proc.poll() is None:
             serve.stop(proc)
+
+
+def test_an_analysis_child_stops_once_its_collector_is_gone(tmp_path: Path) -> None:
+    """serve names itself to its child (TRAINVITALS_ANALYSE_PARENT_PID); a child whose parent is
+    another process (serve died and it was re-parented, the death signal lost) stops by itself, at
+    once, with exit code 0. Here its parent is this test, never the named pid."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "TRAINVITALS_ANALYSE_PARENT_PID": "1", "TRAINVITALS_ANALYSIS_INTERVAL_SECONDS": "0.3"}
+    child = subprocess.Popen(
+        [str(BIN / "trainvitals"), "analyse", "--db", f"sqlite:///{tmp_path / 'tv.db'}"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        out, _ = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 0, out
