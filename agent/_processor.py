@@ -180,8 +180,8 @@ class BatchProcessor:
         world_size: int = 1,
     ) -> None:
         self._cfg = config
-        # The one place the send interval is decided: the config's, else one that grows with the
-        # job (wire/conventions.py, JOB_BATCHES_PER_S: a collector's cost is per request).
+        # The send interval: the config's, else one that grows with the job (AgentConfig.send_interval_for;
+        # wire/conventions.py, JOB_BATCHES_PER_S: a collector's cost is per request).
         self.send_interval_s: float = config.send_interval_for(world_size)
         """Seconds between two passes of the worker thread."""
         self._run = run

@@ -44,6 +44,7 @@ def replay_lines(
     named the wrong one); None: the registrations' own."""
     runs = set(report.runs)  # keys (store/run_keys.py)
     projects: dict[str, str] = {}  # run id -> project, from the registrations read so far
+    keys: dict[tuple[str, str | None], str] = {}  # (run id, project named) -> key, looked up once
     for source, lineno, raw in lines:
         if not raw.strip():
             continue
@@ -58,7 +59,9 @@ def replay_lines(
                 report.batches += 1
                 report.duplicates += int(ack.duplicate)
                 report.records += ack.accepted
-                runs.add(run_keys.resolve(session, batch.run, named) or batch.run)
+                if (batch.run, named) not in keys:
+                    keys[batch.run, named] = run_keys.resolve(session, batch.run, named) or batch.run
+                runs.add(keys[batch.run, named])
             else:
                 reg = RunRegistration.model_validate(body)
                 if project is not None:
