@@ -1,7 +1,7 @@
 """Sustained ingest throughput of a real collector, driven by load-generator processes on loopback.
 
     python benchmarks/ingest_throughput.py [--backends sqlite,postgresql] [--seconds 40] [--warmup 10]
-        [--clients 6] [--steps-per-batch 4] [--layers-per-rank 4] [--workers 1]
+        [--clients 6] [--rate 0] [--steps-per-batch 4] [--layers-per-rank 4] [--workers 1]
         [--no-analysis | --analysis-thread] [--floor-seconds 10] [--port P] [--db-prefix tv_bench]
 
 For each backend: start `trainvitals serve --db URL --port P` as a subprocess (analysis worker on,
@@ -14,10 +14,30 @@ interval: `--steps-per-batch` steps of 1 step record + one grad record per layer
 216 records (37 KB of JSON) with the defaults. Ranks advance together, round-robin, so every
 (rank, incarnation, seq) is distinct and step numbers grow like a real run's.
 
+Two modes (named in the header line; the `offered` column says which):
+
+- Closed loop (`--rate 0`, the default): each client sends its next batch as soon as the answer to
+  its last one is back. This finds capacity; at saturation p50/p99 are queueing at capacity, not
+  latency at some rate.
+- Open loop (`--rate R`, records/s offered by the whole job): the clients together send
+  R / records-per-batch batches/s on a fixed schedule, evenly interleaved: client i sends its k-th
+  batch at start + (k * clients + i) / batches_per_s, like agents sending on their interval. A
+  client behind its schedule skips nothing and sends at once, so a backlog shows. p50/p99 run from
+  each batch's SCHEDULED send time to its answer (no coordinated omission), over the batches due in
+  the window. One due but not sent when the load stops (1 s after the window, so it is a real
+  backlog) counts with the lower bound stop - due, and a percentile that rests on such a bound is
+  printed as `>x`. `late ms`: how far behind schedule a send started, at most. A line per backend
+  gives achieved vs offered records/s, the lateness in the window's first and last quarter (growing:
+  a backlog) and the batches due but not sent, and says KEPT UP or DID NOT KEEP UP. Each client keeps
+  ONE connection with one request in flight, so it keeps its schedule only while answers take less
+  than its interval (clients / batches_per_s): size `--clients` by Little's law (batches/s x answer
+  time). When that product exceeds `--clients`, a line "rate R needs more clients: ..." says how
+  many; sends later than one interval with enough clients are reported as stalls.
+
 Measured after `--warmup` seconds, over `--seconds`: acknowledged records/s and batches/s, p50/p99
-request latency, CPU seconds per second of the collector, the PostgreSQL backends and the load
-generators (the machine has few cores: everything here shares them), and the collector's RSS
-(VmRSS at the end and VmHWM, from /proc/<pid>/status).
+request latency (see the modes above), CPU seconds per second of the collector, the PostgreSQL
+backends and the load generators (the machine has few cores: everything here shares them), and the
+collector's RSS (VmRSS at the end and VmHWM, from /proc/<pid>/status).
 
 The floor row (`--floor-seconds`, after each backend's ingest run): the same records, already row
 tuples, inserted from this one process into the same tables with nothing else in the way (SQLite
@@ -34,6 +54,7 @@ import argparse
 import contextlib
 import http.client
 import json
+import math
 import multiprocessing as mp
 import os
 import re
@@ -60,6 +81,7 @@ LAYERS = 32
 LINEARS = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
 ROLES = (("input", "e4m3"), ("weight", "e4m3"), ("grad_output", "e5m2"))
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+OPEN_LOOP_GRACE_S = 1.0
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -330,15 +352,24 @@ def _client_main(
     token: str,
     stop: MpEvent,
     out: mp.Queue,  # type: ignore[type-arg]
+    schedule: tuple[float, float] | None = None,
 ) -> None:
-    """One load generator: ranks index, index + clients, ...; one keep-alive connection."""
+    """One load generator: ranks index, index + clients, ...; one keep-alive connection.
+
+    schedule None: closed loop, the next request as soon as the answer is back. schedule
+    (start, batches_per_s): open loop, the k-th batch is due at start + (k * clients + index) /
+    batches_per_s (time.monotonic, one clock for all processes) and is sent then, or at once when
+    the client is behind: nothing is skipped, so a backlog shows as lateness and latency."""
     ranks = list(range(index, WORLD_SIZE, clients))
     templates: dict[int, tuple[list[bytes], int]] = {}  # by rank mod tp*pp: the layout repeats per dp group
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     headers = {"content-type": "application/json", "authorization": f"Bearer {token}"}
     samples: list[tuple[float, float, int]] = []  # (done monotonic, latency s, records)
+    # Open loop: (schedule slot, sent monotonic, done monotonic, answered 200) of every answered batch.
+    timed: list[tuple[int, float, float, bool]] = []
     errors = 0
     seq = 0
+    k = 0  # open loop: this client's batches so far
     while not stop.is_set():
         for rank in ranks:
             if stop.is_set():
@@ -348,11 +379,20 @@ def _client_main(
                 template, n = batch_template(run, key, steps_per_batch=steps_per_batch, layers_per_rank=layers_per_rank)
                 templates[key] = (re.split(rb"@([A-Z][0-9]*)@", template), n)
             parts, n = templates[key]
+            slot, due = 0, 0.0
+            if schedule is not None:
+                slot = k * clients + index
+                due = schedule[0] + slot / schedule[1]
+                while (wait := due - time.monotonic()) > 0 and not stop.is_set():
+                    time.sleep(min(wait, 0.25))
+                if stop.is_set():
+                    break  # not sent: counted as missing if it was due in the window
+                k += 1
             now = b"%.3f" % time.time()
             values = {b"Q": b"%d" % seq, b"R": b"%d" % rank, b"D": b"%d" % (rank // (TP * PP))}
-            for k in range(steps_per_batch):
-                values[b"S%d" % k] = b"%d" % (seq * steps_per_batch + k)
-                values[b"T%d" % k] = now
+            for k_step in range(steps_per_batch):
+                values[b"S%d" % k_step] = b"%d" % (seq * steps_per_batch + k_step)
+                values[b"T%d" % k_step] = now
             # parts alternates literal text and placeholder names: one join per request.
             body = b"".join(values[p] if i % 2 else p for i, p in enumerate(parts))
             t0 = time.monotonic()
@@ -360,13 +400,16 @@ def _client_main(
             resp = conn.getresponse()
             resp.read()
             t1 = time.monotonic()
+            if schedule is not None:
+                timed.append((slot, t0, t1, resp.status == 200))
             if resp.status == 200:
-                samples.append((t1, t1 - t0, n))
+                # Open loop: from the scheduled send time (no coordinated omission), else from the send.
+                samples.append((t1, t1 - (due if schedule is not None else t0), n))
             else:
                 errors += 1
         seq += 1
     conn.close()
-    out.put((index, samples, errors))
+    out.put((index, samples, errors, timed))
 
 
 # --------------------------------------------------------------------------- one measurement
@@ -393,6 +436,26 @@ class IngestResult:
     reduced: str
     """'reduced step / newest delivered step' when the load stopped ('-': analysis off)."""
     command: str
+    clients: int = 0
+    offered_per_s: float = 0.0
+    """Open loop: records/s offered (--rate); 0: closed loop, and the fields below are unset."""
+    p50_lower_bound: bool = False
+    p99_lower_bound: bool = False
+    """Batches due in the window but not sent when the load stopped make a percentile a lower bound."""
+    scheduled: int = 0
+    """Batches due in the window."""
+    unsent: int = 0
+    """Of those, not sent when the load stopped."""
+    late_max_ms: float = 0.0
+    late_first_ms: float = 0.0
+    late_last_ms: float = 0.0
+    """How far sends started behind schedule, at most: sends started in the window and batches still
+    unsent when the load stopped (stop - due); over the window, its first and its last quarter."""
+    interval_ms: float = 0.0
+    """One client's interval between due times: clients / batches per second."""
+    answer_mean_ms: float = 0.0
+    answer_p99_ms: float = 0.0
+    """Send to answer (without the lateness), what one client's request in flight is busy for."""
 
 
 def _postgres_pids(url: str) -> list[int]:
@@ -448,6 +511,7 @@ def measure(
     workers: int = 1,
     port: int = 0,
     db_prefix: str = "tv_bench",
+    rate: float = 0.0,
 ) -> IngestResult:
     run = "bench-16k"
     with scratch_db(backend, f"{db_prefix}_ingest") as url:
@@ -468,6 +532,7 @@ def measure(
                 clients=clients,
                 steps_per_batch=steps_per_batch,
                 layers_per_rank=layers_per_rank,
+                rate=rate,
             )
 
 
@@ -484,6 +549,7 @@ def _drive(
     clients: int,
     steps_per_batch: int,
     layers_per_rank: int,
+    rate: float = 0.0,
 ) -> IngestResult:
     status, body = post_json(col.base, "/v1/runs", registration(run), token)
     if status >= 300:
@@ -492,10 +558,13 @@ def _drive(
     ctx = mp.get_context("fork")
     stop = ctx.Event()
     out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+    batches_per_s = rate / n_records
+    # Open loop: the schedule starts just after the clients are forked (the warm-up absorbs any lag).
+    schedule = (time.monotonic() + 0.5, batches_per_s) if rate > 0 else None
     procs = [
         ctx.Process(
             target=_client_main,
-            args=(i, clients, col.port, run, steps_per_batch, layers_per_rank, token, stop, out),
+            args=(i, clients, col.port, run, steps_per_batch, layers_per_rank, token, stop, out, schedule),
             name=f"loadgen-{i}",
         )
         for i in range(clients)
@@ -518,7 +587,12 @@ def _drive(
         pg_pids_end = _postgres_pids(url) if backend == "postgresql" else []
         cpu1 = (cpu_seconds(collector_pids), cpu_seconds(pg_pids_end), cpu_seconds(client_pids))
         hwm = sum(read_status_kb(p, "VmHWM") for p in collector_pids)
+        if schedule is not None:
+            # Open loop: batches due at the end of the window get OPEN_LOOP_GRACE_S to be sent and
+            # answered, so one still unsent at the stop is a real backlog, not an edge effect.
+            time.sleep(max(0.0, t_end + OPEN_LOOP_GRACE_S - time.monotonic()))
     finally:
+        t_stop = time.monotonic()
         stop.set()
         results = []
         for _ in procs:
@@ -533,18 +607,25 @@ def _drive(
                 p.join()
     stored = _stored_rows(url)
     reduced = _analysis_progress(url) if analysis else "-"
-    window = [s for _, samples, _ in results for s in samples if t_start <= s[0] < t_end]
+    window = [s for _, samples, _, _ in results for s in samples if t_start <= s[0] < t_end]
     span = t_end - t_start
     lat = [s[1] for s in window]
+    p50, p99 = percentile(lat, 0.50), percentile(lat, 0.99)
+    open_loop: dict[str, Any] = {}
+    if schedule is not None:
+        open_loop = _open_loop_stats(
+            [t for *_, timed in results for t in timed], schedule, t_start, t_end, t_stop, clients
+        )
+        p50, p99 = open_loop.pop("p50"), open_loop.pop("p99")
     return IngestResult(
         backend=backend,
         records_per_s=sum(s[2] for s in window) / span,
         batches_per_s=len(window) / span,
         records_per_batch=n_records,
         body_kb=len(template) / 1024,
-        p50_ms=percentile(lat, 0.50) * 1e3,
-        p99_ms=percentile(lat, 0.99) * 1e3,
-        errors=sum(e for _, _, e in results),
+        p50_ms=p50 * 1e3,
+        p99_ms=p99 * 1e3,
+        errors=sum(e for _, _, e, _ in results),
         collector_cpu=(cpu1[0] - cpu0[0]) / span,
         collector_processes=len(collector_pids),
         postgres_cpu=(cpu1[1] - cpu0[1]) / span,
@@ -554,7 +635,73 @@ def _drive(
         stored_rows=stored,
         reduced=reduced,
         command=col.command,
+        clients=clients,
+        offered_per_s=rate,
+        **open_loop,
     )
+
+
+def _open_loop_stats(
+    timed: list[tuple[int, float, float, bool]],
+    schedule: tuple[float, float],
+    t_start: float,
+    t_end: float,
+    t_stop: float,
+    clients: int,
+) -> dict[str, Any]:
+    """Latency over the batches DUE in [t_start, t_end), from the due time; lateness of the sends
+    started in the window, and of the backlog when the load stopped.
+
+    A batch due but never sent (its client was still behind when the load stopped at t_stop) counts
+    with the lower bound t_stop - due for its latency and lateness, so a collector that falls behind
+    shows a high p99 rather than a low one over the few that got through; a percentile that lands at
+    or above such a lower bound is itself only a lower bound."""
+    start, per_s = schedule
+    first, last = math.ceil((t_start - start) * per_s), math.ceil((t_end - start) * per_s)
+
+    def due(slot: int) -> float:
+        return start + slot / per_s
+
+    answered = {slot: (sent, done, ok) for slot, sent, done, ok in timed}
+    unsent = [slot for slot in range(last) if slot not in answered]
+    lat: list[tuple[float, bool]] = []  # (latency s, lower bound)
+    answer: list[float] = []  # send to answer, s
+    for slot in range(first, last):
+        if slot in answered:
+            sent, done, ok = answered[slot]
+            answer.append(done - sent)
+            if ok:
+                lat.append((done - due(slot), False))
+        else:
+            lat.append((t_stop - due(slot), True))
+    # (when seen, lateness s): a send started in the window; a batch still unsent at the stop.
+    late = [(sent, sent - due(slot)) for slot, (sent, _, _) in answered.items() if t_start <= sent < t_end]
+    late += [(t_stop, t_stop - due(slot)) for slot in unsent]
+    lat.sort()
+    censored = min((v for v, c in lat if c), default=math.inf)
+
+    def pct(q: float) -> tuple[float, bool]:
+        if not lat:
+            return float("nan"), False
+        value = lat[min(len(lat) - 1, int(q * len(lat)))][0]
+        return value, value >= censored
+
+    quarter = (t_end - t_start) / 4
+    (p50, p50_lb), (p99, p99_lb) = pct(0.50), pct(0.99)
+    return {
+        "p50": p50,
+        "p99": p99,
+        "p50_lower_bound": p50_lb,
+        "p99_lower_bound": p99_lb,
+        "scheduled": last - first,
+        "unsent": sum(1 for slot in unsent if slot >= first),
+        "late_max_ms": max((v for _, v in late), default=0.0) * 1e3,
+        "late_first_ms": max((v for t, v in late if t < t_start + quarter), default=0.0) * 1e3,
+        "late_last_ms": max((v for t, v in late if t >= t_end - quarter), default=0.0) * 1e3,
+        "interval_ms": clients / per_s * 1e3,
+        "answer_mean_ms": sum(answer) / len(answer) * 1e3 if answer else float("nan"),
+        "answer_p99_ms": percentile(answer, 0.99) * 1e3,
+    }
 
 
 # --------------------------------------------------------------------------- the raw-insert floor
@@ -651,12 +798,47 @@ def measure_floor(
     return FloorResult(backend=backend, records_per_s=total / busy, method=method)
 
 
+def _ms(value: float, lower_bound: bool) -> str:
+    return f"{'>' if lower_bound else ''}{value:.1f}"
+
+
+def _open_loop_verdict(r: IngestResult) -> list[str]:
+    """Whether the collector kept up with the offered rate, and whether the clients could."""
+    ratio = r.records_per_s / r.offered_per_s
+    kept_up = ratio >= 0.97 and r.unsent == 0
+    verdict = "KEPT UP" if kept_up else "DID NOT KEEP UP: the p99 above is queueing behind a backlog"
+    lines = [
+        f"[{r.backend}] open loop: {r.records_per_s:,.0f} of {r.offered_per_s:,.0f} records/s offered "
+        f"({ratio:.2f}); sends up to {r.late_max_ms:.1f} ms behind schedule (first quarter of the window "
+        f"{r.late_first_ms:.1f} ms, last quarter {r.late_last_ms:.1f} ms); {r.unsent} of {r.scheduled} batches "
+        f"due in the window not sent {OPEN_LOOP_GRACE_S:.0f} s after its end: {verdict}"
+    ]
+    # Little's law: batches/s x time a request is in flight = requests in flight at once, one per client.
+    needed = math.ceil(r.offered_per_s / r.records_per_batch * r.answer_mean_ms / 1e3)
+    answers = f"answers took {r.answer_mean_ms:.1f} ms on average (p99 {r.answer_p99_ms:.1f}) from the send"
+    if needed > r.clients:
+        lines.append(
+            f"rate {r.offered_per_s:,.0f} needs more clients: one request in flight each, {answers}, "
+            f"so keeping the schedule takes at least {needed} (have {r.clients}; a client's interval is "
+            f"{r.interval_ms:.1f} ms); unless the collector is at capacity, rerun with more --clients"
+        )
+    elif r.late_max_ms > r.interval_ms:
+        lines.append(
+            f"[{r.backend}] some sends were more than a client's interval ({r.interval_ms:.1f} ms) late, though "
+            f"{r.clients} clients suffice at the mean; {answers}: stalls of the collector or the shared machine"
+        )
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default="sqlite,postgresql")
     parser.add_argument("--seconds", type=float, default=40.0, help="measurement window")
     parser.add_argument("--warmup", type=float, default=10.0)
     parser.add_argument("--clients", type=int, default=6, help="load-generator processes")
+    parser.add_argument("--rate", type=float, default=0.0,
+                        help="open loop: records/s offered by all clients together on a fixed schedule "
+                             "(default 0: closed loop, each client sends when its last answer is back)")  # fmt: skip
     parser.add_argument("--steps-per-batch", type=int, default=4)
     parser.add_argument("--layers-per-rank", type=int, default=LAYERS // PP)
     parser.add_argument("--no-analysis", action="store_true", help="TRAINVITALS_RUN_ANALYSIS=false: ingest alone")
@@ -668,10 +850,17 @@ def main() -> None:
                         help="insert time of the raw-insert floor per backend (0: no floor rows)")  # fmt: skip
     add_shared_args(parser)
     args = parser.parse_args()
+    if args.rate < 0 or args.clients < 1:
+        parser.error("--rate must be >= 0 and --clients >= 1")
     print(f"$ {' '.join([Path(sys.executable).name, *sys.argv])}")
+    mode = (
+        f"open loop at {args.rate:,.0f} records/s offered with {args.clients} clients"
+        if args.rate > 0
+        else f"closed loop with {args.clients} clients"
+    )
     print(
         f"machine: {cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; "
-        f"world_size {WORLD_SIZE}; {args.clients} load-generator processes; "
+        f"world_size {WORLD_SIZE}; {mode}; "
         f"warm-up {args.warmup:.0f} s, window {args.seconds:.0f} s\n"
     )
     results = []
@@ -689,6 +878,7 @@ def main() -> None:
             workers=args.workers,
             port=args.port,
             db_prefix=args.db_prefix,
+            rate=args.rate,
         )
         print(f"[{backend}] collector ({res.collector_processes} processes): {res.command}", flush=True)
         results.append(res)
@@ -698,20 +888,28 @@ def main() -> None:
                 backend, seconds=args.floor_seconds, **shape, group_batches=args.clients, db_prefix=args.db_prefix
             )
     header = (
-        f"{'backend':<11}{'records/s':>11}{'batches/s':>10}{'rec/batch':>10}{'body KB':>8}"
-        f"{'p50 ms':>8}{'p99 ms':>8}{'errors':>7}{'CPU coll':>9}{'us/rec':>7}{'CPU pg':>7}{'CPU gen':>8}"
+        f"{'backend':<11}{'offered':>10}{'records/s':>11}{'batches/s':>10}{'rec/batch':>10}{'body KB':>8}"
+        f"{'p50 ms':>8}{'p99 ms':>8}{'late ms':>8}{'errors':>7}{'CPU coll':>9}{'us/rec':>7}{'CPU pg':>7}{'CPU gen':>8}"
         f"{'RSS MB':>8}{'HWM MB':>8}{'rows stored':>13}{'reduced/newest':>16}"
     )
     print("\n" + header)
     print("-" * len(header))
     for r in results:
+        offered = f"{r.offered_per_s:,.0f}" if r.offered_per_s else "closed"
+        late = f"{r.late_max_ms:.1f}" if r.offered_per_s else "-"
         print(
-            f"{r.backend:<11}{r.records_per_s:>11,.0f}{r.batches_per_s:>10.1f}{r.records_per_batch:>10}"
-            f"{r.body_kb:>8.1f}{r.p50_ms:>8.1f}{r.p99_ms:>8.1f}{r.errors:>7}{r.collector_cpu:>9.2f}"
+            f"{r.backend:<11}{offered:>10}{r.records_per_s:>11,.0f}{r.batches_per_s:>10.1f}{r.records_per_batch:>10}"
+            f"{r.body_kb:>8.1f}{_ms(r.p50_ms, r.p50_lower_bound):>8}{_ms(r.p99_ms, r.p99_lower_bound):>8}"
+            f"{late:>8}{r.errors:>7}{r.collector_cpu:>9.2f}"
             f"{r.collector_cpu * 1e6 / max(r.records_per_s, 1):>7.1f}"
             f"{r.postgres_cpu:>7.2f}{r.clients_cpu:>8.2f}{r.rss_mb:>8.0f}{r.hwm_mb:>8.0f}"
             f"{r.stored_rows:>13,}{r.reduced:>16}"
         )
+    for r in results:
+        if r.offered_per_s:
+            print()
+            for line in _open_loop_verdict(r):
+                print(line)
     if floors:
         print(f"\n{'backend':<11}{'floor rec/s':>12}{'ingest rec/s':>13}{'ratio':>7}  floor method")
         for r in results:
@@ -725,7 +923,14 @@ def main() -> None:
         "child; PostgreSQL backends of the scratch database; all load generators); RSS and HWM: summed over the "
         "collector's processes. us/rec: the collector's CPU microseconds per acknowledged record. "
         "records/s counts acknowledged records in the window. "
-        "reduced/newest: the analysis worker's reduced step and the newest delivered step when the load stopped."
+        + (
+            "Open loop: offered is --rate; p50/p99 run from each batch's scheduled send time to its answer, over "
+            "the batches due in the window ('>': a lower bound, some were never sent); late ms: how far behind "
+            "schedule a send started, at most. "
+            if args.rate > 0
+            else "Closed loop: p50/p99 run from send to answer, each client's next send waits for its answer. "
+        )
+        + "reduced/newest: the analysis worker's reduced step and the newest delivered step when the load stopped."
     )
 
 
