@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine.interfaces import DBAPIConnection
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import ConnectionPoolEntry
 
 import trainvitals.migrations as _migrations
 from trainvitals.service.periodic import Periodic
@@ -44,7 +48,31 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_size=8, max_overflow=8, pool_pre_ping=True)
+    engine = create_engine(url, pool_size=8, max_overflow=8)
+    _ping_when_idle(engine)
+    return engine
+
+
+# A pooled connection idle this long is pinged before use (a database restart or a dropped
+# connection is then found at checkout, not by the statement). SQLAlchemy's pool_pre_ping pings on
+# every checkout: a round trip per ingest group, whose connection was in use a moment ago.
+_PING_AFTER_IDLE_S = 1.0
+
+
+def _ping_when_idle(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    @event.listens_for(engine, "checkin")
+    def _mark_used(_dbapi_conn: object, record: ConnectionPoolEntry) -> None:
+        record.info["checked_in_at"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _checkout(dbapi_conn: DBAPIConnection, record: ConnectionPoolEntry, _proxy: object) -> None:
+        if time.monotonic() - record.info.get("checked_in_at", 0.0) < _PING_AFTER_IDLE_S:
+            return
+        try:
+            engine.dialect.do_ping(dbapi_conn)
+        except Exception as exc:  # noqa: BLE001 - any failure: the pool replaces the connection
+            raise DisconnectionError(f"idle connection failed its ping: {exc}") from exc
 
 
 _WAL_BACKSTOP_PAGES = 50_000  # ~200 MB of WAL with 4 KiB pages
