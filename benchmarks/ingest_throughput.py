@@ -712,6 +712,10 @@ class FloorResult:
     backend: str
     records_per_s: float
     method: str
+    client_us: float
+    """CPU microseconds per record of the inserting process (its thread, during the inserts)."""
+    server_us: float
+    """CPU microseconds per record of its PostgreSQL backend (0 for SQLite, which runs in-process)."""
 
 
 def _floor_batches(run: str, *, steps_per_batch: int, layers_per_rank: int) -> Iterator[bytes]:
@@ -781,21 +785,31 @@ def measure_floor(
             raw = engine.raw_connection().driver_connection
             if backend == "sqlite":
                 raw.isolation_level = None  # explicit BEGIN / COMMIT, one transaction per group
+            backend_pid = [raw.info.backend_pid] if backend == "postgresql" else []
+            client_cpu = server_cpu = 0.0
             while busy < seconds:
                 group: dict[str, list[tuple[Any, ...]]] = {}
                 for _ in range(group_batches):
                     for kind, flat in store.batch_rows(decode_batch(next(bodies)))[0].items():
                         width = store._WIDTH[kind]  # noqa: SLF001 - the store's own row layout
                         group.setdefault(kind, []).extend(zip(*[iter(flat)] * width, strict=True))
-                t0 = time.perf_counter()
+                t0, c0, s0 = time.perf_counter(), time.thread_time(), cpu_seconds(backend_pid)
                 _floor_write(backend, raw, group)
                 busy += time.perf_counter() - t0
+                client_cpu += time.thread_time() - c0
+                server_cpu += cpu_seconds(backend_pid) - s0
                 total += sum(map(len, group.values()))
             raw.close()
         finally:
             engine.dispose()
     method = "sqlite3 executemany" if backend == "sqlite" else "psycopg binary COPY"
-    return FloorResult(backend=backend, records_per_s=total / busy, method=method)
+    return FloorResult(
+        backend=backend,
+        records_per_s=total / busy,
+        method=method,
+        client_us=client_cpu * 1e6 / total,
+        server_us=server_cpu * 1e6 / total,
+    )
 
 
 def _ms(value: float, lower_bound: bool) -> str:
@@ -911,13 +925,35 @@ def main() -> None:
             for line in _open_loop_verdict(r):
                 print(line)
     if floors:
-        print(f"\n{'backend':<11}{'floor rec/s':>12}{'ingest rec/s':>13}{'ratio':>7}  floor method")
+        # Where the rest goes: the CPU each record costs on the way in (collector, PostgreSQL, load
+        # generator: all on this machine's cores) against what the floor's insert costs alone. At
+        # that cost the cores carry at most `ceiling` records/s: ingest near it is bound by CPU,
+        # ingest well below it by waiting (round trips, the GIL, one request in flight per client).
+        cores = os.cpu_count() or 1
+        print(
+            f"\n{'backend':<11}{'floor rec/s':>12}{'ingest rec/s':>13}{'ratio':>7}{'floor us/rec':>13}"
+            f"{'ingest us/rec':>14}{'= coll':>8}{'+ pg':>6}{'+ gen':>7}{'CPU ceiling':>12}{'of floor':>9}"
+            f"{'busy':>6}  floor method"
+        )
         for r in results:
             f = floors[r.backend]
+            rate = max(r.records_per_s, 1.0)
+            coll, pg, gen = (1e6 * cpu / rate for cpu in (r.collector_cpu, r.postgres_cpu, r.clients_cpu))
+            ceiling = cores * 1e6 / (coll + pg + gen)
             print(
                 f"{r.backend:<11}{f.records_per_s:>12,.0f}{r.records_per_s:>13,.0f}"
-                f"{r.records_per_s / f.records_per_s:>7.2f}  {f.method}, {args.clients} batches per commit"
+                f"{r.records_per_s / f.records_per_s:>7.2f}{f.client_us + f.server_us:>13.1f}"
+                f"{coll + pg + gen:>14.1f}{coll:>8.1f}{pg:>6.1f}{gen:>7.1f}{ceiling:>12,.0f}"
+                f"{ceiling / f.records_per_s:>9.2f}{(coll + pg + gen) * rate / 1e6 / cores:>6.0%}"
+                f"  {f.method}, {args.clients} batches per commit"
             )
+        print(
+            f"floor us/rec: CPU per record of the floor's inserts (its process and, on PostgreSQL, its backend). "
+            f"ingest us/rec: CPU per acknowledged record in the ingest run, of the collector (all its processes), "
+            f"PostgreSQL (the scratch database's backends) and the load generators. CPU ceiling: what {cores} cores "
+            f"carry at that cost ({cores} x 1e6 / ingest us/rec), and its ratio to the floor; busy: the share of "
+            f"the {cores} cores the ingest run kept busy (near 100%: bound by CPU; well below: by waiting)."
+        )
     print(
         "\nCPU columns: cores busy on average (the collector's processes: serve, its --workers and its analysis "
         "child; PostgreSQL backends of the scratch database; all load generators); RSS and HWM: summed over the "
