@@ -669,7 +669,7 @@ def _touch_runs(runs: dict[str, Any], batches: list[AnyBatch], lows: list[int | 
 
 
 # A statement of the group's tail and its parameter sets (constant statements: on PostgreSQL each
-# is compiled once, `_pg_sql`).
+# is compiled once, `_pg_compiled`).
 Statement: TypeAlias = "tuple[Executable, list[dict[str, Any]]]"
 
 
@@ -691,6 +691,6 @@ def _execute_and_commit(session: Session, statements: list[Statement]) -> None:
     session.commit()
 
 
-@functools.cache
+@functools.lru_cache(maxsize=64)  # a handful of statements per engine's dialect
 def _pg_compiled(statement: Executable, dialect: Dialect) -> Compiled:
     return statement.compile(dialect=dialect)  # type: ignore[attr-defined]
