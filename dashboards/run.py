@@ -23,6 +23,15 @@ from grafana_foundation_sdk.models import dashboard as dash_m
 from trainvitals.dashboards import panels as p
 
 R = 'run="$run"'
+# New findings per interval by kind and severity. A (kind, severity) series only exists from its
+# first finding on, and increase() does not count a series' first sample: when a kind's first
+# findings all arrive in one scrape, increase() says 0. So a series that did not exist an
+# interval ago counts with its whole value (it was 0 before).
+_FINDINGS = f"trainvitals_findings_total{{{R}}}"
+_NEW_FINDINGS = (
+    f"max by (kind, severity) ((increase({_FINDINGS}[$__rate_interval]) > 0) "
+    f"or ({_FINDINGS} unless {_FINDINGS} offset $__rate_interval))"
+)
 
 
 def _m(metric: str, *, by: str = "", where: str = "") -> str:
@@ -75,7 +84,7 @@ def _annotations() -> list[cog_builder.Builder[dash_m.AnnotationQuery]]:
         ),
         p.prom_annotation(
             "Findings raised",
-            f"max by (kind, severity) (increase(trainvitals_findings_total{{{R}}}[$__rate_interval])) > 0",
+            _NEW_FINDINGS,
             color="orange",
             title="{{kind}}",
             text="new {{severity}} finding",
@@ -566,7 +575,7 @@ def _findings(board: dash_b.Dashboard) -> dash_b.Dashboard:
             description="New distinct findings per interval, by kind and severity.",
             targets=[
                 p.prom(
-                    f"max by (kind, severity) (increase(trainvitals_findings_total{{{R}}}[$__rate_interval]))",
+                    _NEW_FINDINGS,
                     legend="{{severity}} {{kind}}",
                 )
             ],
