@@ -87,8 +87,8 @@ class WalCheckpointer:
     Often, because of what a complete checkpoint leaves to the ingest writer: its next commit
     restarts the WAL and syncs it (SQLite does, in NORMAL mode), and that sync's cost grows with the
     WAL written since the last one. At 100k records/s that commit stalled ingest 25-60 ms every
-    ~1.8 s with a 1 s interval and ~115 ms with 5 s; with 0.2 s, 15-30 ms (open-loop p99 45-59 ms
-    -> 25 ms; closed-loop throughput unchanged; docs/performance.md).
+    ~1.8 s with a 1 s interval and ~115 ms with 5 s; with 0.2 s, 15-30 ms (open-loop p99 44-75 ms
+    -> 25-29 ms; closed-loop throughput unchanged; docs/performance.md).
     """
 
     def __init__(self, engine: Engine, interval: float = 0.25) -> None:
