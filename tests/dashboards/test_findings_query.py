@@ -28,7 +28,7 @@ def _findings_query() -> str:
 
 
 def _promtool(tmp_path: Path, expr: str) -> subprocess.CompletedProcess[str]:
-    """Six findings of one kind appear at 5 m in one scrape; a seventh at 10 m."""
+    """Six findings of one kind appear at 5 m in one scrape (a seventh follows at 10 m, not asserted)."""
     tests = {
         "rule_files": [],
         "evaluation_interval": "1m",
