@@ -34,9 +34,10 @@ from sqlalchemy import (
     text,
     update,
 )
-from sqlalchemy.engine import Compiled, Dialect
+from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.expression import Executable
 
 from trainvitals.service.store import run_keys
@@ -732,5 +733,5 @@ def _execute_and_commit(session: Session, statements: list[Statement]) -> None:
 
 
 @functools.lru_cache(maxsize=64)  # a handful of statements per engine's dialect
-def _compiled(statement: Executable, dialect: Dialect) -> Compiled:
-    return statement.compile(dialect=dialect)  # type: ignore[attr-defined]
+def _compiled(statement: Executable, dialect: Dialect) -> SQLCompiler:
+    return cast(SQLCompiler, statement.compile(dialect=dialect))  # type: ignore[attr-defined]
