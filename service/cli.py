@@ -138,7 +138,7 @@ def _run_uvicorn(args: argparse.Namespace, settings: Any) -> int:
         "http": HeaderDeadlineProtocol,
         # asyncio's own event loop, not uvloop: its socket reads and writes release the GIL, which
         # the batch writer's thread waits for; uvloop's hold it through the system call. SQLite
-        # ingest +5-10% in five of six alternating rounds, PostgreSQL unchanged (docs/performance.md).
+        # ingest faster in 8 of 8 alternating rounds (1-29%), PostgreSQL unchanged (docs/performance.md).
         "loop": "asyncio",
         "timeout_keep_alive": settings.keep_alive_seconds,
         "limit_concurrency": settings.max_connections,
