@@ -218,3 +218,32 @@ def test_nan_is_stored_as_nan_and_infinities_as_themselves_on_both_backends(sess
         3.0 if i in (30, 31) else 1.0 + i for i in range(40) if i != 17
     ]
     assert all(r.crest_bits is None for i, r in enumerate(rows) if i != 17)
+
+
+def test_columns_empty_in_a_chunk_are_written_as_null_and_the_others_keep_their_values(session) -> None:
+    """On SQLite a nullable column that is None in every row of a statement's chunk is written as a
+    literal NULL and dropped from the bound parameters (`_drop_absent`). 300 rows go in chunks of
+    256, 32, 8 and 4; each optional statistic is present in different chunks, one in none, one in
+    all: every stored value must be the one sent, in its own column."""
+    batches.register_run(session, RunRegistration(run="r1"))
+    values: list[dict[str, object]] = []
+    for i in range(300):
+        v: dict[str, object] = {"amax": 1.0 + i, "scale": 2.0, "lag_bits": 0.5}  # lag_bits: in every row
+        if i < 256:
+            v["crest_bits"] = 10.0 + i  # the first chunk only
+        if 256 <= i < 288 or i == 299:
+            v["sat_frac"] = 0.001 * i  # the second chunk, and the last row of the last
+        if i % 7 == 0:
+            v["nonfinite"] = i  # scattered: present in some rows of most chunks
+        values.append(v)  # underflow_frac: in no row
+    assert batches.store_batch(session, Batch.model_validate(_fp8_batch(0, values))).accepted == 301
+    t = TensorStatRow
+    rows = session.execute(
+        select(t.step, t.amax, t.lag_bits, t.crest_bits, t.sat_frac, t.nonfinite, t.underflow_frac).order_by(t.step)
+    ).all()
+    got = [tuple(r) for r in rows]
+    want = [
+        (i, v["amax"], v["lag_bits"], v.get("crest_bits"), v.get("sat_frac"), v.get("nonfinite"), None)
+        for i, v in enumerate(values)
+    ]
+    assert got == want
