@@ -1,0 +1,73 @@
+"""The collector's HTTP protocol on a listener bound the way `serve --workers N` binds it.
+
+uvicorn binds that listener itself, with proto 0, and asyncio sets TCP_NODELAY only on connections
+of IPPROTO_TCP sockets: before HeaderDeadlineProtocol set it, every keep-alive request to a
+multi-process collector waited 40-44 ms for the client's delayed ACK (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from trainvitals.service.http_limits import HeaderDeadlineProtocol
+
+
+async def _ok(scope: dict, receive: object, send: object) -> None:  # the smallest ASGI app
+    assert scope["type"] == "http"
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})  # type: ignore[operator]
+    await send({"type": "http.response.body", "body": b"ok"})  # type: ignore[operator]
+
+
+@contextmanager
+def _server(protocol: type) -> Iterator[tuple[uvicorn.Server, int]]:
+    sock = socket.socket(family=socket.AF_INET)  # as uvicorn's Config.bind_socket: proto 0
+    sock.bind(("127.0.0.1", 0))
+    assert sock.proto == 0
+    config = uvicorn.Config(_ok, http=protocol, loop="asyncio", lifespan="off", log_config=None)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield server, sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def _server_side_nodelay(protocol: type) -> int:
+    """TCP_NODELAY of the server's end of one keep-alive connection that answered a request."""
+    with _server(protocol) as (server, port):
+        client = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        try:
+            client.request("GET", "/")
+            response = client.getresponse()
+            assert (response.status, response.read()) == (200, b"ok")
+            (connection,) = server.server_state.connections
+            sock = connection.transport.get_extra_info("socket")  # type: ignore[attr-defined]
+            return int(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        finally:
+            client.close()
+
+
+def test_connections_of_a_workers_listener_send_without_delay() -> None:
+    assert _server_side_nodelay(HeaderDeadlineProtocol) == 1
+
+
+def test_the_listener_reproduces_the_workers_path() -> None:
+    """The control: uvicorn's own protocol on that listener leaves Nagle's algorithm on, so the
+    test above sees the collector's protocol set the option, not asyncio."""
+    assert _server_side_nodelay(HttpToolsProtocol) == 0
