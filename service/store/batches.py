@@ -213,14 +213,18 @@ _SQLITE_INSERT = {
     f"VALUES ({', '.join('?' * (len(_PREFIX) + len(cols)))})"
     for kind, cols in _FAST_COLUMNS.items()
 }
-_SQLITE_REAL_POSITIONS = {
-    kind: tuple(i for i, c in enumerate((*_PREFIX, *cols)) if isinstance(RECORD_TABLES[kind].c[c].type, Real))
-    for kind, cols in _FAST_COLUMNS.items()
-}
-_SQLITE_NULLABLE_POSITIONS = {
-    kind: tuple(i for i, c in enumerate((*_PREFIX, *cols)) if RECORD_TABLES[kind].c[c].nullable)
-    for kind, cols in _FAST_COLUMNS.items()
-}
+
+
+def _positions_where(keep: Callable[[Any], bool]) -> dict[str, tuple[int, ...]]:
+    """Per fast kind, the positions in its INSERT's row of the columns `keep` accepts."""
+    return {
+        kind: tuple(i for i, c in enumerate((*_PREFIX, *cols)) if keep(RECORD_TABLES[kind].c[c]))
+        for kind, cols in _FAST_COLUMNS.items()
+    }
+
+
+_SQLITE_REAL_POSITIONS = _positions_where(lambda column: isinstance(column.type, Real))
+_SQLITE_NULLABLE_POSITIONS = _positions_where(lambda column: bool(column.nullable))
 # Binary COPY: psycopg packs each value in C instead of formatting text (about a third of the
 # client's per-row cost), and the server skips parsing numbers from text.
 _PG_BINARY_TYPES = {Integer: "int4", BigInteger: "int8", Real: "float8", Boolean: "bool", String: "varchar"}

@@ -16,15 +16,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import uvicorn
+from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from trainvitals.service.http_limits import HeaderDeadlineProtocol
 
 
-async def _ok(scope: dict, receive: object, send: object) -> None:  # the smallest ASGI app
+async def _ok(scope: Scope, receive: Receive, send: Send) -> None:  # the smallest ASGI app
     assert scope["type"] == "http"
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})  # type: ignore[operator]
-    await send({"type": "http.response.body", "body": b"ok"})  # type: ignore[operator]
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
 
 
 @contextmanager
