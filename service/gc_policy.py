@@ -10,6 +10,10 @@ the first generation took another 4% of the event loop. Measured with gc.callbac
 `trainvitals serve`, SQLite, 16 load generators (docs/performance.md, "Against the raw-insert
 floor").
 
+The analysis worker's process (`trainvitals analyse`, serve's child by default) runs with the same
+settings: its reduction reads hundreds of thousands of rows a cycle, and with the defaults garbage
+collection took 12% of its py-spy samples under ingest load, 4% with these (docs/performance.md).
+
 While serving: the start-up heap is frozen (`gc.freeze`: full collections skip it) and the first
 generation collects after 10,000 net allocations. Both are undone when serving stops, so an app
 started and stopped many times in one process (tests) leaves the collector as it found it:

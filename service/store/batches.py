@@ -305,7 +305,7 @@ def _write_fast(session: Session, kind: str, flat: list[Any]) -> None:
         # Plain DBAPI statements: SQLAlchemy's per-row bind processing is not needed for these
         # column types (float, int, str, bool; NaN handled here), and skipping it is most of the
         # SQLite insert cost.
-        _sqlite_multirow(
+        sqlite_multirow(
             conn.connection.driver_connection,
             _SQLITE_INSERT[kind],
             flat,
@@ -330,7 +330,7 @@ def _sqlite_values_sql(head: str, values: str, rows: int, absent: tuple[int, ...
     return f"{head} VALUES {','.join([values] * rows)}"
 
 
-def _sqlite_multirow(
+def sqlite_multirow(
     dbapi_conn: Any,
     sql: str,
     params: list[Any],
@@ -687,7 +687,7 @@ def _claim_keys(session: Session, batches: list[AnyBatch], now: float) -> set[tu
     dbapi = conn.connection.driver_connection
     if _SQLITE_RETURNING:  # one statement per group (the keys of a group are distinct: the caller's dict)
         flat = list(chain.from_iterable(rows))
-        return {tuple(r) for r in _sqlite_multirow(dbapi, _SQLITE_CLAIM, flat, tail=_SQLITE_CLAIM_TAIL)}
+        return {tuple(r) for r in sqlite_multirow(dbapi, _SQLITE_CLAIM, flat, tail=_SQLITE_CLAIM_TAIL)}
     # SQLite before 3.35: one writer at a time (the caller holds it), so a row-by-row rowcount is exact.
     cur = dbapi.cursor()  # type: ignore[union-attr]
     new = set()

@@ -28,13 +28,29 @@ missed (read too late by the reduction, and seen by ingest as not yet reduced). 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Float, Integer, Row, case, delete, func, insert, select, text, update
+from sqlalchemy import (
+    Boolean,
+    Connection,
+    Float,
+    Integer,
+    Row,
+    String,
+    Table,
+    case,
+    delete,
+    func,
+    insert,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.orm import Session
 
+from trainvitals.service.store.batches import sqlite_multirow
 from trainvitals.service.store.incarnations import newest_incarnation_only
 from trainvitals.service.store.models import (
     GradStatRow,
@@ -48,6 +64,7 @@ from trainvitals.service.store.models import (
     TensorSummary,
     table_of,
 )
+from trainvitals.service.store.types import Real
 from trainvitals.wire.v1 import INT64_MAX
 
 
@@ -199,10 +216,37 @@ _TENSOR_KEYS = (
 )
 
 
+# SQLite cannot checkpoint its WAL past a read that is still running, and the tensor aggregation is
+# the reduction's longest read: one GROUP BY over a 16,384-rank cycle (4 steps, 3.1M rows) ran
+# 9.5-11 s under ingest while the WAL grew by 570 MB, and ingest's p99 at 100k records/s was 84-104
+# ms while it ran. Read in statements of about this many rows (a step at 16,384 ranks), it was 25-30
+# ms (docs/performance.md). PostgreSQL's reads hold nothing back: one statement.
+_SQLITE_TENSOR_ROWS_PER_READ = 1_000_000
+
+
 def tensor_summaries(session: Session, *, run_id: str, first: int, last: int) -> list[dict[str, Any]]:
     """FP8 tensor statistics of steps first..last reduced over ranks and TP shards of the same
     tensor (amax max, headroom min, non-finite summed: see TensorSummary), the newest incarnation's
-    records only. One dict per (step, tensor, role), keys = TensorSummary columns but run_id."""
+    records only. One dict per (step, tensor, role), keys = TensorSummary columns but run_id, in
+    (step, tensor, role) order. On SQLite in several statements, each over a range of whole steps."""
+    if first >= last or session.get_bind().dialect.name != "sqlite":
+        return _tensor_summaries(session, run_id=run_id, first=first, last=last)
+    t = TensorStatRow
+    held = (t.run_id == run_id, t.step >= first, t.step <= last)
+    rows = session.scalar(select(func.count()).select_from(t).where(*held)) or 0
+    steps = last - first + 1
+    reads = min(steps, -(-rows // _SQLITE_TENSOR_ROWS_PER_READ))
+    if reads <= 1:
+        return _tensor_summaries(session, run_id=run_id, first=first, last=last)
+    out: list[dict[str, Any]] = []
+    for k in range(reads):  # consecutive step ranges, together first..last
+        lo, hi = first + steps * k // reads, first + steps * (k + 1) // reads - 1
+        out += _tensor_summaries(session, run_id=run_id, first=lo, last=hi)
+    return out
+
+
+def _tensor_summaries(session: Session, *, run_id: str, first: int, last: int) -> list[dict[str, Any]]:
+    """tensor_summaries in one statement."""
     t = TensorStatRow
     stmt = (
         select(
@@ -260,13 +304,21 @@ def replace_summaries(
     since."""
     rid = run_id
     conn = session.connection()  # Core statements: the ORM bulk path costs ~3x more per row
+    # Every row is built before the first DELETE. On SQLite that statement takes the database's one
+    # write lock until the commit, and ingest's writer (another process) waits for it, polling on
+    # the busy handler's growing sleeps: built inside, a 16,384-rank cycle held it 84-89 ms, and
+    # ingest's p99 at 100k records/s was 99-104 ms while the analysis ran (docs/performance.md).
+    inserts = [
+        _rows_for(conn, table_of(model), rid, rows)
+        for model, rows in ((StepSummary, steps), (GradSummary, grads), (TensorSummary, tensors), (RankWindow, windows))
+        if rows
+    ]
     for model, lo in ((StepSummary, first), (GradSummary, first), (TensorSummary, first), (RankWindow, windows_from)):
         table = table_of(model)
         col = table.c.window_start if model is RankWindow else table.c.step
         conn.execute(delete(table).where(table.c.run_id == rid, col >= lo, col <= last))
-    for model, batch in ((StepSummary, steps), (GradSummary, grads), (TensorSummary, tensors), (RankWindow, windows)):
-        if batch:
-            conn.execute(insert(table_of(model)), [{"run_id": rid, **row} for row in batch])
+    for write in inserts:
+        write()
     t = _STATE
     conn.execute(
         update(t)
@@ -280,3 +332,31 @@ def replace_summaries(
     state = session.get(ReductionState, rid)
     if state is not None:
         session.expire(state)  # written with Core above: an ORM reader reloads it
+
+
+def _rows_for(conn: Connection, table: Table, run_id: str, rows: list[dict[str, Any]]) -> Callable[[], object]:
+    """The insert of `rows` (dicts of the table's columns but run_id) into `table`, its parameters
+    built now, run when called. On SQLite, for a table of scalar columns whose rows have exactly
+    its columns: multi-row INSERTs over flat parameters (store/batches.py `sqlite_multirow`, which
+    writes NaN as Real does), bound in C. Else SQLAlchemy's executemany, which processes each
+    value in Python as it runs."""
+    names = [c.name for c in table.columns]
+    if conn.dialect.name == "sqlite" and all(isinstance(c.type, _SCALAR) for c in table.columns):
+        width = len(names) - 1  # run_id is not in the rows
+        try:
+            flat = [run_id if name == "run_id" else row[name] for row in rows for name in names]
+        except KeyError:
+            flat = None
+        if flat is not None and all(len(row) == width for row in rows):  # no key beyond the columns
+            sql = f"INSERT INTO {table.name} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})"
+            real = tuple(i for i, c in enumerate(table.columns) if isinstance(c.type, Real))
+            nullable = tuple(i for i, c in enumerate(table.columns) if c.nullable)
+            dbapi = conn.connection.driver_connection
+            return lambda: sqlite_multirow(dbapi, sql, flat, real, nullable=nullable)
+    params = [{"run_id": run_id, **row} for row in rows]
+    statement = insert(table)
+    return lambda: conn.execute(statement, params)
+
+
+# Column types that sqlite3 binds as they are (with store/batches.py's adapters: None, bool); not JSON.
+_SCALAR = (Integer, String, Boolean, Real)

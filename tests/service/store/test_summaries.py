@@ -1,0 +1,191 @@
+"""The reduction's SQLite-specific care, with the same answers as PostgreSQL: replace_summaries
+writes every value as the Core path would and builds its rows before it takes the database's one
+write lock (ingest's writer, in another process, waits for that lock); tensor_summaries reads a
+long aggregation in pieces of whole steps."""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import event, select
+from sqlalchemy.orm import Session
+
+from trainvitals.service.store import batches, summaries
+from trainvitals.service.store.models import GradSummary, RankWindow, StepSummary, TensorSummary
+from trainvitals.wire import Batch, RunRegistration
+
+RUN = "sums"
+NAN, INF = float("nan"), float("inf")
+
+
+def _tensor(step: int, tensor: str, **values: Any) -> dict[str, Any]:
+    row = dict(
+        step=step, tensor=tensor, role="input", format="e4m3", amax=1.0, headroom_bits=2.0, lag_bits=None,
+        staleness_steps=None, sat_frac=None, underflow_frac=None, crest_bits=None, nonfinite=None, shadow=False,
+    )  # fmt: skip
+    return {**row, **values}
+
+
+def _window(rank: int, **values: Any) -> dict[str, Any]:
+    row = dict(
+        window_start=0, rank=rank, steps=4, pp_stage=None, step_seconds_mean=1.0, step_seconds_p50=1.0,
+        step_seconds_max=1.5, compute_seconds_mean=None, wait_seconds_mean=None,
+    )  # fmt: skip
+    return {**row, **values}
+
+
+def _step(step: int) -> dict[str, Any]:
+    return dict(
+        step=step, ranks=2, ts=100.0 + step, step_seconds_min=1.0, step_seconds_p50=1.0, step_seconds_p90=1.0,
+        step_seconds_p99=1.0, step_seconds_max=1.0, slowest_rank=1, compute_seconds_p50=None, wait_seconds_p50=None,
+        data_seconds_p50=None, loss=NAN, loss_nonfinite=1, grad_norm=None, agent_grad_norm=None, grad_nonfinite=0,
+        tokens=None, flops=None, mfu=None, peak_flops_total=None, stage_step_seconds_p50={"0": 1.0},
+    )  # fmt: skip
+
+
+def _replace(session: Session, *, tensors: list[dict[str, Any]], windows: list[dict[str, Any]]) -> None:
+    batches.register_run(session, RunRegistration(run=RUN))
+    claimed = summaries.claim_steps(session, run_id=RUN, upto=3)
+    grads = [{"step": 0, "group_name": "__global__", "norm": NAN, "nonfinite": 3, "replica_spread": None}]
+    summaries.replace_summaries(
+        session, run_id=RUN, claimed=claimed, first=0, windows_from=0, last=3,
+        steps=[_step(0)], grads=grads, tensors=tensors, windows=windows,
+    )  # fmt: skip
+
+
+def _same(a: Any, b: Any) -> bool:
+    return (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)) or a == b
+
+
+def _columns(obj: Any, names: list[str]) -> dict[str, Any]:
+    return {name: getattr(obj, name) for name in names}
+
+
+def test_every_value_reads_back_as_written(session: Session) -> None:
+    """NaN (text on SQLite), infinities, None in every optional column, booleans and a JSON column:
+    the same values read back on both backends, however each writes them."""
+    tensors = [
+        _tensor(0, "a", amax=NAN, headroom_bits=-INF, shadow=True, nonfinite=7, sat_frac=0.25),
+        _tensor(0, "b", amax=INF, headroom_bits=NAN, lag_bits=0.5, staleness_steps=2, crest_bits=3.0),
+        *(_tensor(1, f"t{i}", amax=float(i)) for i in range(40)),
+    ]
+    windows = [_window(0, step_seconds_max=NAN, pp_stage=3, wait_seconds_mean=0.1), _window(1, step_seconds_mean=INF)]
+    _replace(session, tensors=tensors, windows=windows)
+
+    stored_tensors = {(t.step, t.tensor): t for t in session.scalars(select(TensorSummary))}
+    assert len(stored_tensors) == len(tensors)
+    for row in tensors:
+        got = _columns(stored_tensors[(row["step"], row["tensor"])], list(row))
+        assert all(_same(got[k], v) for k, v in row.items()), (row, got)
+        assert type(got["shadow"]) is bool
+    stored_windows = {w.rank: w for w in session.scalars(select(RankWindow))}
+    for row in windows:
+        got = _columns(stored_windows[row["rank"]], list(row))
+        assert all(_same(got[k], v) for k, v in row.items()), (row, got)
+    step = session.scalars(select(StepSummary)).one()
+    assert math.isnan(step.loss) and step.stage_step_seconds_p50 == {"0": 1.0}
+    grad = session.scalars(select(GradSummary)).one()
+    assert math.isnan(grad.norm) and grad.nonfinite == 3 and grad.replica_spread is None
+
+
+class _ProbingRow(dict):  # type: ignore[type-arg]
+    """A summary row that, when its values are read, checks whether another connection could
+    take the database's write lock at that moment. Iteration is overridden so that `{**row}` reads
+    through __getitem__ too."""
+
+    def __init__(self, values: dict[str, Any], probe: Any) -> None:
+        super().__init__(values)
+        self._probe = probe
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(dict.keys(self)))
+
+    def __getitem__(self, key: str) -> Any:
+        self._probe()
+        return dict.__getitem__(self, key)
+
+
+def test_sqlite_rows_are_built_before_the_write_lock_is_taken(tmp_path: Any) -> None:
+    """On SQLite ingest's writer (another process) waits for the one write lock, polling on the
+    busy handler's sleeps; built under it, a 16,384-rank cycle's rows held it for 84-89 ms. Here a
+    second connection tries to take the lock each time a row's values are read: it always can."""
+    from trainvitals.service.store import db
+
+    url = f"sqlite:///{tmp_path}/tv.db"
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    other = sqlite3.connect(f"{tmp_path}/tv.db", timeout=0, isolation_level=None)
+    locked: list[bool] = []
+
+    def probe() -> None:
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            other.execute("ROLLBACK")
+            locked.append(False)
+        except sqlite3.OperationalError:
+            locked.append(True)
+
+    try:
+        with db.make_sessionmaker(engine)() as session:
+            windows = [_ProbingRow(_window(rank), probe) for rank in range(3)]
+            tensors = [_ProbingRow(_tensor(0, f"t{i}"), probe) for i in range(3)]
+            _replace(session, tensors=tensors, windows=windows)
+            assert len(session.scalars(select(RankWindow)).all()) == 3
+    finally:
+        other.close()
+        engine.dispose()
+    assert locked and not any(locked), f"{sum(locked)} of {len(locked)} reads found the write lock taken"
+
+
+def _tensor_batch(rank: int, incarnation: int, seq: int, steps: range, amax: float) -> Batch:
+    records: list[dict[str, Any]] = []
+    for step in steps:
+        records.append({"kind": "step", "step": step, "ts": 100.0 + step, "step_seconds": 1.0})
+        for tensor in ("layers.0.fc1", "layers.0.fc2"):
+            for role, fmt in (("input", "e4m3"), ("grad_output", "e5m2")):
+                value = NAN if (rank, step, tensor) == (2, 1, "layers.0.fc1") else amax + rank + step
+                records.append(
+                    {"kind": "tensor", "step": step, "tensor": tensor, "role": role, "format": fmt, "amax": value,
+                     "scale": 1.0, "headroom_bits": 3.0 - rank, "lag_bits": 0.1 * step, "staleness_steps": rank}
+                )  # fmt: skip
+    return Batch.model_validate({"run": RUN, "rank": rank, "incarnation": incarnation, "seq": seq, "records": records})
+
+
+def test_sqlite_aggregates_the_tensors_in_pieces_with_the_same_answer(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On SQLite a long aggregation is read in statements of whole steps (a read that runs for
+    seconds holds the WAL's checkpoint back): the same summaries as one statement, including the
+    newest-incarnation rule for a rank that restarted and replayed steps inside the range."""
+    from trainvitals.service.store import db
+
+    url = f"sqlite:///{tmp_path}/tv.db"
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    statements: list[str] = []
+    event.listen(engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
+    try:
+        with db.make_sessionmaker(engine)() as session:
+            batches.register_run(session, RunRegistration(run=RUN, parallelism={"world_size": 3}))
+            for rank in range(3):
+                batches.store_batch(session, _tensor_batch(rank, 1, 0, range(6), amax=1.0))
+            batches.store_batch(session, _tensor_batch(1, 2, 0, range(3, 6), amax=50.0))  # restarted, replayed 3..5
+
+            whole = summaries.tensor_summaries(session, run_id=RUN, first=0, last=5)
+            statements.clear()
+            monkeypatch.setattr(summaries, "_SQLITE_TENSOR_ROWS_PER_READ", 20)  # 84 rows: 5 reads
+            pieces = summaries.tensor_summaries(session, run_id=RUN, first=0, last=5)
+    finally:
+        engine.dispose()
+    assert sum("GROUP BY" in s for s in statements) == 5
+    assert len(pieces) == len(whole) == 6 * 4
+    for a, b in zip(pieces, whole, strict=True):
+        assert a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a), (a, b)
+    by_key = {(r["step"], r["tensor"], r["role"]): r for r in whole}
+    assert by_key[(4, "layers.0.fc1", "input")]["amax"] == 50.0 + 1 + 4  # the replay's rank 1, not its first life
+    assert by_key[(2, "layers.0.fc1", "input")]["amax"] == 1.0 + 2 + 2  # before the restart: every rank
+    assert math.isnan(by_key[(1, "layers.0.fc1", "input")]["amax"])  # NaN is the max, as on PostgreSQL
