@@ -218,9 +218,9 @@ _TENSOR_KEYS = (
 
 # SQLite cannot checkpoint its WAL past a read that is still running, and the tensor aggregation is
 # the reduction's longest read: one GROUP BY over a 16,384-rank cycle (4 steps, 3.1M rows) ran
-# 9.5-11 s under ingest while the WAL grew by 570 MB, and ingest's p99 at 100k records/s was 84-104
-# ms while it ran. Read in statements of about this many rows (a step at 16,384 ranks), it was 25-30
-# ms (docs/performance.md). PostgreSQL's reads hold nothing back: one statement.
+# 9.5-11 s under ingest while the WAL grew by 570 MB. With the write-lock fix in replace_summaries,
+# ingest's p99 at 100k records/s was 84 ms while it ran; read in statements of about this many rows
+# (a step at 16,384 ranks), 37-43 ms (docs/performance.md). PostgreSQL's reads hold nothing back.
 _SQLITE_TENSOR_ROWS_PER_READ = 1_000_000
 
 
@@ -307,7 +307,7 @@ def replace_summaries(
     # Every row is built before the first DELETE. On SQLite that statement takes the database's one
     # write lock until the commit, and ingest's writer (another process) waits for it, polling on
     # the busy handler's growing sleeps: built inside, a 16,384-rank cycle held it 84-89 ms, and
-    # ingest's p99 at 100k records/s was 99-104 ms while the analysis ran (docs/performance.md).
+    # ingest's p99 at 100k records/s was 99-103 ms while the analysis ran (docs/performance.md).
     inserts = [
         _rows_for(conn, table_of(model), rid, rows)
         for model, rows in ((StepSummary, steps), (GradSummary, grads), (TensorSummary, tensors), (RankWindow, windows))
