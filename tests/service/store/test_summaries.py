@@ -8,13 +8,14 @@ from __future__ import annotations
 import math
 import sqlite3
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import event, select
 from sqlalchemy.orm import Session
 
-from trainvitals.service.store import batches, summaries
+from trainvitals.service.store import batches, db, summaries
 from trainvitals.service.store.models import GradSummary, RankWindow, StepSummary, TensorSummary
 from trainvitals.wire import Batch, RunRegistration
 
@@ -92,7 +93,7 @@ def test_every_value_reads_back_as_written(session: Session) -> None:
     assert math.isnan(grad.norm) and grad.nonfinite == 3 and grad.replica_spread is None
 
 
-class _ProbingRow(dict):  # type: ignore[type-arg]
+class _ProbingRow(dict[str, Any]):
     """A summary row that, when its values are read, checks whether another connection could
     take the database's write lock at that moment. Iteration is overridden so that `{**row}` reads
     through __getitem__ too."""
@@ -109,12 +110,10 @@ class _ProbingRow(dict):  # type: ignore[type-arg]
         return dict.__getitem__(self, key)
 
 
-def test_sqlite_rows_are_built_before_the_write_lock_is_taken(tmp_path: Any) -> None:
+def test_sqlite_rows_are_built_before_the_write_lock_is_taken(tmp_path: Path) -> None:
     """On SQLite ingest's writer (another process) waits for the one write lock, polling on the
     busy handler's sleeps; built under it, a 16,384-rank cycle's rows held it for 84-89 ms. Here a
     second connection tries to take the lock each time a row's values are read: it always can."""
-    from trainvitals.service.store import db
-
     url = f"sqlite:///{tmp_path}/tv.db"
     db.upgrade(url)
     engine = db.make_engine(url)
@@ -131,8 +130,8 @@ def test_sqlite_rows_are_built_before_the_write_lock_is_taken(tmp_path: Any) -> 
 
     try:
         with db.make_sessionmaker(engine)() as session:
-            windows = [_ProbingRow(_window(rank), probe) for rank in range(3)]
-            tensors = [_ProbingRow(_tensor(0, f"t{i}"), probe) for i in range(3)]
+            windows: list[dict[str, Any]] = [_ProbingRow(_window(rank), probe) for rank in range(3)]
+            tensors: list[dict[str, Any]] = [_ProbingRow(_tensor(0, f"t{i}"), probe) for i in range(3)]
             _replace(session, tensors=tensors, windows=windows)
             assert len(session.scalars(select(RankWindow)).all()) == 3
     finally:
@@ -156,13 +155,11 @@ def _tensor_batch(rank: int, incarnation: int, seq: int, steps: range, amax: flo
 
 
 def test_sqlite_aggregates_the_tensors_in_pieces_with_the_same_answer(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On SQLite a long aggregation is read in statements of whole steps (a read that runs for
     seconds holds the WAL's checkpoint back): the same summaries as one statement, including the
     newest-incarnation rule for a rank that restarted and replayed steps inside the range."""
-    from trainvitals.service.store import db
-
     url = f"sqlite:///{tmp_path}/tv.db"
     db.upgrade(url)
     engine = db.make_engine(url)
