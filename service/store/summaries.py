@@ -220,7 +220,7 @@ _TENSOR_KEYS = (
 # the reduction's longest read: one GROUP BY over a 16,384-rank cycle (4 steps, 3.1M rows) ran
 # 9.5-11 s under ingest while the WAL grew by 570 MB. With the write-lock fix in replace_summaries,
 # ingest's p99 at 100k records/s was 84 ms while it ran; read in statements of about this many rows
-# (a step at 16,384 ranks), 37-43 ms (docs/performance.md). PostgreSQL's reads hold nothing back.
+# (a step at 16,384 ranks), 37-47 ms (docs/performance.md). PostgreSQL's reads hold nothing back.
 _SQLITE_TENSOR_ROWS_PER_READ = 1_000_000
 
 
