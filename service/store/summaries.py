@@ -28,6 +28,7 @@ missed (read too late by the reduction, and seen by ingest as not yet reduced). 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -232,8 +233,8 @@ def tensor_summaries(session: Session, *, run_id: str, first: int, last: int) ->
     if first >= last or session.get_bind().dialect.name != "sqlite":
         return _tensor_summaries(session, run_id=run_id, first=first, last=last)
     t = TensorStatRow
-    held = (t.run_id == run_id, t.step >= first, t.step <= last)
-    rows = session.scalar(select(func.count()).select_from(t).where(*held)) or 0
+    in_range = (t.run_id == run_id, t.step >= first, t.step <= last)
+    rows = session.scalar(select(func.count()).select_from(t).where(*in_range)) or 0
     steps = last - first + 1
     reads = min(steps, -(-rows // _SQLITE_TENSOR_ROWS_PER_READ))
     if reads <= 1:
@@ -340,17 +341,14 @@ def _rows_for(conn: Connection, table: Table, run_id: str, rows: list[dict[str, 
     its columns: multi-row INSERTs over flat parameters (store/batches.py `sqlite_multirow`, which
     writes NaN as Real does), bound in C. Else SQLAlchemy's executemany, which processes each
     value in Python as it runs."""
-    names = [c.name for c in table.columns]
-    if conn.dialect.name == "sqlite" and all(isinstance(c.type, _SCALAR) for c in table.columns):
-        width = len(names) - 1  # run_id is not in the rows
+    plan = _sqlite_insert(table) if conn.dialect.name == "sqlite" else None
+    if plan is not None:
+        names, sql, real, nullable = plan
         try:
             flat = [run_id if name == "run_id" else row[name] for row in rows for name in names]
         except KeyError:
             flat = None
-        if flat is not None and all(len(row) == width for row in rows):  # no key beyond the columns
-            sql = f"INSERT INTO {table.name} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})"
-            real = tuple(i for i, c in enumerate(table.columns) if isinstance(c.type, Real))
-            nullable = tuple(i for i, c in enumerate(table.columns) if c.nullable)
+        if flat is not None and all(len(row) == len(names) - 1 for row in rows):  # no key beyond them
             dbapi = conn.connection.driver_connection
             return lambda: sqlite_multirow(dbapi, sql, flat, real, nullable=nullable)
     params = [{"run_id": run_id, **row} for row in rows]
@@ -358,5 +356,15 @@ def _rows_for(conn: Connection, table: Table, run_id: str, rows: list[dict[str, 
     return lambda: conn.execute(statement, params)
 
 
-# Column types that sqlite3 binds as they are (with store/batches.py's adapters: None, bool); not JSON.
-_SCALAR = (Integer, String, Boolean, Real)
+@functools.cache
+def _sqlite_insert(table: Table) -> tuple[tuple[str, ...], str, tuple[int, ...], tuple[int, ...]] | None:
+    """The table's column names, its INSERT, and the positions of its REAL and of its nullable
+    columns (sqlite_multirow's arguments); None when a column is not one that sqlite3 binds as it
+    is (with store/batches.py's adapters for None and bool), such as JSON."""
+    if not all(isinstance(c.type, (Integer, String, Boolean, Real)) for c in table.columns):
+        return None
+    names = tuple(c.name for c in table.columns)
+    sql = f"INSERT INTO {table.name} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})"
+    real = tuple(i for i, c in enumerate(table.columns) if isinstance(c.type, Real))
+    nullable = tuple(i for i, c in enumerate(table.columns) if c.nullable)
+    return names, sql, real, nullable
