@@ -119,6 +119,11 @@ def reduce_steps(
         peak_flops_total=reduction.peak_flops_total(run.registration),
         agent_grad_norms=global_norms,
     )
+    tensors = summaries.tensor_summaries(session, run_id=rid, first=start, last=upto)
+    windows = reduction.summarize_rank_windows(rows, window=w)
+    # The first write of the rewrite, after every read: on SQLite a write takes the one write lock
+    # until the commit, and ingest's writer waits for it (late data, which leaves blocks to
+    # delete, would otherwise hold it through the tensor aggregation's seconds).
     detector_blocks.forget_from(session, run_id=rid, step=start)  # committed with the rewrite
     summaries.replace_summaries(
         session,
@@ -129,8 +134,8 @@ def reduce_steps(
         last=upto,
         steps=steps,
         grads=grads,
-        tensors=summaries.tensor_summaries(session, run_id=rid, first=start, last=upto),
-        windows=reduction.summarize_rank_windows(rows, window=w),
+        tensors=tensors,
+        windows=windows,
     )
     return len(steps), start
 

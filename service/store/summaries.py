@@ -223,31 +223,37 @@ _TENSOR_KEYS = (
 # ingest's p99 at 100k records/s was 84 ms while it ran; read in statements of about this many rows
 # (a step at 16,384 ranks), 37-47 ms (docs/performance.md). PostgreSQL's reads hold nothing back.
 _SQLITE_TENSOR_ROWS_PER_READ = 1_000_000
+# A piece spans at most this many times the steps of the one before it: the rows a piece counted
+# size the next, and a stretch of steps without FP8 records (sampled tiers) must not make the next
+# piece unbounded.
+_SQLITE_PIECE_GROWTH = 16
 
 
 def tensor_summaries(session: Session, *, run_id: str, first: int, last: int) -> list[dict[str, Any]]:
     """FP8 tensor statistics of steps first..last reduced over ranks and TP shards of the same
     tensor (amax max, headroom min, non-finite summed: see TensorSummary), the newest incarnation's
     records only. One dict per (step, tensor, role), keys = TensorSummary columns but run_id, in
-    (step, tensor, role) order. On SQLite in several statements, each over a range of whole steps."""
+    (step, tensor, role) order.
+
+    On SQLite in pieces of whole steps, each of about `_SQLITE_TENSOR_ROWS_PER_READ` rows: the first
+    piece is one step, and the rows each piece aggregated (its groups' counts, which the GROUP BY
+    computes anyway) size the next. No count before reading: counting the cycle's rows first read
+    every index entry of the range once more."""
     if first >= last or session.get_bind().dialect.name != "sqlite":
-        return _tensor_summaries(session, run_id=run_id, first=first, last=last)
-    t = TensorStatRow
-    in_range = (t.run_id == run_id, t.step >= first, t.step <= last)
-    rows = session.scalar(select(func.count()).select_from(t).where(*in_range)) or 0
-    steps = last - first + 1
-    reads = min(steps, -(-rows // _SQLITE_TENSOR_ROWS_PER_READ))
-    if reads <= 1:
-        return _tensor_summaries(session, run_id=run_id, first=first, last=last)
+        return _tensor_summaries(session, run_id=run_id, first=first, last=last)[0]
     out: list[dict[str, Any]] = []
-    for k in range(reads):  # consecutive step ranges, together first..last
-        lo, hi = first + steps * k // reads, first + steps * (k + 1) // reads - 1
-        out += _tensor_summaries(session, run_id=run_id, first=lo, last=hi)
+    lo, span = first, 1
+    while lo <= last:
+        hi = min(last, lo + span - 1)
+        piece, rows = _tensor_summaries(session, run_id=run_id, first=lo, last=hi)
+        out += piece
+        grown = span * _SQLITE_TENSOR_ROWS_PER_READ // max(1, rows)
+        lo, span = hi + 1, max(1, min(span * _SQLITE_PIECE_GROWTH, grown))
     return out
 
 
-def _tensor_summaries(session: Session, *, run_id: str, first: int, last: int) -> list[dict[str, Any]]:
-    """tensor_summaries in one statement."""
+def _tensor_summaries(session: Session, *, run_id: str, first: int, last: int) -> tuple[list[dict[str, Any]], int]:
+    """tensor_summaries in one statement, and the number of raw rows it aggregated."""
     t = TensorStatRow
     stmt = (
         select(
@@ -266,6 +272,7 @@ def _tensor_summaries(session: Session, *, run_id: str, first: int, last: int) -
             # bigint on PostgreSQL; a float sum cannot fail, and is exact up to 2**53.
             func.sum(func.cast(t.nonfinite, Float)),
             func.min(func.cast(t.shadow, Integer)),
+            func.count(),
         )
         .where(
             t.run_id == run_id,
@@ -277,13 +284,15 @@ def _tensor_summaries(session: Session, *, run_id: str, first: int, last: int) -
     )
     rows = session.execute(stmt).all()
     out = []
-    for r in rows:
+    aggregated = 0
+    for *r, count in rows:
+        aggregated += count
         d = dict(zip(_TENSOR_KEYS, r, strict=True))
         d["shadow"] = bool(d["shadow"])
         if d["nonfinite"] is not None:
             d["nonfinite"] = saturated_count(d["nonfinite"])
         out.append(d)
-    return out
+    return out, aggregated
 
 
 def replace_summaries(

@@ -1,12 +1,15 @@
 """Reduction across ranks into summaries: incarnations, late data, watermarks, TP amax."""
 
 import math
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 from sqlalchemy import select
 
 from trainvitals.service.analysis import pipeline
-from trainvitals.service.store import batches, queries
+from trainvitals.service.store import batches, db, detector_blocks, queries, summaries
 from trainvitals.service.store.models import GradSummary, RankWindow, StepRow, StepSummary, TensorSummary
 from trainvitals.wire import Batch, RunRegistration
 
@@ -132,3 +135,37 @@ def test_a_replayed_step_counts_the_newest_incarnations_tensor_records_once(sess
     assert t[4] == (3 + 1, 4.0)  # not replayed: the first incarnation's
     assert t[7] == (5 + 1, 2.0)  # replayed: the newest incarnation's only (not 3 + 5 + 1, nor amax 4.0)
     assert t[11] == (5 + 1, 2.0)  # rank 0 reached it in its newest incarnation only
+
+
+def test_sqlite_late_data_takes_the_write_lock_after_the_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write_lock_probe: Any
+) -> None:
+    """Late data re-dirties reduced steps, and the reduction deletes the detector blocks that hold
+    them. On SQLite that delete takes the one write lock until the commit, so it comes after the
+    reads: ingest's writer (another process) never waits through the tensor aggregation."""
+    url = f"sqlite:///{tmp_path}/tv.db"
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    probe = write_lock_probe(tmp_path / "tv.db")
+    real = summaries.tensor_summaries
+
+    def probing(*args: Any, **kwargs: Any) -> Any:
+        probe()
+        out = real(*args, **kwargs)
+        probe()
+        return out
+
+    try:
+        with db.make_sessionmaker(engine)() as session:
+            _register(session, world=1)
+            batches.store_batch(session, _batch(0, 0, range(10)))
+            assert _reduce(session) == 10
+            detector_blocks.save(session, run_id="r", source="timing", first=5, last=9, arrays={"x": np.zeros(5)})
+            session.commit()
+            batches.store_batch(session, _batch(0, 0, range(5, 12), inc=2))  # restarted: 5..9 again
+            monkeypatch.setattr(summaries, "tensor_summaries", probing)
+            assert _reduce(session) == 7
+            assert detector_blocks.stored(session, run_id="r", source="timing") == set()  # the delete happened
+    finally:
+        engine.dispose()
+    assert probe.locked == [False, False]

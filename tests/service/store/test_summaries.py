@@ -6,7 +6,6 @@ long aggregation in pieces of whole steps."""
 from __future__ import annotations
 
 import math
-import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -110,24 +109,14 @@ class _ProbingRow(dict[str, Any]):
         return dict.__getitem__(self, key)
 
 
-def test_sqlite_rows_are_built_before_the_write_lock_is_taken(tmp_path: Path) -> None:
+def test_sqlite_rows_are_built_before_the_write_lock_is_taken(tmp_path: Path, write_lock_probe: Any) -> None:
     """On SQLite ingest's writer (another process) waits for the one write lock, polling on the
     busy handler's sleeps; built under it, a 16,384-rank cycle's rows held it for 84-89 ms. Here a
     second connection tries to take the lock each time a row's values are read: it always can."""
     url = f"sqlite:///{tmp_path}/tv.db"
     db.upgrade(url)
     engine = db.make_engine(url)
-    other = sqlite3.connect(f"{tmp_path}/tv.db", timeout=0, isolation_level=None)
-    locked: list[bool] = []
-
-    def probe() -> None:
-        try:
-            other.execute("BEGIN IMMEDIATE")
-            other.execute("ROLLBACK")
-            locked.append(False)
-        except sqlite3.OperationalError:
-            locked.append(True)
-
+    probe = write_lock_probe(tmp_path / "tv.db")
     try:
         with db.make_sessionmaker(engine)() as session:
             windows: list[dict[str, Any]] = [_ProbingRow(_window(rank), probe) for rank in range(3)]
@@ -135,8 +124,8 @@ def test_sqlite_rows_are_built_before_the_write_lock_is_taken(tmp_path: Path) ->
             _replace(session, tensors=tensors, windows=windows)
             assert len(session.scalars(select(RankWindow)).all()) == 3
     finally:
-        other.close()
         engine.dispose()
+    locked = probe.locked
     assert locked and not any(locked), f"{sum(locked)} of {len(locked)} reads found the write lock taken"
 
 
@@ -172,16 +161,27 @@ def test_sqlite_aggregates_the_tensors_in_pieces_with_the_same_answer(
                 batches.store_batch(session, _tensor_batch(rank, 1, 0, range(6), amax=1.0))
             batches.store_batch(session, _tensor_batch(1, 2, 0, range(3, 6), amax=50.0))  # restarted, replayed 3..5
 
-            whole = summaries.tensor_summaries(session, run_id=RUN, first=0, last=5)
+            whole, rows = summaries._tensor_summaries(session, run_id=RUN, first=0, last=5)  # one statement
             statements.clear()
-            monkeypatch.setattr(summaries, "_SQLITE_TENSOR_ROWS_PER_READ", 20)  # 84 rows: 5 reads
+            default = summaries.tensor_summaries(session, run_id=RUN, first=0, last=5)
+            small_run_reads = len(statements)
+            statements.clear()
+            # No FP8 records before step 0: each empty piece spans at most 16x the one before.
+            leading_empty = summaries.tensor_summaries(session, run_id=RUN, first=-40, last=5)
+            empty_run_reads = len(statements)
+            statements.clear()
+            monkeypatch.setattr(summaries, "_SQLITE_TENSOR_ROWS_PER_READ", 20)  # 12 rows a step: 1 a read
             pieces = summaries.tensor_summaries(session, run_id=RUN, first=0, last=5)
     finally:
         engine.dispose()
-    assert sum("GROUP BY" in s for s in statements) == 5
-    assert len(pieces) == len(whole) == 6 * 4
-    for a, b in zip(pieces, whole, strict=True):
-        assert a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a), (a, b)
+    assert rows == 6 * 3 * 4  # the replaced incarnation's rows are not aggregated, so not counted
+    assert small_run_reads == 2  # the first step sizes the pieces, then the other 5 in one read
+    assert empty_run_reads == 3  # step -40, steps -39..-24, then the rest
+    assert len(statements) == 6 and all("GROUP BY" in s for s in statements)  # no count first
+    assert len(pieces) == len(default) == len(leading_empty) == len(whole) == 6 * 4
+    for a, b, c, d in zip(pieces, default, leading_empty, whole, strict=True):
+        for got in (a, b, c):
+            assert got.keys() == d.keys() and all(_same(got[k], d[k]) for k in d), (got, d)
     by_key = {(r["step"], r["tensor"], r["role"]): r for r in whole}
     assert by_key[(4, "layers.0.fc1", "input")]["amax"] == 50.0 + 1 + 4  # the replay's rank 1, not its first life
     assert by_key[(2, "layers.0.fc1", "input")]["amax"] == 1.0 + 2 + 2  # before the restart: every rank
