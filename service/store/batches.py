@@ -25,6 +25,7 @@ from sqlalchemy import (
     Boolean,
     Integer,
     String,
+    Table,
     bindparam,
     case,
     delete,
@@ -208,23 +209,31 @@ _OTHER_COLUMNS = {
 }
 _WIDTH = {kind: len(_PREFIX) + len(cols) for kind, cols in _FAST_COLUMNS.items()}  # values per row
 assert all(cols[0] == "step" for cols in _FAST_COLUMNS.values())
-_SQLITE_INSERT = {
-    kind: f"INSERT INTO {RECORD_TABLES[kind].name} ({', '.join((*_PREFIX, *cols))}) "
-    f"VALUES ({', '.join('?' * (len(_PREFIX) + len(cols)))})"
-    for kind, cols in _FAST_COLUMNS.items()
-}
 
 
-def _positions_where(keep: Callable[[Any], bool]) -> dict[str, tuple[int, ...]]:
-    """Per fast kind, the positions in its INSERT's row of the columns `keep` accepts."""
-    return {
-        kind: tuple(i for i, c in enumerate((*_PREFIX, *cols)) if keep(RECORD_TABLES[kind].c[c]))
-        for kind, cols in _FAST_COLUMNS.items()
-    }
+class SqliteInsert(NamedTuple):
+    """sqlite_multirow's arguments for rows of some columns of a table, in order."""
+
+    sql: str
+    """The one-row INSERT."""
+    real: tuple[int, ...]
+    """Positions of the REAL columns (NaN written as text)."""
+    nullable: tuple[int, ...]
+    """Positions of the nullable columns (None in every row of a chunk: a literal NULL)."""
 
 
-_SQLITE_REAL_POSITIONS = _positions_where(lambda column: isinstance(column.type, Real))
-_SQLITE_NULLABLE_POSITIONS = _positions_where(lambda column: bool(column.nullable))
+def sqlite_insert(table: Table, names: Sequence[str]) -> SqliteInsert:
+    """The SqliteInsert of rows of `names`, columns of `table` in that order."""
+    columns = [table.c[name] for name in names]
+    return SqliteInsert(
+        sql=f"INSERT INTO {table.name} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})",
+        real=tuple(i for i, c in enumerate(columns) if isinstance(c.type, Real)),
+        nullable=tuple(i for i, c in enumerate(columns) if c.nullable),
+    )
+
+
+_SQLITE_PLAN = {kind: sqlite_insert(RECORD_TABLES[kind], (*_PREFIX, *cols)) for kind, cols in _FAST_COLUMNS.items()}
+_SQLITE_INSERT = {kind: plan.sql for kind, plan in _SQLITE_PLAN.items()}  # also the benchmark's floor statement
 # Binary COPY: psycopg packs each value in C instead of formatting text (about a third of the
 # client's per-row cost), and the server skips parsing numbers from text.
 _PG_BINARY_TYPES = {Integer: "int4", BigInteger: "int8", Real: "float8", Boolean: "bool", String: "varchar"}
@@ -307,10 +316,10 @@ def _write_fast(session: Session, kind: str, flat: list[Any]) -> None:
         # SQLite insert cost.
         sqlite_multirow(
             conn.connection.driver_connection,
-            _SQLITE_INSERT[kind],
+            _SQLITE_PLAN[kind].sql,
             flat,
-            _SQLITE_REAL_POSITIONS[kind],
-            nullable=_SQLITE_NULLABLE_POSITIONS[kind],
+            _SQLITE_PLAN[kind].real,
+            nullable=_SQLITE_PLAN[kind].nullable,
         )
 
 

@@ -51,7 +51,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Session
 
-from trainvitals.service.store.batches import sqlite_multirow
+from trainvitals.service.store.batches import SqliteInsert, sqlite_insert, sqlite_multirow
 from trainvitals.service.store.incarnations import newest_incarnation_only
 from trainvitals.service.store.models import (
     GradStatRow,
@@ -352,28 +352,27 @@ def _rows_for(conn: Connection, table: Table, run_id: str, rows: list[dict[str, 
     value in Python as it runs."""
     plan = _sqlite_insert(table) if conn.dialect.name == "sqlite" else None
     if plan is not None:
-        names, sql, real, nullable = plan
+        names, insert_plan = plan
         try:
             flat = [run_id if name == "run_id" else row[name] for row in rows for name in names]
         except KeyError:
             flat = None
         if flat is not None and all(len(row) == len(names) - 1 for row in rows):  # no key beyond them
             dbapi = conn.connection.driver_connection
-            return lambda: sqlite_multirow(dbapi, sql, flat, real, nullable=nullable)
+            return lambda: sqlite_multirow(
+                dbapi, insert_plan.sql, flat, insert_plan.real, nullable=insert_plan.nullable
+            )
     params = [{"run_id": run_id, **row} for row in rows]
     statement = insert(table)
     return lambda: conn.execute(statement, params)
 
 
 @functools.cache
-def _sqlite_insert(table: Table) -> tuple[tuple[str, ...], str, tuple[int, ...], tuple[int, ...]] | None:
-    """The table's column names, its INSERT, and the positions of its REAL and of its nullable
-    columns (sqlite_multirow's arguments); None when a column is not one that sqlite3 binds as it
-    is (with store/batches.py's adapters for None and bool), such as JSON."""
+def _sqlite_insert(table: Table) -> tuple[tuple[str, ...], SqliteInsert] | None:
+    """The table's column names and sqlite_multirow's arguments for them; None when a column is not
+    one that sqlite3 binds as it is (with store/batches.py's adapters for None and bool), such as
+    JSON."""
     if not all(isinstance(c.type, (Integer, String, Boolean, Real)) for c in table.columns):
         return None
     names = tuple(c.name for c in table.columns)
-    sql = f"INSERT INTO {table.name} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})"
-    real = tuple(i for i, c in enumerate(table.columns) if isinstance(c.type, Real))
-    nullable = tuple(i for i, c in enumerate(table.columns) if c.nullable)
-    return names, sql, real, nullable
+    return names, sqlite_insert(table, names)
