@@ -218,14 +218,16 @@ _TENSOR_KEYS = (
 
 
 # SQLite cannot checkpoint its WAL past a read that is still running, and the tensor aggregation is
-# the reduction's longest read: one GROUP BY over a 16,384-rank cycle (4 steps, 3.1M rows) ran
-# 9.5-11 s under ingest while the WAL grew by 570 MB. With the write-lock fix in replace_summaries,
-# ingest's p99 at 100k records/s was 84 ms while it ran; read in statements of about this many rows
-# (a step at 16,384 ranks), 37-47 ms (docs/performance.md). PostgreSQL's reads hold nothing back.
-_SQLITE_TENSOR_ROWS_PER_READ = 1_000_000
-# A piece spans at most this many times the steps of the one before it: the rows a piece counted
-# size the next, and a stretch of steps without FP8 records (sampled tiers) must not make the next
-# piece unbounded.
+# the reduction's longest read. Whatever ingest writes meanwhile waits in the WAL, and the first
+# commit of ingest's writer after the read ends copies it back (SQLite's automatic checkpoint runs
+# in the committing connection): a statement over a 16,384-rank step (786k rows, 1.4 s under
+# ingest) left 40,000 pages to copy and stalled ingest 83-111 ms each time, its p99 at 100k
+# records/s 85-103 ms. Statements of about this many rows run 0.1-0.2 s, and what they leave to copy
+# is a tenth of that (docs/performance.md). PostgreSQL's reads hold nothing back.
+_SQLITE_TENSOR_ROWS_PER_READ = 100_000
+# A piece spans at most this many times the steps (or the rowids) of the one before it: the rows a
+# piece counted size the next, and a stretch without FP8 records (sampled tiers) must not make the
+# next piece unbounded.
 _SQLITE_PIECE_GROWTH = 16
 
 
@@ -235,26 +237,60 @@ def tensor_summaries(session: Session, *, run_id: str, first: int, last: int) ->
     records only. One dict per (step, tensor, role), keys = TensorSummary columns but run_id, in
     (step, tensor, role) order.
 
-    On SQLite in pieces of whole steps, each of about `_SQLITE_TENSOR_ROWS_PER_READ` rows: the first
-    piece is one step, and the rows each piece aggregated (its groups' counts, which the GROUP BY
-    computes anyway) size the next. No count before reading: counting the cycle's rows first read
-    every index entry of the range once more."""
-    if first >= last or session.get_bind().dialect.name != "sqlite":
+    On SQLite in statements of about `_SQLITE_TENSOR_ROWS_PER_READ` rows: whole steps while a step
+    is smaller than that (the first piece is one step, and the rows each piece aggregated, counted
+    by the GROUP BY anyway, size the next), slices of one step's rowids when it is larger. No count
+    before reading: counting the cycle's rows first read every index entry of the range once more."""
+    if session.get_bind().dialect.name != "sqlite":
         return _tensor_summaries(session, run_id=run_id, first=first, last=last)[0]
     out: list[dict[str, Any]] = []
     lo, span = first, 1
     while lo <= last:
         hi = min(last, lo + span - 1)
-        piece, rows = _tensor_summaries(session, run_id=run_id, first=lo, last=hi)
+        if span == 1:
+            piece, rows = _one_step_in_slices(session, run_id=run_id, step=lo)
+        else:
+            piece, rows = _tensor_summaries(session, run_id=run_id, first=lo, last=hi)
         out += piece
         grown = span * _SQLITE_TENSOR_ROWS_PER_READ // max(1, rows)
         lo, span = hi + 1, max(1, min(span * _SQLITE_PIECE_GROWTH, grown))
     return out
 
 
-def _tensor_summaries(session: Session, *, run_id: str, first: int, last: int) -> tuple[list[dict[str, Any]], int]:
-    """tensor_summaries in one statement, and the number of raw rows it aggregated."""
+def _one_step_in_slices(session: Session, *, run_id: str, step: int) -> tuple[list[dict[str, Any]], int]:
+    """One step's tensor summaries on SQLite, read in slices of the step's rowid range of about
+    `_SQLITE_TENSOR_ROWS_PER_READ` rows each (a slice of N rowids holds at most N of the step's rows:
+    fewer, as the other steps of each batch sit between them), merged. Each slice is a seek on the
+    (run_id, step) index, whose entries are ordered by rowid within a step. A small step is one slice."""
     t = TensorStatRow
+    where = (t.run_id == run_id, t.step == step)
+    # Two statements: with min() and max() in one, SQLite reads the whole step's index range.
+    lowest = session.scalar(select(func.min(t.id)).where(*where))
+    if lowest is None:
+        return [], 0
+    highest = session.scalar(select(func.max(t.id)).where(*where))
+    if highest is None:  # the step's rows went away between the two reads (retention)
+        return [], 0
+    slices: list[list[dict[str, Any]]] = []
+    total, a, width = 0, int(lowest), _SQLITE_TENSOR_ROWS_PER_READ
+    while a <= highest:
+        b = min(int(highest), a + width - 1)
+        piece, rows = _tensor_summaries(session, run_id=run_id, first=step, last=step, ids=(a, b))
+        slices.append(piece)
+        total += rows
+        width = max(1, min(width * _SQLITE_PIECE_GROWTH, width * _SQLITE_TENSOR_ROWS_PER_READ // max(1, rows)))
+        a = b + 1
+    return (slices[0] if len(slices) == 1 else _merge_slices(slices)), total
+
+
+def _tensor_summaries(
+    session: Session, *, run_id: str, first: int, last: int, ids: tuple[int, int] | None = None
+) -> tuple[list[dict[str, Any]], int]:
+    """tensor_summaries in one statement (ids: of rows with rowids in that range only), and the
+    number of raw rows it aggregated."""
+    t = TensorStatRow
+    # One step as an equality, so that SQLite seeks the index on (step, rowid) for a slice of ids.
+    steps = (t.step == first,) if first == last else (t.step >= first, t.step <= last)
     stmt = (
         select(
             t.step,
@@ -276,8 +312,8 @@ def _tensor_summaries(session: Session, *, run_id: str, first: int, last: int) -
         )
         .where(
             t.run_id == run_id,
-            t.step >= first,
-            t.step <= last,
+            *steps,
+            *(() if ids is None else (t.id.between(*ids),)),
             newest_incarnation_only(t, run_id=run_id, first=first, last=last),
         )
         .group_by(t.step, t.tensor, t.role)
@@ -293,6 +329,39 @@ def _tensor_summaries(session: Session, *, run_id: str, first: int, last: int) -
             d["nonfinite"] = saturated_count(d["nonfinite"])
         out.append(d)
     return out, aggregated
+
+
+# How the slices' summaries of one (step, tensor, role) combine: as the statement's own aggregate
+# would have over all their rows.
+_MAX_KEYS = ("format", "amax", "lag_bits", "staleness_steps", "sat_frac", "underflow_frac", "crest_bits")
+
+
+def _merge_slices(slices: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One summary per (step, tensor, role) from the slices' partial ones, in that order. max and
+    min order values as SQL does here: NULL (None) ignored, NaN above every number (types.Real)."""
+    merged: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for piece in slices:
+        for d in piece:
+            key = (d["step"], d["tensor"], d["role"])
+            m = merged.get(key)
+            if m is None:
+                merged[key] = dict(d)
+                continue
+            for k in _MAX_KEYS:
+                m[k] = _sql_extreme(max, m[k], d[k])
+            m["headroom_bits"] = _sql_extreme(min, m["headroom_bits"], d["headroom_bits"])
+            if d["nonfinite"] is not None:
+                m["nonfinite"] = saturated_count((m["nonfinite"] or 0) + d["nonfinite"])
+            m["shadow"] = m["shadow"] and d["shadow"]
+    return [merged[key] for key in sorted(merged)]
+
+
+def _sql_extreme(pick: Callable[..., Any], a: Any, b: Any) -> Any:
+    if a is None or b is None:
+        return b if a is None else a
+    if isinstance(a, float) or isinstance(b, float):
+        return pick(a, b, key=lambda v: (v != v, v))  # NaN != NaN: NaN sorts above every number
+    return pick(a, b)
 
 
 def replace_summaries(

@@ -1,7 +1,7 @@
 """The reduction's SQLite-specific care, with the same answers as PostgreSQL: replace_summaries
 writes every value as the Core path would and builds its rows before it takes the database's one
 write lock (ingest's writer, in another process, waits for that lock); tensor_summaries reads a
-long aggregation in pieces of whole steps."""
+long aggregation in pieces of whole steps or slices of one step."""
 
 from __future__ import annotations
 
@@ -136,9 +136,11 @@ def _tensor_batch(rank: int, incarnation: int, seq: int, steps: range, amax: flo
         for tensor in ("layers.0.fc1", "layers.0.fc2"):
             for role, fmt in (("input", "e4m3"), ("grad_output", "e5m2")):
                 value = NAN if (rank, step, tensor) == (2, 1, "layers.0.fc1") else amax + rank + step
+                headroom = NAN if (rank, step) == (0, 2) else 3.0 - rank  # the min of a NaN and numbers: a number
                 records.append(
                     {"kind": "tensor", "step": step, "tensor": tensor, "role": role, "format": fmt, "amax": value,
-                     "scale": 1.0, "headroom_bits": 3.0 - rank, "lag_bits": 0.1 * step, "staleness_steps": rank}
+                     "scale": 1.0, "headroom_bits": headroom, "lag_bits": 0.1 * step, "staleness_steps": rank,
+                     "nonfinite": 2 if rank == 1 else None}
                 )  # fmt: skip
     return Batch.model_validate({"run": RUN, "rank": rank, "incarnation": incarnation, "seq": seq, "records": records})
 
@@ -146,9 +148,10 @@ def _tensor_batch(rank: int, incarnation: int, seq: int, steps: range, amax: flo
 def test_sqlite_aggregates_the_tensors_in_pieces_with_the_same_answer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On SQLite a long aggregation is read in statements of whole steps (a read that runs for
-    seconds holds the WAL's checkpoint back): the same summaries as one statement, including the
-    newest-incarnation rule for a rank that restarted and replayed steps inside the range."""
+    """On SQLite a long aggregation is read in statements of whole steps, or of slices of one step's
+    rowids when a step is larger than a statement should read (a long read holds the WAL's
+    checkpoint back): the same summaries as one statement, including the newest-incarnation rule
+    for a rank that restarted and replayed steps inside the range, NaN and NULL."""
     url = f"sqlite:///{tmp_path}/tv.db"
     db.upgrade(url)
     engine = db.make_engine(url)
@@ -170,19 +173,28 @@ def test_sqlite_aggregates_the_tensors_in_pieces_with_the_same_answer(
             leading_empty = summaries.tensor_summaries(session, run_id=RUN, first=-40, last=5)
             empty_run_reads = len(statements)
             statements.clear()
-            monkeypatch.setattr(summaries, "_SQLITE_TENSOR_ROWS_PER_READ", 20)  # 12 rows a step: 1 a read
-            pieces = summaries.tensor_summaries(session, run_id=RUN, first=0, last=5)
+            monkeypatch.setattr(summaries, "_SQLITE_TENSOR_ROWS_PER_READ", 20)  # 12 rows a step, in 2 slices
+            slices = summaries.tensor_summaries(session, run_id=RUN, first=0, last=5)
+            grouped = [s for s in statements if "GROUP BY" in s]
+            sliced = [s for s in grouped if "BETWEEN" in s]
     finally:
         engine.dispose()
     assert rows == 6 * 3 * 4  # the replaced incarnation's rows are not aggregated, so not counted
-    assert small_run_reads == 2  # the first step sizes the pieces, then the other 5 in one read
-    assert empty_run_reads == 3  # step -40, steps -39..-24, then the rest
-    assert len(statements) == 6 and all("GROUP BY" in s for s in statements)  # no count first
-    assert len(pieces) == len(default) == len(leading_empty) == len(whole) == 6 * 4
-    for a, b, c, d in zip(pieces, default, leading_empty, whole, strict=True):
+    assert small_run_reads == 2 + 2  # the first step's rowid bounds and its one slice size the pieces, then the rest
+    assert empty_run_reads == 3  # step -40 (no rows: its bounds only), steps -39..-24, then the rest
+    # Each step's rows span rowids of 3 ranks' batches with the other steps between them: a slice
+    # of 20 rowids holds 4 of them, and the next slice, grown from that count, the other 8.
+    assert len(sliced) == len(grouped) == 6 * 2
+    # No count first: besides the aggregations, only each step's two rowid bounds (index seeks).
+    bounds = [s for s in statements if s.startswith(("SELECT min(tensor_stats.id)", "SELECT max(tensor_stats.id)"))]
+    assert len(bounds) == 6 * 2 and len(statements) == len(bounds) + len(grouped)
+    assert len(slices) == len(default) == len(leading_empty) == len(whole) == 6 * 4
+    for a, b, c, d in zip(slices, default, leading_empty, whole, strict=True):
         for got in (a, b, c):
             assert got.keys() == d.keys() and all(_same(got[k], d[k]) for k in d), (got, d)
     by_key = {(r["step"], r["tensor"], r["role"]): r for r in whole}
     assert by_key[(4, "layers.0.fc1", "input")]["amax"] == 50.0 + 1 + 4  # the replay's rank 1, not its first life
     assert by_key[(2, "layers.0.fc1", "input")]["amax"] == 1.0 + 2 + 2  # before the restart: every rank
     assert math.isnan(by_key[(1, "layers.0.fc1", "input")]["amax"])  # NaN is the max, as on PostgreSQL
+    assert by_key[(2, "layers.0.fc1", "input")]["headroom_bits"] == 3.0 - 2  # rank 0's NaN is not the min
+    assert by_key[(2, "layers.0.fc1", "input")]["nonfinite"] == 2  # rank 1's; the others sent none
