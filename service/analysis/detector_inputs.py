@@ -329,9 +329,13 @@ class DetectorInputs:
     def _save_blocks(self, session: Session, rid: str, *, after: dict[str, int], upto: int) -> None:
         """Store the newest blocks not stored yet that the kept input holds whole; delete those
         that left the lookback. Committed at once: on SQLite an open write would hold off ingest
-        while the detectors run (the cycle's reduction is committed already)."""
+        while the detectors run (the cycle's reduction is committed already). Every block is built
+        and encoded before the first write: on SQLite that write takes the database's one write
+        lock until the commit, and ingest's writer waits for it (a block is about 20 MB at 16,384
+        ranks)."""
         assert self._stored is not None
-        changed = False
+        saves: list[tuple[str, int, int, bytes]] = []
+        forgets: list[tuple[str, set[int]]] = []
         for src, size in BLOCK_STEPS.items():
             stored, saved = self._stored[src], 0
             k = (upto + 1) // size - 1
@@ -339,16 +343,19 @@ class DetectorInputs:
                 first, last = k * size, (k + 1) * size - 1
                 if first not in stored:
                     arrays = self._tensor_block(first, last) if src == _TENSORS else self._ranks.block(first, last)
-                    detector_blocks.save(session, run_id=rid, source=src, first=first, last=last, arrays=arrays)
-                    stored.add(first)
+                    saves.append((src, first, last, detector_blocks.encode(arrays)))
                     saved += 1
                 k -= 1
             gone = {f for f in stored if f + size - 1 <= after[src]}
             if gone:
-                detector_blocks.forget_upto(session, run_id=rid, source=src, step=after[src])
-                stored -= gone
-            changed = changed or bool(saved or gone)
-        if changed:
+                forgets.append((src, gone))
+        for src, first, last, payload in saves:
+            detector_blocks.save(session, run_id=rid, source=src, first=first, last=last, payload=payload)
+            self._stored[src].add(first)
+        for src, gone in forgets:
+            detector_blocks.forget_upto(session, run_id=rid, source=src, step=after[src])
+            self._stored[src] -= gone
+        if saves or forgets:
             session.commit()
 
     def _tensor_block(self, first: int, last: int) -> dict[str, np.ndarray]:

@@ -87,12 +87,15 @@ def _payloads(session: Session, stmt: Select[bytes]) -> Iterator[bytes]:
             yield payload
 
 
-def save(
-    session: Session, *, run_id: str, source: str, first: int, last: int, arrays: Mapping[str, np.ndarray]
-) -> None:
-    """Store (or replace) one block (not committed)."""
+def encode(arrays: Mapping[str, np.ndarray]) -> bytes:
+    """One block's payload: the arrays as an .npz (what `load` reads back)."""
     buf = io.BytesIO()
     np.savez(buf, **dict(arrays))  # type: ignore[arg-type]  # numpy's stub types **kwds oddly
+    return buf.getvalue()
+
+
+def save(session: Session, *, run_id: str, source: str, first: int, last: int, payload: bytes) -> None:
+    """Store (or replace) one block, its payload from `encode` (not committed)."""
     b = DetectorBlock
     session.execute(delete(b).where(b.run_id == run_id, b.source == source, b.first_step == first))
-    session.add(DetectorBlock(run_id=run_id, source=source, first_step=first, last_step=last, payload=buf.getvalue()))
+    session.add(DetectorBlock(run_id=run_id, source=source, first_step=first, last_step=last, payload=payload))

@@ -106,8 +106,41 @@ def test_blocks_of_runs_that_left_the_live_set_are_deleted(session) -> None:
 
     for run in ("live", "done"):
         batches.register_run(session, RunRegistration(run=run), now=0.0)
-        detector_blocks.save(session, run_id=run, source="timing", first=0, last=2, arrays={"x": np.zeros(3)})
+        payload = detector_blocks.encode({"x": np.zeros(3)})
+        detector_blocks.save(session, run_id=run, source="timing", first=0, last=2, payload=payload)
     session.commit()
     detector_blocks.forget_runs_except(session, live=["live"])
     assert detector_blocks.stored(session, run_id="live", source="timing") == {0}
     assert detector_blocks.stored(session, run_id="done", source="timing") == set()
+
+
+def test_sqlite_blocks_are_built_before_the_write_lock_is_taken(tmp_path, monkeypatch, write_lock_probe) -> None:
+    """Saving a block takes SQLite's one write lock until the cycle's commit, and ingest's writer (in
+    another process) waits for it: every block of a cycle (two per source here) is built and encoded
+    first, so a second connection finds the lock free whenever a block's arrays are made."""
+    from trainvitals.service.store import db
+
+    url = f"sqlite:///{tmp_path}/tv.db"
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    probe = write_lock_probe(tmp_path / "tv.db")
+    real_tensor, real_encode = DetectorInputs._tensor_block, detector_blocks.encode
+    monkeypatch.setattr(DetectorInputs, "_tensor_block", lambda self, *a: (probe(), real_tensor(self, *a))[1])
+    monkeypatch.setattr(detector_blocks, "encode", lambda arrays: (probe(), real_encode(arrays))[1])
+    rng = random.Random(6)
+    try:
+        with db.make_sessionmaker(engine)() as session:
+            batches.register_run(session, RunRegistration(run="r", parallelism={"world_size": WORLD}))
+            for rank in range(WORLD):
+                _store(session, rank, range(0, 30), 1, 0, rng)
+            run = queries.get_run(session, run_id="r")
+            pipeline.reduce_steps(session, run, now=1e9, config=CONFIG)
+            session.commit()
+            inputs = DetectorInputs(blocks=True)
+            pipeline.build_series(session, run, now=1e9, config=CONFIG, inputs=inputs)
+            saved = {src: detector_blocks.stored(session, run_id="r", source=src) for src in ("tensors", "timing")}
+    finally:
+        engine.dispose()
+    assert saved == {"tensors": {20, 24}, "timing": {24, 27}}  # the newest two blocks of each source
+    locked = probe.locked
+    assert len(locked) == 2 + 4 and not any(locked), locked  # 2 tensor blocks built, 4 blocks encoded

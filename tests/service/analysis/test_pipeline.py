@@ -160,7 +160,8 @@ def test_sqlite_late_data_takes_the_write_lock_after_the_reads(
             _register(session, world=1)
             batches.store_batch(session, _batch(0, 0, range(10)))
             assert _reduce(session) == 10
-            detector_blocks.save(session, run_id="r", source="timing", first=5, last=9, arrays={"x": np.zeros(5)})
+            payload = detector_blocks.encode({"x": np.zeros(5)})
+            detector_blocks.save(session, run_id="r", source="timing", first=5, last=9, payload=payload)
             session.commit()
             batches.store_batch(session, _batch(0, 0, range(5, 12), inc=2))  # restarted: 5..9 again
             monkeypatch.setattr(summaries, "tensor_summaries", probing)
