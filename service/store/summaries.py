@@ -220,10 +220,10 @@ _TENSOR_KEYS = (
 # SQLite cannot checkpoint its WAL past a read that is still running, and the tensor aggregation is
 # the reduction's longest read. Whatever ingest writes meanwhile waits in the WAL, and the first
 # commit of ingest's writer after the read ends copies it back (SQLite's automatic checkpoint runs
-# in the committing connection): a statement over a 16,384-rank step (786k rows, 1.4 s under
-# ingest) left 40,000 pages to copy and stalled ingest 83-111 ms each time, its p99 at 100k
-# records/s 85-103 ms. Statements of about this many rows run 0.1-0.2 s, and what they leave to copy
-# is a tenth of that (docs/performance.md). PostgreSQL's reads hold nothing back.
+# in the committing connection): a statement over a 16,384-rank step (786k rows, 1.2-1.5 s under
+# ingest) left ~40,000 pages to copy and stalled ingest 83-111 ms each time, its p99 at 100k
+# records/s 47-103 ms. Statements of about this many rows run 0.1-0.2 s; with them the p99 was
+# 22-31 ms (docs/performance.md, "Slices of a step"). PostgreSQL's reads hold nothing back.
 _SQLITE_TENSOR_ROWS_PER_READ = 100_000
 # A piece spans at most this many times the steps (or the rowids) of the one before it: the rows a
 # piece counted size the next, and a stretch without FP8 records (sampled tiers) must not make the
@@ -357,6 +357,7 @@ def _merge_slices(slices: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 
 def _sql_extreme(pick: Callable[..., Any], a: Any, b: Any) -> Any:
+    """pick (max or min) of two aggregates as SQL would pick over their rows."""
     if a is None or b is None:
         return b if a is None else a
     if isinstance(a, float) or isinstance(b, float):
