@@ -252,9 +252,14 @@ def tensor_summaries(session: Session, *, run_id: str, first: int, last: int) ->
         else:
             piece, rows = _tensor_summaries(session, run_id=run_id, first=lo, last=hi)
         out += piece
-        grown = span * _SQLITE_TENSOR_ROWS_PER_READ // max(1, rows)
-        lo, span = hi + 1, max(1, min(span * _SQLITE_PIECE_GROWTH, grown))
+        lo, span = hi + 1, _next_span(span, rows)
     return out
+
+
+def _next_span(span: int, rows: int) -> int:
+    """The span (steps, or rowids of a slice) of the next piece, from the rows the last one of
+    `span` held: about `_SQLITE_TENSOR_ROWS_PER_READ` rows, growing at most `_SQLITE_PIECE_GROWTH`x."""
+    return max(1, min(span * _SQLITE_PIECE_GROWTH, span * _SQLITE_TENSOR_ROWS_PER_READ // max(1, rows)))
 
 
 def _one_step_in_slices(session: Session, *, run_id: str, step: int) -> tuple[list[dict[str, Any]], int]:
@@ -278,7 +283,7 @@ def _one_step_in_slices(session: Session, *, run_id: str, step: int) -> tuple[li
         piece, rows = _tensor_summaries(session, run_id=run_id, first=step, last=step, ids=(a, b))
         slices.append(piece)
         total += rows
-        width = max(1, min(width * _SQLITE_PIECE_GROWTH, width * _SQLITE_TENSOR_ROWS_PER_READ // max(1, rows)))
+        width = _next_span(width, rows)
         a = b + 1
     return (slices[0] if len(slices) == 1 else _merge_slices(slices)), total
 
