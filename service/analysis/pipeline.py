@@ -112,7 +112,7 @@ def reduce_steps(
         reduction.StepIn(*r)
         for r in summaries.step_rows(session, run_id=rid, first=read_from, last=upto, columns=reduction.STEP_IN_COLUMNS)
     ]
-    grads = reduction.summarize_grads(summaries.grad_rows(session, run_id=rid, first=start, last=upto))
+    grads = summaries.grad_summaries(session, run_id=rid, first=start, last=upto)
     global_norms = {g["step"]: (g["norm"], g["nonfinite"]) for g in grads if g["group_name"] == GLOBAL_GROUP}
     steps = reduction.summarize_steps(
         [r for r in rows if r.step >= start],

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 
 from trainvitals.service.store.incarnations import newest_incarnation
-from trainvitals.service.store.summaries import saturated_count
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,31 +193,6 @@ def summarize_rank_windows(rows: Sequence[StepIn], *, window: int) -> list[dict[
                 "step_seconds_max": float(t.max()),
                 "compute_seconds_mean": float(np.mean(comp)) if comp else None,
                 "wait_seconds_mean": float(np.mean(wait)) if wait else None,
-            }
-        )
-    return out
-
-
-def summarize_grads(rows: Iterable[Sequence[Any]]) -> list[dict[str, Any]]:
-    """rows: (step, group, owned_sq, local_sq, nonfinite) of every rank, the newest incarnation's
-    only (the store reads them through the incarnation rule)."""
-    acc: dict[tuple[int, str], list[float]] = {}
-    for step, group, owned, local, nonfinite in rows:
-        a = acc.setdefault((step, group), [0.0, 0, np.inf, 0.0])
-        a[0] += owned
-        a[1] += nonfinite  # a Python int: exact, saturated once summed
-        a[2] = min(a[2], local)
-        a[3] = max(a[3], local)
-    out = []
-    for (step, group), (owned_sum, nonfinite_sum, lo, hi) in sorted(acc.items()):
-        spread = hi / lo if lo > 0 and np.isfinite(lo) else None
-        out.append(
-            {
-                "step": step,
-                "group_name": group,
-                "norm": float(np.sqrt(owned_sum)) if owned_sum >= 0 else float("nan"),
-                "nonfinite": saturated_count(nonfinite_sum),
-                "replica_spread": spread,
             }
         )
     return out

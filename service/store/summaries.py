@@ -29,6 +29,7 @@ missed (read too late by the reduction, and seen by ingest as not yet reduced). 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,6 @@ from sqlalchemy import (
     Connection,
     Float,
     Integer,
-    Row,
     String,
     Table,
     case,
@@ -187,17 +187,61 @@ def step_rows(
     return session.execute(stmt).all()
 
 
-def grad_rows(session: Session, *, run_id: str, first: int, last: int) -> Sequence[Row[int, str, float, float, int]]:
-    """(step, group, owned_sq, local_sq, nonfinite) of every rank for steps first..last, the
-    newest incarnation's only."""
+_GRAD_SUM_SCALE = 2.0**-64
+
+
+def grad_summaries(session: Session, *, run_id: str, first: int, last: int) -> list[dict[str, Any]]:
+    """Gradient statistics of steps first..last reduced over ranks, the newest incarnation's records
+    only: one dict per (step, group) in that order, keys = GradSummary columns but run_id.
+
+    - norm: sqrt of the sum of every rank's owned_sq (each element counted once across the job);
+      NaN when a rank's is NaN, or the sum is NaN or negative.
+    - nonfinite: summed (saturated).
+    - replica_spread: max / min of the ranks' local_sq, NaN ones ignored, the max at least 0; None
+      unless the min is a positive finite number.
+
+    A GROUP BY: a 16,384-rank step has 82k gradient rows, which cost the analysis child ~4 us each
+    when reduced in Python."""
     g = GradStatRow
-    stmt = select(g.step, g.group_name, g.owned_sq, g.local_sq, g.nonfinite).where(
-        g.run_id == run_id,
-        g.step >= first,
-        g.step <= last,
-        newest_incarnation_only(g, run_id=run_id, first=first, last=last),
+    # NaN sorts above every number on both backends (see Real), so `<= inf` drops NaN only.
+    local = case((g.local_sq <= math.inf, g.local_sq))
+    stmt = (
+        select(
+            g.step,
+            g.group_name,
+            # Scaled: PostgreSQL raises on a float sum that overflows (Python's is inf); a power of
+            # two is exact. SQLite's sum() counts its 'NaN' text as 0 (and inf + -inf as NULL):
+            # the max says NaN.
+            func.sum(g.owned_sq * _GRAD_SUM_SCALE),
+            func.max(g.owned_sq),
+            func.sum(func.cast(g.nonfinite, Float)),  # as in the tensor aggregation: cannot overflow
+            func.min(local),
+            func.max(local),
+        )
+        .where(
+            g.run_id == run_id,
+            g.step >= first,
+            g.step <= last,
+            newest_incarnation_only(g, run_id=run_id, first=first, last=last),
+        )
+        .group_by(g.step, g.group_name)
     )
-    return session.execute(stmt).all()
+    out = []
+    for step, group, owned_sum, owned_max, nonfinite, lo, hi in session.execute(stmt).all():
+        nan = owned_sum is None or math.isnan(owned_sum) or math.isnan(owned_max) or owned_sum < 0
+        lo = math.inf if lo is None else lo
+        hi = max(0.0, 0.0 if hi is None else hi)
+        out.append(
+            {
+                "step": step,
+                "group_name": group,
+                "norm": math.nan if nan else math.sqrt(owned_sum / _GRAD_SUM_SCALE),
+                "nonfinite": saturated_count(nonfinite),
+                "replica_spread": hi / lo if 0 < lo < math.inf else None,
+            }
+        )
+    # Sorted here: PostgreSQL's collation may order the group names otherwise than Python.
+    return sorted(out, key=lambda d: (d["step"], d["group_name"]))
 
 
 _TENSOR_KEYS = (

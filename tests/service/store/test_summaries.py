@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from trainvitals.service.store import batches, db, summaries
 from trainvitals.service.store.models import GradSummary, RankWindow, StepSummary, TensorSummary
 from trainvitals.wire import Batch, RunRegistration
+from trainvitals.wire.v1 import INT64_MAX
 
 RUN = "sums"
 NAN, INF = float("nan"), float("inf")
@@ -198,3 +199,64 @@ def test_sqlite_aggregates_the_tensors_in_pieces_with_the_same_answer(
     assert math.isnan(by_key[(1, "layers.0.fc1", "input")]["amax"])  # NaN is the max, as on PostgreSQL
     assert by_key[(2, "layers.0.fc1", "input")]["headroom_bits"] == 3.0 - 2  # rank 0's NaN is not the min
     assert by_key[(2, "layers.0.fc1", "input")]["nonfinite"] == 2  # rank 1's; the others sent none
+
+
+# (step, group, rank) -> (owned_sq, local_sq, nonfinite) of the first incarnation where not
+# (1.0 + rank, 2.0 + rank, 0); rank 1 restarts and replays steps 2..3 with owned_sq 100.
+_GRAD_VALUES = {
+    (0, "__global__", 1): (2.0, 3.0, INT64_MAX),
+    (0, "__global__", 2): (3.0, 4.0, INT64_MAX),  # summed past int64: saturated
+    (0, "layers.0", 0): (NAN, 2.0, 0),  # a NaN sum of squares: the norm is NaN
+    (1, "layers.0", 1): (-INF, 3.0, 0),
+    (1, "layers.0", 2): (INF, 4.0, 0),  # inf + -inf: NaN
+    (1, "__global__", 1): (2.0, NAN, 0),  # a NaN local_sq is left out of the spread
+    (2, "__global__", 1): (NAN, 3.0, 0),  # replaced by the replay: not NaN
+    (2, "layers.0", 0): (INF, NAN, 0),
+    (2, "layers.0", 1): (2.0, NAN, 0),
+    (2, "layers.0", 2): (3.0, NAN, 0),  # every local_sq NaN (incl. the replay's): no spread
+    (3, "layers.0", 0): (1.0, 0.0, 0),  # min 0: no spread
+    (3, "__global__", 2): (3.0, INF, 0),
+}
+
+
+def _grad_batch(rank: int, incarnation: int, steps: range) -> Batch:
+    records: list[dict[str, Any]] = []
+    for step in steps:
+        records.append({"kind": "step", "step": step, "ts": 100.0 + step, "step_seconds": 1.0})
+        for group in ("__global__", "layers.0"):
+            owned, local, nonfinite = _GRAD_VALUES.get((step, group, rank), (1.0 + rank, 2.0 + rank, 0))
+            if incarnation == 2:
+                owned, local = 100.0, (NAN if (step, group) == (2, "layers.0") else local)
+            records.append(
+                {"kind": "grad", "step": step, "group": group, "owned_sq": owned, "local_sq": local,
+                 "nonfinite": nonfinite}
+            )  # fmt: skip
+    return Batch.model_validate({"run": RUN, "rank": rank, "incarnation": incarnation, "seq": 0, "records": records})
+
+
+def test_gradients_reduce_in_sql_with_nan_inf_and_a_replay(session: Session) -> None:
+    """grad_summaries reduces the gradient rows in the database on both backends, as the rule says:
+    a NaN or inf + -inf sum of squares makes the norm NaN (SQLite's sum() alone would skip NaN), NaN
+    local_sq values stay out of the replicas' spread, counts saturate, and a restarted rank's
+    replayed steps replace its first life's records."""
+    batches.register_run(session, RunRegistration(run=RUN, parallelism={"world_size": 3}))
+    for rank in range(3):
+        batches.store_batch(session, _grad_batch(rank, 1, range(4)))
+    batches.store_batch(session, _grad_batch(1, 2, range(2, 4)))
+    got = summaries.grad_summaries(session, run_id=RUN, first=0, last=3)
+    assert [(g["step"], g["group_name"]) for g in got] == [(s, g) for s in range(4) for g in ("__global__", "layers.0")]
+    by = {(g["step"], g["group_name"]): g for g in got}
+    expected = {  # (norm, nonfinite, replica_spread)
+        (0, "__global__"): (math.sqrt(6.0), INT64_MAX, 2.0),
+        (0, "layers.0"): (NAN, 0, 2.0),
+        (1, "__global__"): (math.sqrt(6.0), 0, 2.0),  # locals 2, NaN, 4
+        (1, "layers.0"): (NAN, 0, 2.0),
+        (2, "__global__"): (math.sqrt(1.0 + 100.0 + 3.0), 0, 2.0),
+        (2, "layers.0"): (INF, 0, None),
+        (3, "__global__"): (math.sqrt(104.0), 0, INF),  # locals 2, 3, inf
+        (3, "layers.0"): (math.sqrt(104.0), 0, None),
+    }
+    for key, (norm, nonfinite, spread) in expected.items():
+        g = by[key]
+        assert _same(g["norm"], norm) and g["nonfinite"] == nonfinite and _same(g["replica_spread"], spread), (key, g)
+    assert summaries.grad_summaries(session, run_id=RUN, first=4, last=9) == []
