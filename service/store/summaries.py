@@ -210,8 +210,8 @@ def grad_summaries(session: Session, *, run_id: str, first: int, last: int) -> l
             g.step,
             g.group_name,
             # Scaled: PostgreSQL raises on a float sum that overflows (Python's is inf); a power of
-            # two is exact. SQLite's sum() counts its 'NaN' text as 0 (and inf + -inf as NULL):
-            # the max says NaN.
+            # two is exact (for values above ~1e-288, which it would make subnormal). SQLite's
+            # sum() counts its 'NaN' text as 0 (and inf + -inf as NULL): the max says NaN.
             func.sum(g.owned_sq * _GRAD_SUM_SCALE),
             func.max(g.owned_sq),
             func.sum(func.cast(g.nonfinite, Float)),  # as in the tensor aggregation: cannot overflow
