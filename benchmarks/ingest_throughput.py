@@ -359,7 +359,16 @@ class KeepAliveConnection:
         self._sock: socket.socket | None = None
 
     def post(self, body: bytes) -> int:
-        """The answer's status code (its body is read and dropped)."""
+        """The answer's status code (its body is read and dropped). Once more on a new connection
+        when the collector closed this one before answering: it closes keep-alive connections idle
+        for `keep_alive_seconds` (a slow open loop), and a resent batch is a duplicate it acknowledges."""
+        try:
+            return self._post(body)
+        except ConnectionError:
+            self.close()
+            return self._post(body)
+
+    def _post(self, body: bytes) -> int:
         if self._sock is None:
             self._sock = socket.create_connection(self._address, timeout=120)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -384,7 +393,7 @@ class KeepAliveConnection:
         chunk = sock.recv(65536)
         if not chunk:
             self.close()
-            raise ConnectionError("the collector closed the connection mid-answer")
+            raise ConnectionError("the collector closed the connection before answering")
         return chunk
 
     def close(self) -> None:
