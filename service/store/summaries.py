@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,6 +188,27 @@ def step_rows(
     return session.execute(stmt).all()
 
 
+@contextmanager
+def _hashed_aggregates(session: Session) -> Iterator[None]:
+    """On PostgreSQL, the GROUP BYs of the statements inside hash instead of sort, for the rest of
+    the statement's transaction only (SET LOCAL; undone by the rollback if one fails).
+
+    The planner's choice rests on the raw tables' statistics, and there are none until the first
+    ANALYZE (autovacuum off, or a run younger than autovacuum's first pass). Then it expects a
+    handful of rows and sorts: a 16,384-rank cycle's 3.1M tensor rows went through an external
+    merge sort (75 MB of temporary files a step) in 4.9-6.0 s under ingest, against 2.4-2.8 s hashed
+    into its 1,536 groups (docs/performance.md). A reduction's groups (steps x tensors) are few."""
+    if session.get_bind().dialect.name != "postgresql":
+        yield
+        return
+    for setting in _SORTS:
+        session.execute(text(f"SET LOCAL {setting} = off"))
+    yield
+    for setting in _SORTS:
+        session.execute(text(f"SET LOCAL {setting} TO DEFAULT"))
+
+
+_SORTS = ("enable_sort", "enable_incremental_sort")
 _GRAD_SUM_SCALE = 2.0**-64
 
 
@@ -227,7 +249,9 @@ def grad_summaries(session: Session, *, run_id: str, first: int, last: int) -> l
         .group_by(g.step, g.group_name)
     )
     out = []
-    for step, group, owned_sum, owned_max, nonfinite, lo, hi in session.execute(stmt).all():
+    with _hashed_aggregates(session):
+        rows = session.execute(stmt).all()
+    for step, group, owned_sum, owned_max, nonfinite, lo, hi in rows:
         nan = owned_sum is None or math.isnan(owned_sum) or math.isnan(owned_max) or owned_sum < 0
         lo = math.inf if lo is None else lo
         hi = max(0.0, 0.0 if hi is None else hi)
@@ -286,7 +310,8 @@ def tensor_summaries(session: Session, *, run_id: str, first: int, last: int) ->
     by the GROUP BY anyway, size the next), slices of one step's rowids when it is larger. No count
     before reading: counting the cycle's rows first read every index entry of the range once more."""
     if session.get_bind().dialect.name != "sqlite":
-        return _tensor_summaries(session, run_id=run_id, first=first, last=last)[0]
+        with _hashed_aggregates(session):
+            return _tensor_summaries(session, run_id=run_id, first=first, last=last)[0]
     out: list[dict[str, Any]] = []
     lo, span = first, 1
     while lo <= last:

@@ -260,3 +260,47 @@ def test_gradients_reduce_in_sql_with_nan_inf_and_a_replay(session: Session) -> 
         g = by[key]
         assert _same(g["norm"], norm) and g["nonfinite"] == nonfinite and _same(g["replica_spread"], spread), (key, g)
     assert summaries.grad_summaries(session, run_id=RUN, first=4, last=9) == []
+
+
+def test_postgresql_aggregates_by_hashing_without_statistics(empty_pg_url: str) -> None:
+    """A fresh database has no statistics on the raw tables until its first ANALYZE (autovacuum
+    off, or a young run), and the planner then sorts the reduction's rows for the GROUP BY: at
+    16,384 ranks an external merge sort through temporary files, twice the time of hashing the
+    few groups. The reduction's aggregations hash, and the settings are back afterwards."""
+    db.upgrade(empty_pg_url)
+    engine = db.make_engine(empty_pg_url)
+    grouped: list[tuple[str, Any]] = []
+    sorting: list[str] = []  # enable_sort as each aggregation ran
+
+    def capture(_conn: Any, cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
+        if "GROUP BY" in statement and not statement.startswith("EXPLAIN"):
+            grouped.append((statement, parameters))
+            sorting.append(cursor.connection.execute("SHOW enable_sort").fetchone()[0])
+
+    try:
+        with db.make_sessionmaker(engine)() as session:
+            batches.register_run(session, RunRegistration(run=RUN, parallelism={"world_size": 3}))
+            for rank in range(3):
+                batches.store_batch(session, _tensor_batch(rank, 1, 0, range(4), amax=1.0))
+                batches.store_batch(session, _grad_batch(rank, 1, range(4)))
+            event.listen(engine, "before_cursor_execute", capture)
+            summaries.tensor_summaries(session, run_id=RUN, first=0, last=3)
+            summaries.grad_summaries(session, run_id=RUN, first=0, last=3)
+            event.remove(engine, "before_cursor_execute", capture)
+            conn = session.connection()
+
+            def plan(statement: str, parameters: Any) -> str:
+                return "\n".join(r[0] for r in conn.exec_driver_sql("EXPLAIN " + statement, parameters))
+
+            assert len(grouped) == 2
+            unhinted = plan(*grouped[0])
+            with summaries._hashed_aggregates(session):
+                hinted = [plan(*g) for g in grouped]
+            settings = [conn.exec_driver_sql(f"SHOW {s}").scalar() for s in summaries._SORTS]
+    finally:
+        engine.dispose()
+    assert sorting == ["off", "off"]  # both aggregations ran hashed
+    assert "Sort" in unhinted, unhinted  # what the planner does without statistics
+    for p in hinted:
+        assert "HashAggregate" in p and "Sort" not in p, p
+    assert settings == ["on", "on"]
