@@ -190,8 +190,8 @@ def step_rows(
 
 @contextmanager
 def _hashed_aggregates(session: Session) -> Iterator[None]:
-    """On PostgreSQL, the GROUP BYs of the statements inside hash instead of sort, for the rest of
-    the statement's transaction only (SET LOCAL; undone by the rollback if one fails).
+    """On PostgreSQL, the GROUP BYs of the statements inside hash instead of sort (SET LOCAL,
+    restored after them; if one fails, the transaction's rollback undoes it).
 
     The planner's choice rests on the raw tables' statistics, and there are none until the first
     ANALYZE (autovacuum off, or a run younger than autovacuum's first pass). Then it expects a
