@@ -8,6 +8,9 @@ Rules (DESIGN.md "Shape"):
   owned sums of squares (each element counted once);
 - MFU: job FLOPs of the step / (slowest rank's step time x total peak FLOP/s). Computed here
   only; the summary stores it with its denominator (`peak_flops_total`) for every other reader.
+
+The FP8 tensor and gradient rules run in the database instead, as GROUP BYs over every rank's rows
+(service/store/summaries.py `tensor_summaries`, `grad_summaries`): those rows never reach Python.
 """
 
 from __future__ import annotations
