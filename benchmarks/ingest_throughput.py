@@ -40,6 +40,11 @@ request latency (see the modes above), CPU seconds per second of the collector, 
 backends and the load generators (the machine has few cores: everything here shares them), and the
 collector's RSS (VmRSS at the end and VmHWM, from /proc/<pid>/status).
 
+PostgreSQL also gets a line on the server over the window (server-wide counters, so other
+databases' work counts too): the WAL written per second and per acknowledged record, and the
+checkpoints, how many max_wal_size requested and how long their sync phase took. A commit waits
+behind that sync phase, so it is where to look first when the p99 is far above the p50.
+
 The floor row (`--floor-seconds`, after each backend's ingest run): the same records, already row
 tuples, inserted from this one process into the same tables with nothing else in the way (SQLite
 `executemany`, PostgreSQL binary COPY; `--clients` batches per commit), and ingest's ratio to it.
@@ -513,6 +518,66 @@ class IngestResult:
     answer_mean_ms: float = 0.0
     answer_p99_ms: float = 0.0
     """Send to answer (without the lateness), what one client's request in flight is busy for."""
+    pg_server: PgServerDelta | None = None
+    span_s: float = 0.0
+    """The measured window's length."""
+    """PostgreSQL: what the server did over the window (WAL written, checkpoints)."""
+
+
+@dataclass(frozen=True)
+class PgServerDelta:
+    """Server-wide counters over the window (every database's work, not only the scratch one's):
+    the WAL written and the checkpoints, whose sync phase is what a commit can wait behind."""
+
+    wal_bytes: int
+    checkpoints_timed: int
+    checkpoints_requested: int
+    """Started because the WAL reached max_wal_size (not checkpoint_timeout)."""
+    checkpoint_sync_ms: float
+    max_wal_size: str
+
+
+_PG_SERVER_COUNTERS = (
+    "SELECT pg_current_wal_lsn(), checkpoints_timed, checkpoints_req, checkpoint_sync_time,"
+    " current_setting('max_wal_size') FROM pg_stat_bgwriter"
+)
+
+
+def _pg_server_counters() -> tuple[Any, ...]:
+    import psycopg
+
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        row = conn.execute(_PG_SERVER_COUNTERS).fetchone()
+        assert row is not None
+        return tuple(row)
+
+
+def _pg_server_delta(start: tuple[Any, ...], end: tuple[Any, ...]) -> PgServerDelta:
+    import psycopg
+
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        row = conn.execute("SELECT pg_wal_lsn_diff(%s::pg_lsn, %s::pg_lsn)", (str(end[0]), str(start[0]))).fetchone()
+    assert row is not None
+    return PgServerDelta(
+        wal_bytes=int(row[0]),
+        checkpoints_timed=int(end[1] - start[1]),
+        checkpoints_requested=int(end[2] - start[2]),
+        checkpoint_sync_ms=float(end[3] - start[3]),
+        max_wal_size=str(end[4]),
+    )
+
+
+def _pg_server_line(r: IngestResult) -> str:
+    d = r.pg_server
+    assert d is not None
+    wal_per_s = d.wal_bytes / max(r.span_s, 1e-9)
+    checkpoints = d.checkpoints_timed + d.checkpoints_requested
+    return (
+        f"[{r.backend}] server (all databases): {wal_per_s / 1e6:.1f} MB/s of WAL, "
+        f"{wal_per_s / max(r.records_per_s, 1.0):.0f} bytes per acknowledged record; {checkpoints} "
+        f"checkpoint(s) in the window ({d.checkpoints_requested} requested by max_wal_size={d.max_wal_size}), "
+        f"the sync phase of those that completed {d.checkpoint_sync_ms:.0f} ms in all"
+    )
 
 
 def _postgres_pids(url: str) -> list[int]:
@@ -633,6 +698,7 @@ def _drive(
         client_pids = [p.pid for p in procs if p.pid is not None]
         pg_pids = _postgres_pids(url) if backend == "postgresql" else []
         collector_pids = process_tree(col.proc.pid)
+        pg_server0 = _pg_server_counters() if backend == "postgresql" else None
         cpu0 = (cpu_seconds(collector_pids), cpu_seconds(pg_pids), cpu_seconds(client_pids))
         t_start = time.monotonic()
         rss_peak = 0
@@ -643,6 +709,7 @@ def _drive(
         # Backends connected after the warm-up (pool growth) are counted from zero.
         pg_pids_end = _postgres_pids(url) if backend == "postgresql" else []
         cpu1 = (cpu_seconds(collector_pids), cpu_seconds(pg_pids_end), cpu_seconds(client_pids))
+        pg_server1 = _pg_server_counters() if pg_server0 is not None else None
         hwm = sum(read_status_kb(p, "VmHWM") for p in collector_pids)
         if schedule is not None:
             # Open loop: batches due at the end of the window get OPEN_LOOP_GRACE_S to be sent and
@@ -694,6 +761,8 @@ def _drive(
         command=col.command,
         clients=clients,
         offered_per_s=rate,
+        pg_server=None if pg_server0 is None or pg_server1 is None else _pg_server_delta(pg_server0, pg_server1),
+        span_s=span,
         **open_loop,
     )
 
@@ -977,10 +1046,13 @@ def main() -> None:
             f"{r.stored_rows:>13,}{r.reduced:>16}"
         )
     for r in results:
-        if r.offered_per_s:
+        if r.offered_per_s or r.pg_server is not None:
             print()
+        if r.offered_per_s:
             for line in _open_loop_verdict(r):
                 print(line)
+        if r.pg_server is not None:
+            print(_pg_server_line(r))
     if floors:
         # Where the rest goes: the CPU each record costs on the way in (collector, PostgreSQL, load
         # generator: all on this machine's cores) against what the floor's insert costs alone. At
