@@ -519,9 +519,9 @@ class IngestResult:
     answer_p99_ms: float = 0.0
     """Send to answer (without the lateness), what one client's request in flight is busy for."""
     pg_server: PgServerDelta | None = None
-    span_s: float = 0.0
-    """The measured window's length."""
     """PostgreSQL: what the server did over the window (WAL written, checkpoints)."""
+    span_s: float = 0.0
+    """The measured window's length, s."""
 
 
 @dataclass(frozen=True)
