@@ -537,9 +537,10 @@ class PgServerDelta:
     max_wal_size: str
 
 
+# The WAL position as bytes since 0/0, so that the window's WAL is a subtraction.
 _PG_SERVER_COUNTERS = (
-    "SELECT pg_current_wal_lsn(), checkpoints_timed, checkpoints_req, checkpoint_sync_time,"
-    " current_setting('max_wal_size') FROM pg_stat_bgwriter"
+    "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0'), checkpoints_timed, checkpoints_req,"
+    " checkpoint_sync_time, current_setting('max_wal_size') FROM pg_stat_bgwriter"
 )
 
 
@@ -553,13 +554,8 @@ def _pg_server_counters() -> tuple[Any, ...]:
 
 
 def _pg_server_delta(start: tuple[Any, ...], end: tuple[Any, ...]) -> PgServerDelta:
-    import psycopg
-
-    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-        row = conn.execute("SELECT pg_wal_lsn_diff(%s::pg_lsn, %s::pg_lsn)", (str(end[0]), str(start[0]))).fetchone()
-    assert row is not None
     return PgServerDelta(
-        wal_bytes=int(row[0]),
+        wal_bytes=int(end[0] - start[0]),
         checkpoints_timed=int(end[1] - start[1]),
         checkpoints_requested=int(end[2] - start[2]),
         checkpoint_sync_ms=float(end[3] - start[3]),
