@@ -42,12 +42,15 @@ collector's RSS (VmRSS at the end and VmHWM, from /proc/<pid>/status).
 
 PostgreSQL also gets a line on the server over the window (server-wide counters, so other
 databases' work counts too): the WAL written per second and per acknowledged record, and the
-checkpoints, how many max_wal_size requested and how long their sync phase took. A commit waits
-behind that sync phase, so it is where to look first when the p99 is far above the p50.
+checkpoints, how many max_wal_size requested and how long their sync phase took. A commit that
+waits for the WAL flush waits behind that sync phase: the collector's ingest commits do not by
+default (`synchronous_commit` off for them; `--ingest-synchronous-commit` runs the collector with
+TRAINVITALS_INGEST_SYNCHRONOUS_COMMIT=true, the database's own setting, on by default).
 
 The floor row (`--floor-seconds`, after each backend's ingest run): the same records, already row
 tuples, inserted from this one process into the same tables with nothing else in the way (SQLite
-`executemany`, PostgreSQL binary COPY; `--clients` batches per commit), and ingest's ratio to it.
+`executemany`, PostgreSQL binary COPY; `--clients` batches per commit, committed as the collector
+commits them), and ingest's ratio to it.
 
 The SQLite file and the PostgreSQL scratch database are removed at the end; every process this
 script starts is stopped by it. scrape_16k.py and postmortem_queries.py import the collector and
@@ -630,12 +633,14 @@ def measure(
     port: int = 0,
     db_prefix: str = "tv_bench",
     rate: float = 0.0,
+    synchronous_commit: bool = False,
 ) -> IngestResult:
     run = "bench-16k"
     with scratch_db(backend, f"{db_prefix}_ingest") as url:
         # Auth stays on, as in production: the token lookup is cached, so it costs ingest little.
         token = create_token(url, project="bench", scope="ingest")
         env = {} if analysis else {"TRAINVITALS_RUN_ANALYSIS": "false"}
+        env["TRAINVITALS_INGEST_SYNCHRONOUS_COMMIT"] = str(synchronous_commit).lower()
         extra = ("--analysis-thread",) if analysis_thread else ()
         with collector(url, env=env, workers=workers, extra_args=extra, port=port) as col:
             return _drive(
@@ -858,7 +863,7 @@ def _floor_batches(run: str, *, steps_per_batch: int, layers_per_rank: int) -> I
         seq += 1
 
 
-def _floor_write(backend: str, raw: Any, group: dict[str, list[tuple[Any, ...]]]) -> None:
+def _floor_write(backend: str, raw: Any, group: dict[str, list[tuple[Any, ...]]], synchronous_commit: bool) -> None:
     from trainvitals.service.store import batches as store
 
     if backend == "sqlite":
@@ -868,6 +873,8 @@ def _floor_write(backend: str, raw: Any, group: dict[str, list[tuple[Any, ...]]]
             cur.executemany(store._SQLITE_INSERT[kind], rows)  # noqa: SLF001 - the store's own statement
     else:
         with raw.cursor() as cur:
+            if not synchronous_commit:  # as the collector's ingest commits (store_batches)
+                cur.execute("SET LOCAL synchronous_commit TO OFF")
             for kind, rows in group.items():
                 with cur.copy(store._PG_COPY[kind]) as copy:  # noqa: SLF001
                     copy.set_types(store._PG_COPY_TYPES[kind])  # noqa: SLF001
@@ -884,6 +891,7 @@ def measure_floor(
     layers_per_rank: int,
     group_batches: int,
     db_prefix: str = "tv_bench",
+    synchronous_commit: bool = False,
 ) -> FloorResult:
     """What the database takes from one Python process that does nothing else: the benchmark's
     records, already row tuples, into the same tables (same schema, indexes and SQLite settings),
@@ -916,7 +924,7 @@ def measure_floor(
                         width = store._WIDTH[kind]  # noqa: SLF001 - the store's own row layout
                         group.setdefault(kind, []).extend(zip(*[iter(flat)] * width, strict=True))
                 t0, c0, s0 = time.perf_counter(), time.thread_time(), cpu_seconds(backend_pid)
-                _floor_write(backend, raw, group)
+                _floor_write(backend, raw, group, synchronous_commit)
                 busy += time.perf_counter() - t0
                 client_cpu += time.thread_time() - c0
                 server_cpu += cpu_seconds(backend_pid) - s0
@@ -924,7 +932,8 @@ def measure_floor(
             raw.close()
         finally:
             engine.dispose()
-    method = "sqlite3 executemany" if backend == "sqlite" else "psycopg binary COPY"
+    commit = "synchronous_commit " + ("as the server's" if synchronous_commit else "off")
+    method = "sqlite3 executemany" if backend == "sqlite" else f"psycopg binary COPY ({commit})"
     return FloorResult(
         backend=backend,
         records_per_s=total / busy,
@@ -982,6 +991,9 @@ def main() -> None:
     parser.add_argument(
         "--analysis-thread", action="store_true", help="serve --analysis-thread: analysis in the collector process"
     )
+    parser.add_argument("--ingest-synchronous-commit", action="store_true",
+                        help="PostgreSQL: TRAINVITALS_INGEST_SYNCHRONOUS_COMMIT=true, ingest (and the floor) commit "
+                             "waiting for the WAL flush (default: synchronous_commit off, as collectors)")  # fmt: skip
     parser.add_argument("--floor-seconds", type=float, default=10.0,
                         help="insert time of the raw-insert floor per backend (0: no floor rows)")  # fmt: skip
     add_shared_args(parser)
@@ -997,7 +1009,12 @@ def main() -> None:
     print(
         f"machine: {cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; "
         f"world_size {WORLD_SIZE}; {mode}; "
-        f"warm-up {args.warmup:.0f} s, window {args.seconds:.0f} s\n"
+        f"warm-up {args.warmup:.0f} s, window {args.seconds:.0f} s; PostgreSQL ingest commits "
+        + (
+            "wait for the WAL flush (--ingest-synchronous-commit)\n"
+            if args.ingest_synchronous_commit
+            else "with synchronous_commit off (the collector's default)\n"
+        )
     )
     results = []
     floors: dict[str, FloorResult] = {}
@@ -1015,13 +1032,19 @@ def main() -> None:
             port=args.port,
             db_prefix=args.db_prefix,
             rate=args.rate,
+            synchronous_commit=args.ingest_synchronous_commit,
         )
         print(f"[{backend}] collector ({res.collector_processes} processes): {res.command}", flush=True)
         results.append(res)
         if args.floor_seconds > 0:
             # Right after the ingest run, so the two see the same machine (load from other work).
             floors[backend] = measure_floor(
-                backend, seconds=args.floor_seconds, **shape, group_batches=args.clients, db_prefix=args.db_prefix
+                backend,
+                seconds=args.floor_seconds,
+                **shape,
+                group_batches=args.clients,
+                db_prefix=args.db_prefix,
+                synchronous_commit=args.ingest_synchronous_commit,
             )
     header = (
         f"{'backend':<11}{'offered':>10}{'records/s':>11}{'batches/s':>10}{'rec/batch':>10}{'body KB':>8}"

@@ -47,6 +47,8 @@ def _session(url: str, *, migrate: bool = False) -> Iterator[Any]:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
+    from sqlalchemy import make_url
+
     from trainvitals.service import logs
     from trainvitals.service.settings import Settings
 
@@ -60,10 +62,15 @@ def _serve(args: argparse.Namespace) -> int:
     logs.configure(settings.log_level)
     log = logging.getLogger("trainvitals.serve")
     analysis = "off" if not settings.run_analysis else "thread" if args.analysis_thread else "process"
+    # PostgreSQL only (SQLite's durability is fixed, store/db.py): whether a batch's acknowledgement
+    # waits for the WAL flush (TRAINVITALS_INGEST_SYNCHRONOUS_COMMIT). None: not logged.
+    commit = None
+    if make_url(settings.db).get_backend_name() == "postgresql":
+        commit = "sync" if settings.ingest_synchronous_commit else "async"
     # What an operator checks first: where, which database (password hidden), auth, who analyses.
     logs.log_event(
         log, "serve", listen=f"http://{settings.host}:{settings.port}", db=db_url.describe(settings.db),
-        auth="on" if settings.auth else "off", workers=args.workers, analysis=analysis,
+        auth="on" if settings.auth else "off", workers=args.workers, analysis=analysis, ingest_commit=commit,
         log_level=settings.log_level, summary_every_s=settings.log_summary_seconds,
     )  # fmt: skip
     if not settings.auth:

@@ -53,6 +53,7 @@ def create_app(settings: Settings | None = None) -> CollectorApp:
         sessions,
         threads=settings.ingest_writer_threads or (1 if engine.dialect.name == "sqlite" else 2),
         max_pending_records=settings.max_pending_records,
+        synchronous_commit=settings.ingest_synchronous_commit,
     )
     checkpointer = db.WalCheckpointer(engine)
     process_metrics = ProcessMetrics(

@@ -83,8 +83,10 @@ class BatchWriter:
         threads: int = 1,
         max_group_records: int = 50_000,
         max_pending_records: int = 2_000_000,
+        synchronous_commit: bool = True,
     ) -> None:
         self._sessions = sessions
+        self._synchronous_commit = synchronous_commit  # PostgreSQL: wait for the WAL flush (store_batches)
         self._threads = threads
         self._max_group_records = max_group_records
         self._max_pending_records = max_pending_records
@@ -177,7 +179,11 @@ class BatchWriter:
         try:
             with self._sessions() as session:
                 outcomes = batches.store_batches(
-                    session, [(p.batch, p.project) for p in group], writer=name, rows=[p.rows for p in group]
+                    session,
+                    [(p.batch, p.project) for p in group],
+                    writer=name,
+                    rows=[p.rows for p in group],
+                    synchronous_commit=self._synchronous_commit,
                 )
             self.groups += 1
         except Exception as exc:  # noqa: BLE001 - the database refused the group: isolate the cause

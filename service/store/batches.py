@@ -551,6 +551,7 @@ def store_batches(
     now: float | None = None,
     writer: str = "direct",
     rows: Sequence[BatchRows | None] | None = None,
+    synchronous_commit: bool = True,
 ) -> list[BatchOutcome]:
     """Store several batches in one transaction (group commit); one outcome per item, in order.
 
@@ -565,6 +566,13 @@ def store_batches(
 
     rows: per item, its `batch_rows` when the caller built them already (None: built here). The
     group-commit writer has them built on the request's thread, so its own thread mostly writes.
+
+    synchronous_commit: False commits without waiting for the WAL flush on PostgreSQL
+    (`SET LOCAL synchronous_commit TO OFF`, sent in the tail's pipeline: no extra round trip).
+    The group is then durable once the WAL writer flushes it, within about 0.6 s: a crash of the
+    collector loses nothing, a crash of the database server or its host the last fraction of a
+    second, as SQLite in WAL mode with synchronous=NORMAL (store/db.py). The collector's setting
+    `ingest_synchronous_commit` chooses (docs/deployment.md). No effect on SQLite.
     """
     now = time.time() if now is None else now
     items, rows, refused = _keyed(session, items, rows)
@@ -612,7 +620,7 @@ def store_batches(
                 [built[i] if i in stored_set else None for i in range(len(items))],
             )
         )
-        _execute_and_commit(session, tail)
+        _execute_and_commit(session, tail, synchronous_commit=synchronous_commit)
     return [o for o in outcomes if o is not None]
 
 
@@ -754,7 +762,7 @@ def _touch_runs(
 Statement: TypeAlias = "tuple[Executable, list[dict[str, Any]]]"
 
 
-def _execute_and_commit(session: Session, statements: list[Statement]) -> None:
+def _execute_and_commit(session: Session, statements: list[Statement], *, synchronous_commit: bool = True) -> None:
     """The group's last statements, then its commit, on the driver's cursor: the parameters are
     plain ints, floats and strings, so SQLAlchemy's per-execution work (about 50 us a statement,
     GIL held, on the writer's thread) buys nothing. On PostgreSQL the statements go in one
@@ -774,6 +782,8 @@ def _execute_and_commit(session: Session, statements: list[Statement]) -> None:
             cur.close()
     else:
         with raw.pipeline(), raw.cursor() as cur:  # type: ignore[union-attr]
+            if not synchronous_commit:  # for this transaction's commit only (store_batches)
+                cur.execute("SET LOCAL synchronous_commit TO OFF")
             for statement, params in statements:
                 compiled = _compiled(statement, conn.dialect)
                 cur.executemany(str(compiled), [compiled.construct_params(p) for p in params])

@@ -69,6 +69,7 @@ def test_serve_logs_its_setup_and_traffic_and_never_a_token(
     assert f" listen=http://127.0.0.1:{unused_port} " in startup
     assert f" db=postgresql+psycopg://postgres:***@127.0.0.1:5432/{empty_pg_url.rsplit('/', 1)[1]} " in startup
     assert " auth=on " in startup and " analysis=process " in startup
+    assert " ingest_commit=async " in startup  # PostgreSQL: acknowledged before the WAL flush (the default)
     assert any(" event=analyse " in line for line in lines)  # the child process says where it analyses
     summary = next(line for line in lines if " event=ingest_summary " in line)
     assert re.search(r" window_s=\d+ batches=\d+ records=\d+ duplicates=0 refused=\d+ .*queue_records=0 ", summary)

@@ -5,11 +5,16 @@ import sqlite3
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import psycopg
 import pytest
 import sqlalchemy
+from fastapi.testclient import TestClient
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
 from trainvitals.service.ingest.batch_writer import BatchWriter, WriterBusyError
+from trainvitals.service.main import create_app
+from trainvitals.service.settings import Settings
 from trainvitals.service.store import batches, db, queries
 from trainvitals.service.store.models import DeliveredBatch, StepRow, TensorStatRow
 from trainvitals.wire import Batch, BatchAck, RunRegistration
@@ -268,3 +273,31 @@ def test_batches_submitted_on_an_event_loop_are_answered_there_one_callback_per_
     assert answered_on == {loop_thread}
     assert writer.groups == 2
     assert _count(sessions, DeliveredBatch) == 4  # ranks 0, 1, 3 (stored though nobody waited) and 4
+
+
+@pytest.mark.parametrize("synchronous", [False, True], ids=["default", "ingest_synchronous_commit"])
+def test_postgresql_ingest_waits_for_the_wal_flush_only_when_configured(empty_pg_url: str, synchronous: bool) -> None:
+    """By default the collector's ingest transaction commits with synchronous_commit off (the batch is
+    acknowledged before PostgreSQL flushes its WAL, as SQLite's synchronous=NORMAL: a collector crash
+    loses nothing); with TRAINVITALS_INGEST_SYNCHRONOUS_COMMIT it keeps the database's own setting.
+    The setting is the transaction's: the connection goes back to the pool as it came."""
+    with psycopg.connect(empty_pg_url.replace("+psycopg", "")) as conn:
+        server_default = conn.execute("SHOW synchronous_commit").fetchone()[0]
+    assert server_default != "off", "this test needs a server whose default synchronous_commit is not off"
+    overrides = {"ingest_synchronous_commit": True} if synchronous else {}
+    app = create_app(Settings(db=empty_pg_url, auth=False, run_analysis=False, **overrides))
+    committed: list[str] = []  # synchronous_commit in force at each commit of the app's sessions
+
+    @sqlalchemy.event.listens_for(app.state.sessionmaker, "before_commit")
+    def _record(session: Session) -> None:
+        committed.append(session.execute(sqlalchemy.text("SHOW synchronous_commit")).scalar_one())
+
+    with TestClient(app) as client:
+        assert client.post("/v1/runs", json={"run": "r1", "parallelism": {"world_size": 1}}).status_code == 201
+        assert committed and set(committed) == {server_default}  # registration: the database's own
+        committed.clear()
+        body = _batch(0, 0).model_dump(mode="json", exclude_none=True)
+        assert client.post("/v1/batches", json=body).json() == {"accepted": 4, "duplicate": False}
+        assert committed == [server_default if synchronous else "off"]
+        with app.state.sessionmaker() as s:  # the pool's connections are back at the server's default
+            assert s.execute(sqlalchemy.text("SHOW synchronous_commit")).scalar_one() == server_default
