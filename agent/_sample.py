@@ -6,6 +6,11 @@ concatenates them into one small tensor and starts one non-blocking device-to-ho
 exporter thread waits for that copy (never the training thread) and expands the vector into wire
 records through each section's decoder. This keeps the hot path free of syncs and of Python
 objects per tensor or parameter group: a few objects per step, whatever the model.
+
+On CPU there is nothing to wait for: a one-element scalar is read as a float at once (`item()`,
+one op, where the view and the concatenation are three that each cost 10-30 us cold) and a single
+vector is handed over as it is (monitors return a fresh one every step), so an ordinary step
+there runs no torch op in `sample()`.
 """
 
 from __future__ import annotations
@@ -70,16 +75,20 @@ class DeviceStack:
         exporter.emit(stack.sample(step_fields))       # one cat, one non-blocking copy
     """
 
-    __slots__ = ("_names", "_scalars", "_vectors", "_decoders")
+    __slots__ = ("_names", "_scalars", "_host", "_vectors", "_decoders")
 
     def __init__(self) -> None:
         self._names: list[str] = []
         self._scalars: list[torch.Tensor] = []
+        self._host: dict[str, float] = {}  # CPU scalars, read at once
         self._vectors: list[torch.Tensor] = []
         self._decoders: list[Decoder] = []
 
     def add_scalar(self, name: str, value: torch.Tensor) -> None:
         """A step field that is a device tensor (its first element, as for a 0-dim loss)."""
+        if value.device.type == "cpu" and value.numel() == 1:
+            self._host[name] = value.item()  # a read that waits for nothing on CPU
+            return
         if value.requires_grad:
             value = value.detach()
         # A one-element view: sample() concatenates it with the vectors, no stack of the scalars.
@@ -99,6 +108,7 @@ class DeviceStack:
         # Every torch op here runs with cold caches (the optimizer has just streamed through the
         # parameters): ~5-20 us each on CPU, so as few as possible: one cat for everything (the
         # scalars are one-element views; cat promotes mixed dtypes), one copy.
+        step_fields.update(self._host)
         parts: list[torch.Tensor] = list(self._scalars)
         sections: list[tuple[int, int, Decoder]] = []
         offset = len(self._scalars)

@@ -60,6 +60,33 @@ def test_records_follow_the_wire_format_and_reach_the_collector(collector, tmp_p
         assert queries.list_runs(session)[0].status == "finished"
 
 
+def test_a_loss_tensor_the_job_reuses_in_place_is_reported_per_step(collector, tmp_path: Path) -> None:
+    """Each step record carries the loss and grad norm of its own step, even when the job writes
+    them into the same tensors every step (on CPU they are read at step(); on GPU copied there)."""
+    model, opt = _model()
+    record = tmp_path / "rec-{rank}.jsonl"
+    config = tv.AgentConfig(collector=collector.url, spill_dir=str(tmp_path / "spool"), record_file=str(record))
+    agent = tv.attach(model, opt, run="r1", config=config)
+    loss_slot, norm_slot = torch.zeros(()), torch.zeros(())  # the job's reused tensors
+    expected = []
+    for step in range(4):
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+        opt.step()
+        opt.zero_grad()
+        loss_slot.fill_(float(step) + 0.5)
+        norm_slot.copy_(norm)
+        expected.append((float(step) + 0.5, norm.item()))
+        agent.step(loss=loss_slot, grad_norm=norm_slot)
+    loss_slot.fill_(-1.0)  # after the last step, before the exporter has shipped it
+    norm_slot.fill_(-1.0)
+    agent.close()
+    lines = (tmp_path / "rec-0.jsonl").read_bytes().splitlines()
+    steps = [r for line in lines[1:] for r in Batch.model_validate_json(line).records if r.kind == "step"]
+    assert [s.loss for s in steps] == [loss for loss, _ in expected]  # exact: 0.5, 1.5, ... in float32
+    assert [s.grad_norm for s in steps] == pytest.approx([norm for _, norm in expected])
+
+
 def _module_hooks(model: nn.Module) -> int:
     return sum(
         len(m._forward_pre_hooks)
