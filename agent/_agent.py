@@ -21,7 +21,7 @@ from trainvitals.agent._config import AgentConfig, disabled_by_env
 from trainvitals.agent._delivery import spooling_exporter
 from trainvitals.agent._dist import RankInfo, default_run_id, rank_info
 from trainvitals.agent._fp8_monitor import Fp8Monitor
-from trainvitals.agent._grad_norms import GradNormTracker
+from trainvitals.agent._grad_norms import GradNorms, GradNormTracker
 from trainvitals.agent._guard import ErrorBudget, guarded, logger
 from trainvitals.agent._model_facts import derive_into
 from trainvitals.agent._position import FLOPS_CONVENTION, Position, flops_per_token, position_of
@@ -79,7 +79,7 @@ class Agent:
             if model is not None and optimizer is not None
             else None
         )
-        self._pending_grads: torch.Tensor | None = None
+        self._pending_grads: GradNorms | None = None
         self._hooks: list[Any] = []
         if optimizer is not None and self._grads is not None:
             self._hooks.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
@@ -285,8 +285,8 @@ class Agent:
     def _stack_monitors(self, stack: DeviceStack) -> None:
         """This step's gradient and FP8 vectors (device tensors, no sync) into the step's stack."""
         grads, self._pending_grads = self._pending_grads, None
-        if grads is not None and self._grads is not None:
-            stack.add(grads, self._grads.records)
+        if grads is not None:
+            stack.add(grads.norms, grads.decode)
         for fp8 in self._fp8:
             # `observing` was decided at the end of the previous step() from the predicted step number;
             # if the job jumped (step=, loaded()), what the hooks measured is still this step's.

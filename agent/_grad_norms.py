@@ -16,7 +16,10 @@ Ownership, per parameter, decided once:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -53,15 +56,33 @@ def _owned(param: torch.Tensor, model: nn.Module, mode: str) -> bool:
     return dist.get_rank() == 0  # 'replicated': over the whole world
 
 
+_F32_MAX = torch.finfo(torch.float32).max
+
+Decoder = Callable[[int, list[float]], list[JsonObject]]
+
+
+class GradNorms(NamedTuple):
+    """One step's per-parameter gradient norms (a fresh device vector, no sync) and the decoder
+    that turns their host values into grad records (`GradNormTracker.records`)."""
+
+    norms: torch.Tensor
+    decode: Decoder
+
+
 class GradNormTracker:
-    """Computes a flat device vector [local_sq per group, owned_sq per group, nonfinite per group]
-    plus the three global totals, from the gradients present at optimizer.step time.
+    """Per parameter group, local_sq, owned_sq and nonfinite, plus the three global totals, from
+    the gradients present at optimizer.step time.
+
+    The training thread computes only the per-parameter norms (one `_foreach_norm`, which torch's
+    own clip_grad_norm_ computes too); the exporter thread sums their squares into groups from the
+    copied-back values. Each op on the training thread costs 10-30 us with the caches cold after
+    backward, so the five ops of a device-side group sum were ~40-50 us per step there.
 
     Usage::
 
         tracker = GradNormTracker(model, groups="block", ownership="auto")
-        vec = tracker.compute()          # device tensor or None; no sync, no collective
-        records = tracker.records(step, vec.tolist())
+        grads = tracker.compute()        # GradNorms or None; no sync, no collective
+        records = grads.decode(step, grads.norms.tolist())    # on the exporter thread
     """
 
     def __init__(self, model: nn.Module, *, groups: str = "block", ownership: str = "auto") -> None:
@@ -75,22 +96,18 @@ class GradNormTracker:
             names = [GLOBAL_GROUP for _ in named]
         self.group_names: list[str] = list(dict.fromkeys(names))
         index = {g: i for i, g in enumerate(self.group_names)}
-        self._group_of = torch.tensor([index[n] for n in names], dtype=torch.long)
-        self._owned = torch.tensor([_owned(p, model, ownership) for p in self._params], dtype=torch.float32)
-        self._cache: dict[tuple[torch.device, tuple[int, ...]], _Reduction] = {}
+        self._owned = [_owned(p, model, ownership) for p in self._params]
+        self._group_index = [index[n] for n in names]
+        self._decoders: dict[tuple[int, ...], Decoder] = {}
         self._clip_key: tuple[int, ...] = ()
         self._clip_ok = False
 
-    @property
-    def width(self) -> int:
-        return 3 * len(self.group_names) + 3
+    def compute(self) -> GradNorms | None:
+        """This step's per-parameter norms and their decoder; None when no parameter has a gradient."""
+        return self._compute()
 
-    def compute(self) -> torch.Tensor | None:
-        out = self._compute()
-        return None if out is None else out[0]
-
-    def compute_with_total(self, params: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The group vector plus the total L2 norm of `params`' gradients, from one pass.
+    def compute_with_total(self, params: list[torch.Tensor]) -> tuple[GradNorms, torch.Tensor] | None:
+        """This step's norms (as compute()) plus the total L2 norm of `params`' gradients, from one pass.
 
         The total is what torch.nn.utils.clip_grad_norm_(params) computes (the same per-parameter
         norms, stacked, and torch's own vector_norm of them), so a job clipping through
@@ -106,14 +123,14 @@ class GradNormTracker:
             self._clip_key = key
         if not self._clip_ok:
             return None
-        out = self._compute()
-        if out is None:
+        grads = self._compute()
+        if grads is None:
             return None
-        vec, norms = out
-        return vec, torch.linalg.vector_norm(norms, 2.0)
+        return grads, torch.linalg.vector_norm(grads.norms, 2.0)
 
-    def _compute(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(group vector, the stacked per-parameter norms in the gradients' dtype)."""
+    def _compute(self) -> GradNorms | None:
+        """The stacked per-parameter norms, in the gradients' dtype, and the decoder of this set of
+        parameters with a gradient."""
         present: list[int] = []
         grads: list[torch.Tensor] = []
         for i, p in enumerate(self._params):
@@ -127,72 +144,43 @@ class GradNormTracker:
         device = norms[0].device
         if any(n.device != device for n in norms):  # e.g. CPU-offloaded parameters
             norms = [n.to(device, non_blocking=True) for n in norms]
-        stacked = torch.stack(norms)
-        r = self._reduction(device, tuple(present))
-        # Rows local_sq, owned_sq, nonfinite per parameter, written in place into a reused buffer and
-        # reduced into groups and totals by two index_add: each op costs a few microseconds of
-        # dispatch, 10-30 us with the caches cold after backward, far more than its arithmetic on a
-        # few hundred values, so the number of ops (and of distinct ops) is what matters here. Hence
-        # mul throughout (x * x is what square computes) and nonfinite as "sq * 0 is NaN" (exactly
-        # for inf and NaN): two ops where isfinite alone is four. owned_sq and sq * 0 come from one
-        # broadcast mul by the [owned; 0] rows.
-        norms32 = stacked if stacked.dtype == torch.float32 else stacked.float()
-        torch.mul(norms32, norms32, out=r.sq)
-        torch.mul(r.sq, r.owned_zero, out=r.tail)
-        torch.ne(r.nonfinite, r.nonfinite, out=r.nonfinite)
-        out = r.zeros.index_add(0, r.to_group, r.rows)  # [local_sq | owned_sq | nonfinite] per group
-        out.index_add_(0, r.to_total, r.rows)  # the three totals, at the end
-        return out, stacked
+        key = tuple(present)
+        decode = self._decoders.get(key)
+        if decode is None:  # the set of parameters with a gradient is stable after the first step
+            decode = functools.partial(self.records, [self._group_index[i] for i in present],
+                                       [1.0 if self._owned[i] else 0.0 for i in present])  # fmt: skip
+            self._decoders = {key: decode}
+        # A fresh tensor (torch.stack), never written again: it travels to the exporter as it is.
+        return GradNorms(torch.stack(norms), decode)
 
-    def _reduction(self, device: torch.device, present: tuple[int, ...]) -> _Reduction:
-        key = (device, present)
-        cached = self._cache.get(key)
-        if cached is None:
-            sel = torch.tensor(present, dtype=torch.long)
-            cached = _Reduction(self._group_of[sel], self._owned[sel], len(self.group_names), device)
-            self._cache = {key: cached}  # the set of present grads is stable after step 1
-        return cached
+    def records(self, groups: list[int], owned: list[float], step: int, norms: Sequence[float]) -> list[JsonObject]:
+        """Wire-format grad records from one step's copied-back per-parameter norms (the exporter
+        thread; `compute()` binds groups and owned, per parameter with a gradient).
 
-    def records(self, step: int, values: Sequence[float]) -> list[JsonObject]:
-        """Wire-format grad records from a copied-back vector (runs off the training thread)."""
+        In float32 arithmetic, as the device computed them before: a square or sum past float32's
+        range is inf, so a parameter whose squared norm overflows counts as non-finite. A non-owned
+        parameter's inf gives NaN in owned_sq (inf * 0), which the collector reads as non-finite."""
         n = len(self.group_names)
+        local, owned_sq, nonfinite = [0.0] * (n + 1), [0.0] * (n + 1), [0] * (n + 1)  # [n]: the totals
+        for norm, g, own in zip(norms, groups, owned, strict=True):
+            sq = _f32(norm * norm)
+            bad = not math.isfinite(sq)
+            for k in (g, n):
+                local[k] += sq
+                owned_sq[k] += sq * own
+                nonfinite[k] += bad
         out: list[JsonObject] = []
         single = n == 1 and self.group_names[0] == GLOBAL_GROUP
-        if not single:
-            for i, name in enumerate(self.group_names):
-                out.append(
-                    grad_record(
-                        step=step,
-                        group=name,
-                        owned_sq=values[n + i],
-                        local_sq=values[i],
-                        nonfinite=int(values[2 * n + i]),
-                    )
+        names = [*([] if single else self.group_names), GLOBAL_GROUP]
+        for k, name in zip([*([] if single else range(n)), n], names, strict=True):
+            out.append(
+                grad_record(
+                    step=step, group=name, owned_sq=_f32(owned_sq[k]), local_sq=_f32(local[k]), nonfinite=nonfinite[k]
                 )
-        out.append(
-            grad_record(
-                step=step,
-                group=GLOBAL_GROUP,
-                owned_sq=values[3 * n + 1],
-                local_sq=values[3 * n],
-                nonfinite=int(values[3 * n + 2]),
             )
-        )
         return out
 
 
-class _Reduction:
-    """Per-parameter rows and the index maps that reduce them into the tracker's vector, built once
-    per (device, set of parameters with a gradient). The rows buffer is reused every step (stream
-    order keeps that safe on accelerators); the output vector is fresh, it travels to the exporter."""
-
-    def __init__(self, group_of: torch.Tensor, owned: torch.Tensor, n_groups: int, device: torch.device) -> None:
-        n = group_of.numel()
-        self.rows = torch.zeros(3 * n, dtype=torch.float32, device=device)
-        self.sq, self.owned_sq, self.nonfinite = self.rows.view(3, n).unbind(0)
-        self.tail = self.rows.view(3, n)[1:]  # owned_sq and nonfinite, written by one mul
-        self.owned_zero = torch.stack([owned, torch.zeros(n)]).to(device)  # [owned; 0] per parameter
-        self.zeros = torch.zeros(3 * n_groups + 3, dtype=torch.float32, device=device)  # never written
-        row = torch.arange(3).repeat_interleave(n)  # which row each element of `rows` belongs to
-        self.to_group = (row * n_groups + group_of.repeat(3)).to(device)
-        self.to_total = (3 * n_groups + row).to(device)
+def _f32(x: float) -> float:
+    """x as float32 arithmetic leaves it past its range: +-inf (NaN stays NaN)."""
+    return math.copysign(math.inf, x) if abs(x) > _F32_MAX else x
