@@ -76,7 +76,7 @@ class GradNormTracker:
     The training thread computes only the per-parameter norms (one `_foreach_norm`, which torch's
     own clip_grad_norm_ computes too); the exporter thread sums their squares into groups from the
     copied-back values. Each op on the training thread costs 10-30 us with the caches cold after
-    backward, so the five ops of a device-side group sum were ~40-50 us per step there.
+    backward: the five ops of a device-side group sum were 25-60 us per step there.
 
     Usage::
 
@@ -157,9 +157,9 @@ class GradNormTracker:
         """Wire-format grad records from one step's copied-back per-parameter norms (the exporter
         thread; `compute()` binds groups and owned, per parameter with a gradient).
 
-        In float32 arithmetic, as the device computed them before: a square or sum past float32's
-        range is inf, so a parameter whose squared norm overflows counts as non-finite. A non-owned
-        parameter's inf gives NaN in owned_sq (inf * 0), which the collector reads as non-finite."""
+        Python floats, within float32's range as the device's float32 sums were: a square or sum
+        past it is inf, so a parameter whose squared norm overflows counts as non-finite. As before,
+        a non-owned parameter's inf makes owned_sq NaN (inf * 0)."""
         n = len(self.group_names)
         local, owned_sq, nonfinite = [0.0] * (n + 1), [0.0] * (n + 1), [0] * (n + 1)  # [n]: the totals
         for norm, g, own in zip(norms, groups, owned, strict=True):

@@ -86,8 +86,8 @@ class DeviceStack:
 
     def add_scalar(self, name: str, value: torch.Tensor) -> None:
         """A step field that is a device tensor (its first element, as for a 0-dim loss)."""
-        if value.device.type == "cpu" and value.numel() == 1:
-            self._host[name] = value.item()  # a read that waits for nothing on CPU
+        if value.device.type == "cpu" and value.numel() == 1 and getattr(value, "to_local", None) is None:
+            self._host[name] = value.item()  # a read that waits for nothing on CPU (a DTensor's could)
             return
         if value.requires_grad:
             value = value.detach()

@@ -992,8 +992,9 @@ def main() -> None:
         "--analysis-thread", action="store_true", help="serve --analysis-thread: analysis in the collector process"
     )
     parser.add_argument("--ingest-synchronous-commit", action="store_true",
-                        help="PostgreSQL: TRAINVITALS_INGEST_SYNCHRONOUS_COMMIT=true, ingest (and the floor) commit "
-                             "waiting for the WAL flush (default: synchronous_commit off, as collectors)")  # fmt: skip
+                        help="PostgreSQL: TRAINVITALS_INGEST_SYNCHRONOUS_COMMIT=true, ingest and the floor "
+                             "commit waiting for the WAL flush (default: synchronous_commit off, as the "
+                             "collector's default)")  # fmt: skip
     parser.add_argument("--floor-seconds", type=float, default=10.0,
                         help="insert time of the raw-insert floor per backend (0: no floor rows)")  # fmt: skip
     add_shared_args(parser)

@@ -73,8 +73,8 @@ def test_nonfinite_gradients_are_counted_not_hidden() -> None:
 
 def test_a_square_past_float32s_range_counts_as_nonfinite() -> None:
     """The groups are summed on the exporter thread in Python floats, but within float32's range,
-    as on the device before and as the collector's float32 columns hold them: a float64 gradient
-    with a finite norm of ~2.8e20 squares past it, to inf, and counts as non-finite."""
+    as the device's float32 sums were before: a float64 gradient with a finite norm of ~2.8e20
+    squares past it, to inf, and counts as non-finite."""
     model = Tiny().double()
     model(torch.randint(0, 10, (2, 3))).sum().backward()
     model.layers[1].bias.grad.fill_(1e20)
