@@ -102,10 +102,6 @@ class GradNormTracker:
         self._clip_key: tuple[int, ...] = ()
         self._clip_ok = False
 
-    def compute(self) -> GradNorms | None:
-        """This step's per-parameter norms and their decoder; None when no parameter has a gradient."""
-        return self._compute()
-
     def compute_with_total(self, params: list[torch.Tensor]) -> tuple[GradNorms, torch.Tensor] | None:
         """This step's norms (as compute()) plus the total L2 norm of `params`' gradients, from one pass.
 
@@ -123,14 +119,14 @@ class GradNormTracker:
             self._clip_key = key
         if not self._clip_ok:
             return None
-        grads = self._compute()
+        grads = self.compute()
         if grads is None:
             return None
         return grads, torch.linalg.vector_norm(grads.norms, 2.0)
 
-    def _compute(self) -> GradNorms | None:
-        """The stacked per-parameter norms, in the gradients' dtype, and the decoder of this set of
-        parameters with a gradient."""
+    def compute(self) -> GradNorms | None:
+        """This step's per-parameter norms (stacked, in the gradients' dtype) and the decoder of this
+        set of parameters with a gradient; None when no parameter has a gradient."""
         present: list[int] = []
         grads: list[torch.Tensor] = []
         for i, p in enumerate(self._params):

@@ -874,7 +874,7 @@ def _floor_write(backend: str, raw: Any, group: dict[str, list[tuple[Any, ...]]]
     else:
         with raw.cursor() as cur:
             if not synchronous_commit:  # as the collector's ingest commits (store_batches)
-                cur.execute("SET LOCAL synchronous_commit TO OFF")
+                cur.execute(store.PG_ASYNC_COMMIT)
             for kind, rows in group.items():
                 with cur.copy(store._PG_COPY[kind]) as copy:  # noqa: SLF001
                     copy.set_types(store._PG_COPY_TYPES[kind])  # noqa: SLF001

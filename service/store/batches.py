@@ -757,6 +757,9 @@ def _touch_runs(
     return out
 
 
+# PostgreSQL: this transaction's commit returns before its WAL is flushed (store_batches).
+PG_ASYNC_COMMIT = "SET LOCAL synchronous_commit TO OFF"
+
 # A statement of the group's tail and its parameter sets (constant statements: each is compiled
 # once per dialect, `_compiled`, and run on the driver's cursor).
 Statement: TypeAlias = "tuple[Executable, list[dict[str, Any]]]"
@@ -783,7 +786,7 @@ def _execute_and_commit(session: Session, statements: list[Statement], *, synchr
     else:
         with raw.pipeline(), raw.cursor() as cur:  # type: ignore[union-attr]
             if not synchronous_commit:  # for this transaction's commit only (store_batches)
-                cur.execute("SET LOCAL synchronous_commit TO OFF")
+                cur.execute(PG_ASYNC_COMMIT)
             for statement, params in statements:
                 compiled = _compiled(statement, conn.dialect)
                 cur.executemany(str(compiled), [compiled.construct_params(p) for p in params])

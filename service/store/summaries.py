@@ -52,7 +52,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Session
 
-from trainvitals.service.store.batches import SqliteInsert, sqlite_insert, sqlite_multirow
+from trainvitals.service.store.batches import PG_ASYNC_COMMIT, SqliteInsert, sqlite_insert, sqlite_multirow
 from trainvitals.service.store.incarnations import newest_incarnation_only
 from trainvitals.service.store.models import (
     GradStatRow,
@@ -121,7 +121,7 @@ def claim_steps(session: Session, *, run_id: str, upto: int) -> Progress:
     if bind.dialect.name == "postgresql":
         # Only the order of the claim matters, not its durability: the reduction's final commit
         # flushes the WAL after it anyway.
-        session.execute(text("SET LOCAL synchronous_commit TO OFF"))
+        session.execute(text(PG_ASYNC_COMMIT))
         # Waits for the ingest transactions of this run in flight (key-share locks, module docstring).
         session.execute(select(Run.run_id).where(Run.run_id == run_id).with_for_update())
     reduction_state(session, run_id=run_id)
