@@ -99,8 +99,8 @@ class DeviceStack:
         self._scalars.append(value)
 
     def add(self, vector: torch.Tensor, decode: Decoder) -> None:
-        """A monitor's flat vector (another dtype than float32 is converted here) and the decoder
-        that turns its host values into records."""
+        """A monitor's flat vector (another dtype than float32 is converted by sample()) and the
+        decoder that turns its host values into records."""
         self._vectors.append(vector)
         self._decoders.append(decode)
 
