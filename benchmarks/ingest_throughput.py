@@ -634,6 +634,7 @@ def measure(
     db_prefix: str = "tv_bench",
     rate: float = 0.0,
     synchronous_commit: bool = False,
+    timeline: str | None = None,
 ) -> IngestResult:
     run = "bench-16k"
     with scratch_db(backend, f"{db_prefix}_ingest") as url:
@@ -656,6 +657,7 @@ def measure(
                 steps_per_batch=steps_per_batch,
                 layers_per_rank=layers_per_rank,
                 rate=rate,
+                timeline=timeline,
             )
 
 
@@ -673,6 +675,7 @@ def _drive(
     steps_per_batch: int,
     layers_per_rank: int,
     rate: float = 0.0,
+    timeline: str | None = None,
 ) -> IngestResult:
     status, body = post_json(col.base, "/v1/runs", registration(run), token)
     if status >= 300:
@@ -742,6 +745,8 @@ def _drive(
             [t for *_, timed in results for t in timed], schedule, t_start, t_end, t_stop, clients
         )
         p50, p99 = open_loop.pop("p50"), open_loop.pop("p99")
+        if timeline is not None:
+            _write_timeline(f"{timeline}-{backend}.csv", [t for *_, timed in results for t in timed], schedule)
     return IngestResult(
         backend=backend,
         records_per_s=sum(s[2] for s in window) / span,
@@ -766,6 +771,19 @@ def _drive(
         span_s=span,
         **open_loop,
     )
+
+
+def _write_timeline(path: str, timed: list[tuple[int, float, float, bool]], schedule: tuple[float, float]) -> None:
+    """Open loop: one CSV row per answered batch, in due order, on the wall clock (Unix seconds), to
+    line a stall up with what else happened then (the server's log of its checkpoints, a profile)."""
+    start, per_s = schedule
+    wall = time.time() - time.monotonic()  # CLOCK_MONOTONIC is one clock for every process
+    with open(path, "w") as f:
+        f.write("due_unix,late_ms,answer_ms,ok\n")
+        for slot, sent, done, ok in sorted(timed):
+            due = start + slot / per_s
+            f.write(f"{due + wall:.3f},{(sent - due) * 1e3:.1f},{(done - sent) * 1e3:.1f},{int(ok)}\n")
+    print(f"timeline: {path} ({len(timed)} batches)")
 
 
 def _open_loop_stats(
@@ -997,8 +1015,13 @@ def main() -> None:
                              "collector's default)")  # fmt: skip
     parser.add_argument("--floor-seconds", type=float, default=10.0,
                         help="insert time of the raw-insert floor per backend (0: no floor rows)")  # fmt: skip
+    parser.add_argument("--timeline", metavar="PREFIX",
+                        help="open loop: write each batch's due time (Unix s), send lateness and answer time "
+                             "to PREFIX-<backend>.csv, to line stalls up with other events")  # fmt: skip
     add_shared_args(parser)
     args = parser.parse_args()
+    if args.timeline and args.rate <= 0:
+        parser.error("--timeline needs --rate (the open loop): a closed loop has no schedule to be late on")
     if args.rate < 0 or args.clients < 1:
         parser.error("--rate must be >= 0 and --clients >= 1")
     print(f"$ {' '.join([Path(sys.executable).name, *sys.argv])}")
@@ -1034,6 +1057,7 @@ def main() -> None:
             db_prefix=args.db_prefix,
             rate=args.rate,
             synchronous_commit=args.ingest_synchronous_commit,
+            timeline=args.timeline,
         )
         print(f"[{backend}] collector ({res.collector_processes} processes): {res.command}", flush=True)
         results.append(res)
