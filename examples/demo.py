@@ -38,9 +38,8 @@ PROJECT = "demo"
 SECONDS_PER_STEP = 0.15
 """Measured here (2 cores, 4 ranks): about 0.13-0.14 s a step idle, 0.2 s with a busy loop alongside."""
 START_SECONDS = 8
-"""The collector's start, the ranks' torch import and rendezvous, and the last analysis cycle: 3-4 s
-on a warm machine (the summary came 39 s after the start, 250 steps taking 35 s), more on a cold one."""
-"""Collector start, four ranks importing torch and meeting, the analysis catching up at the end."""
+"""Collector start, four ranks importing torch and meeting, the analysis catching up at the end: 3-4 s
+on a warm machine (the summary came 39 s after the start, the 250 steps taking 35 s), more on a cold one."""
 
 
 def _free_port() -> int:
