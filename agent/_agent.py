@@ -400,20 +400,21 @@ class Agent:
         Idempotent; whatever cannot be delivered in time stays in the spool for the next start."""
         if self._closed:
             return
-        self.event("stop", detail=f"after {self._step} steps")
-        self._closed = True
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
-        self._timer.close()
-        for fp8 in self._fp8:
-            fp8.close()
-        timeout = self.config.flush_timeout_s if timeout is None else timeout
-        try:
-            self._checkpoints.close(timeout / 2)
-            self._exporter.shutdown(timeout)
-        except Exception as exc:  # noqa: BLE001
-            self._errors.record("close", exc)
+        with _sigterm.exit_pass():  # a SIGTERM from here on waits for the delivery (agent/_sigterm.py)
+            self.event("stop", detail=f"after {self._step} steps")
+            self._closed = True
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks.clear()
+            self._timer.close()
+            for fp8 in self._fp8:
+                fp8.close()
+            timeout = self.config.flush_timeout_s if timeout is None else timeout
+            try:
+                self._checkpoints.close(timeout / 2)
+                self._exporter.shutdown(timeout)
+            except Exception as exc:  # noqa: BLE001
+                self._errors.record("close", exc)
 
     def stats(self) -> dict[str, int]:
         """Counters: agent errors, steps, records emitted / delivered (acknowledged by the

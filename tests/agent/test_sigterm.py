@@ -57,3 +57,44 @@ def test_without_it_the_queued_steps_die_with_the_process(collector, tmp_path: P
     assert status == -signal.SIGTERM
     steps, _events = _stored(collector.db_url, run="term")
     assert steps == []
+
+
+# The job ends on its own (torchrun's other ranks: the collective's error), and SIGTERM arrives
+# while the agent's exit pass is delivering: raised from the transport's first request, so that it
+# lands in that pass every time, then the request goes on 0.5 s later.
+ENDING = """
+import os, signal, sys, time, torch
+from torch import nn
+import trainvitals.agent as tv
+from trainvitals.agent import _transport
+
+model = nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+config = tv.AgentConfig(collector=sys.argv[1], spill_dir=sys.argv[2], send_interval_s=3600.0)
+agent = tv.attach(model, opt, run="ending", config=config)
+for _ in range(20):
+    model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
+    agent.step(loss=1.0)
+post = _transport.HttpTransport.post
+
+def post_after_sigterm(self, path, body, timeout):
+    if not getattr(post_after_sigterm, "sent", False):
+        post_after_sigterm.sent = True
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)  # the main thread, waiting in close(), runs the signal's handler meanwhile
+    return post(self, path, body, timeout)
+
+_transport.HttpTransport.post = post_after_sigterm
+print("ending", flush=True)
+"""
+
+
+def test_a_sigterm_during_the_exit_pass_waits_for_its_delivery(collector, tmp_path: Path) -> None:
+    child = subprocess.run(
+        [sys.executable, "-c", ENDING, collector.url, str(tmp_path / "spool")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert child.stdout.strip() == "ending", child.stderr
+    steps, _events = _stored(collector.db_url, run="ending")
+    assert steps == list(range(20)), child.stderr[-2000:]
+    assert not list((tmp_path / "spool").glob("*.jsonl")), "delivered, so nothing is left spooled"
