@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import random
+import sqlite3
 import time
 from pathlib import Path
 
@@ -18,20 +20,21 @@ import trainvitals.migrations as _migrations
 from trainvitals.service.periodic import Periodic
 
 DEFAULT_SQLITE_URL = "sqlite:///trainvitals.db"
+_BUSY_TIMEOUT_S = 30.0  # how long a SQLite connection waits for another's lock
 log = logging.getLogger(__name__)
 
 
 def make_engine(url: str) -> Engine:
     """An engine tuned for append-heavy ingest on either backend."""
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": _BUSY_TIMEOUT_S})
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn: object, _record: object) -> None:
             cur = dbapi_conn.cursor()  # type: ignore[attr-defined]
             # WAL lets /metrics and queries read while ingest writes; NORMAL sync is durable
             # across process crashes (the collector being killed), which is the failure we expect.
-            cur.execute("PRAGMA journal_mode=WAL")
+            _switch_to_wal(cur)
             cur.execute("PRAGMA synchronous=NORMAL")
             cur.execute("PRAGMA foreign_keys=ON")
             # Every batch inserts into three tables with string-keyed indexes; with SQLite's
@@ -56,6 +59,25 @@ def make_engine(url: str) -> Engine:
     engine = create_engine(url, pool_size=8, max_overflow=8)
     _ping_when_idle(engine)
     return engine
+
+
+def _switch_to_wal(cur: sqlite3.Cursor) -> None:
+    """Put the database in WAL mode (it stays so): a read where it already is; where it is not
+    (the migrations leave a new database in rollback mode), retried while another connection holds
+    a write lock. SQLite answers that case "database is locked" at once, without waiting out the
+    busy timeout (it would deadlock two connections switching together): the collector's threads
+    connecting at its start, or a second process, then failed at random (a CI flake)."""
+    if cur.execute("PRAGMA journal_mode").fetchone()[0] == "wal":
+        return
+    deadline = time.monotonic() + _BUSY_TIMEOUT_S
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(random.uniform(0.005, 0.05))  # apart, so two switching together do not meet again
 
 
 # A pooled connection idle this long is pinged before use (a database restart or a dropped
