@@ -194,13 +194,15 @@ def detect_stragglers(series: RunSeries, sup: Suppression, cfg: StragglerConfig)
         mad = nanmedian(np.abs(win_med[:, cols] - cm[:, None]), axis=1)
         scale = np.maximum(MAD_TO_SIGMA * mad, cfg.mad_floor_frac * cm)
         wait_cm = nanmedian(win_wait[:, cols], axis=1)
-        for col in cols:
-            r = win_med[:, col] / cm
-            z = (win_med[:, col] - cm) / scale
-            flag = np.nan_to_num(r) > cfg.ratio
-            flag &= np.nan_to_num(z) > cfg.z
-            # The slow rank waits least; a rank that waits more than its peers is a victim.
-            flag &= ~(np.nan_to_num(win_wait[:, col], nan=-np.inf) > np.nan_to_num(wait_cm, nan=np.inf))
+        # The window test for the whole cohort at once (per rank in Python it was most of a
+        # cycle's detectors at 16,384 ranks); only ranks it flags at all are looked at further.
+        ratios = win_med[:, cols] / cm[:, None]
+        flags = np.nan_to_num(ratios) > cfg.ratio
+        flags &= np.nan_to_num((win_med[:, cols] - cm[:, None]) / scale[:, None]) > cfg.z
+        # The slow rank waits least; a rank that waits more than its peers is a victim.
+        flags &= ~(np.nan_to_num(win_wait[:, cols], nan=-np.inf) > np.nan_to_num(wait_cm, nan=np.inf)[:, None])
+        for j in np.flatnonzero(flags.any(axis=0)):
+            col, r, flag = cols[j], ratios[:, j], flags[:, j]
             episodes: list[Finding] = []
             for a, b in runs_of_true(flag):
                 if b - a < cfg.persist_windows:
@@ -285,22 +287,17 @@ def _intermittent(
     slow = valid & (np.nan_to_num(ratio) > cfg.tail_ratio)
     n_slow = slow[: n_win * w].reshape(n_win, w, -1).sum(axis=1)  # [n_win, R]
     n_valid = valid[: n_win * w].reshape(n_win, w, -1).sum(axis=1)
-    kernel = np.ones(k, dtype=int)
-    pooled_slow = np.stack(
-        [np.convolve(n_slow[:, c], kernel)[k - 1 : n_win] for c in range(n_slow.shape[1])], 1
-    )
-    pooled_valid = np.stack(
-        [np.convolve(n_valid[:, c], kernel)[k - 1 : n_win] for c in range(n_valid.shape[1])], 1
-    )
+    pooled_slow, pooled_valid = _sums_of_k(n_slow, k), _sums_of_k(n_valid, k)
     frac = pooled_slow / np.maximum(pooled_valid, 1)
     out: list[Finding] = []
     for stage, cols in cohorts.items():
         base = np.maximum(np.median(frac[:, cols], axis=1), cfg.tail_base_floor)
-        for col in cols:
-            if int(col) in persistent:
-                continue
-            p = stats.binom.sf(pooled_slow[:, col] - 1, pooled_valid[:, col], base)
-            flag = (p < cfg.tail_p) & (frac[:, col] >= cfg.tail_min_frac)
+        tested = np.array([c for c in cols if int(c) not in persistent], dtype=cols.dtype)
+        # The binomial test for the cohort's ranks at once, as the window test above.
+        p = stats.binom.sf(pooled_slow[:, tested] - 1, pooled_valid[:, tested], base[:, None])
+        flags = (p < cfg.tail_p) & (frac[:, tested] >= cfg.tail_min_frac)
+        for j in np.flatnonzero(flags.any(axis=0)):
+            col, flag = tested[j], flags[:, j]
             episodes: list[Finding] = []
             for a, b in runs_of_true(flag):
                 if b - a < cfg.tail_persist_windows:
@@ -344,6 +341,12 @@ def _intermittent(
                 )
             out += _pick(episodes)  # one finding per rank
     return out
+
+
+def _sums_of_k(counts: np.ndarray, k: int) -> np.ndarray:
+    """Sums of k consecutive rows (windows) per column: row i sums rows i..i+k-1 (exact integers)."""
+    c = np.concatenate([np.zeros((1, counts.shape[1]), dtype=counts.dtype), np.cumsum(counts, axis=0)])
+    return c[k:] - c[:-k]
 
 
 def _stage_imbalance(
