@@ -146,23 +146,36 @@ class _RankMatrix:
         parts = []
         for b in blocks:
             keep = b["steps"] > after
-            mats = [b[name][keep] for name in _TIMING_MATS]
+            # Slices, not copies, where the block is kept whole (the usual case): a load at 16,384
+            # ranks is ~240 MB of timing, and each copy of it cost a restart's first cycle 0.2-0.7 s.
+            rows = slice(None) if keep.all() else keep
+            mats = [b[name][rows] for name in _TIMING_MATS]
             present = ~np.all(np.isnan(mats[0]), axis=0) if keep.any() else np.zeros(len(b["ranks"]), bool)
-            parts.append((b["steps"][keep], b["ranks"][present], [m[:, present] for m in mats], b["stage"][present]))
+            cols = slice(None) if present.all() else present
+            parts.append((b["steps"][keep], b["ranks"][cols], [m[:, cols] for m in mats], b["stage"][cols]))
         if not any(len(steps) for steps, *_ in parts):
             return
         self._widen(np.unique(np.concatenate([ranks for _, ranks, *_ in parts])))
-        new: list[list[np.ndarray]] = [[] for _ in _TIMING_MATS]
+        # Each matrix once at its new size, the held rows and every block's written into it.
+        held = len(self.steps)
+        total = held + sum(len(steps) for steps, *_ in parts)
+        grown = [np.full((total, len(self.ranks)), np.nan) for _ in _TIMING_MATS]
+        for out, old in zip(grown, self.mats, strict=True):
+            out[:held] = old
+        row = held
         for steps, ranks, mats, stage in parts:
             at = np.searchsorted(self.ranks, ranks)
-            for out, m in zip(new, mats, strict=True):
-                wide = np.full((len(steps), len(self.ranks)), np.nan)
-                wide[:, at] = m
-                out.append(wide)
+            whole = len(at) == len(self.ranks)  # then at is every column, in order
+            for out, m in zip(grown, mats, strict=True):
+                if whole:
+                    out[row : row + len(steps)] = m
+                else:
+                    out[row : row + len(steps), at] = m
             known = stage >= 0
             self.stage[at[known]] = stage[known]
+            row += len(steps)
         self.steps = np.concatenate([self.steps, *(steps for steps, *_ in parts)])
-        self.mats = [_frozen(np.concatenate([old, *more])) for old, more in zip(self.mats, new, strict=True)]
+        self.mats = [_frozen(m) for m in grown]
 
     def series(self) -> RankSteps | None:
         if not len(self.steps):
