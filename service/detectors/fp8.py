@@ -290,6 +290,26 @@ def _sliding_fits(
     return n, slope, mk_z, fitted_end, keys - (span - 1) + first
 
 
+def _reference_lows(
+    keys: np.ndarray, mins: np.ndarray, segs: np.ndarray, first_key: np.ndarray, ref: int
+) -> np.ndarray:
+    """Per block j: the lowest minimum of the blocks in [first_key[j] - ref, first_key[j]) of j's
+    segment, NaN where fewer than ref // 2 of them are present. Windows over the blocks laid out
+    densely, for every block at once (a loop over 384 tensors x every block cost ~0.3 s a cycle)."""
+    lo = int(first_key.min()) - ref  # the layout starts at the lowest window's first block
+    size = int(keys.max()) - lo + 1
+    y = np.full(size, np.inf)
+    sg = np.full(size, 0, dtype=np.int64)
+    present = np.zeros(size, dtype=bool)
+    at = keys - lo
+    y[at], sg[at], present[at] = mins, segs, True
+    start = first_key - ref - lo
+    windows = np.lib.stride_tricks.sliding_window_view
+    ours = windows(present, ref)[start] & (windows(sg, ref)[start] == segs[:, None])
+    low = np.where(ours, windows(y, ref)[start], np.inf).min(axis=1)
+    return np.where(ours.sum(axis=1) >= ref // 2, low, np.nan)
+
+
 def detect_headroom_trend(
     ts: TensorSeries, run: str, quiet: np.ndarray, seg: np.ndarray, cfg: Fp8Config
 ) -> list[Finding]:
@@ -302,11 +322,7 @@ def detect_headroom_trend(
     n, slope, mk_z, fitted_end, first_key = _sliding_fits(keys, mins, segs, cfg)
     # The level must be a new low for this tensor: below every block minimum of the reference
     # blocks before the fit window (headroom settling back after warm-up is not a trend).
-    ref_low = np.full(len(keys), np.nan)
-    for j in range(len(keys)):
-        sel = (keys < first_key[j]) & (keys >= first_key[j] - cfg.trend_ref_blocks) & (segs == segs[j])
-        if sel.sum() >= cfg.trend_ref_blocks // 2:
-            ref_low[j] = mins[sel].min()
+    ref_low = _reference_lows(keys, mins, segs, first_key, cfg.trend_ref_blocks)
     with np.errstate(divide="ignore", invalid="ignore"):
         to_floor = np.where(slope < 0, np.maximum(fitted_end - cfg.clip_hard_bits, 0.0) / -slope, np.inf)
         cond = (
