@@ -292,7 +292,7 @@ def _intermittent(
     out: list[Finding] = []
     for stage, cols in cohorts.items():
         base = np.maximum(np.median(frac[:, cols], axis=1), cfg.tail_base_floor)
-        tested = np.array([c for c in cols if int(c) not in persistent], dtype=cols.dtype)
+        tested = cols[~np.isin(cols, list(persistent))]
         # The binomial test for the cohort's ranks at once, as the window test above.
         p = stats.binom.sf(pooled_slow[:, tested] - 1, pooled_valid[:, tested], base[:, None])
         flags = (p < cfg.tail_p) & (frac[:, tested] >= cfg.tail_min_frac)
