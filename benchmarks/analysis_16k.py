@@ -2,7 +2,7 @@
 detectors' input, run the detectors, store findings.
 
     python benchmarks/analysis_16k.py [--backend postgresql] [--cycles 6] [--summary-steps 20000]
-        [--modes kept,restart,fresh] [--db-prefix tv_bench]
+        [--modes kept,restart,fresh] [--db-prefix tv_bench] [--profile PATH]
 
 The run is generated inside a scratch database (as scrape_16k.py does): what the collector holds
 after ~20,000 steps of a tp 8 x pp 8 x dp 256 run, with the detectors' full lookbacks populated:
@@ -192,6 +192,19 @@ def store_all_blocks(session_factory, *, now: float, config: pipeline.PipelineCo
         detector_inputs._SAVES_PER_CYCLE = limit
 
 
+def profiled(path: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs) under cProfile: its stats saved to path, the top 25 by cumulative time printed."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    out = prof.runcall(fn, *args, **kwargs)
+    prof.dump_stats(path)
+    print(f"profile of the first cycle ({path}; its times include the profiler's overhead):")
+    pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(25)
+    return out
+
+
 def old_watermark_seconds(engine: Engine) -> float:
     """The query the worker ran every cycle before: max step per rank over all of the run's rows."""
     t0 = time.perf_counter()
@@ -213,6 +226,8 @@ def main() -> None:
     parser.add_argument("--summary-steps", type=int, default=20_000)
     parser.add_argument("--modes", default="kept,restart,fresh", help="comma-separated: kept, restart, fresh")
     parser.add_argument("--db-prefix", default="tv_bench", help="name prefix of the scratch database")
+    parser.add_argument("--profile", metavar="PATH", help="cProfile each mode's first cycle into PATH-<mode>.pstats "
+                        "and print its 25 costliest functions (cumulative)")
     args = parser.parse_args()
     modes = [m for m in ("kept", "restart", "fresh") if m in args.modes.split(",")]
     print("$ python benchmarks/analysis_16k.py " + " ".join(sys.argv[1:]))
@@ -242,7 +257,11 @@ def main() -> None:
                 step += 1
                 now += 1.05
                 add_step(engine, step, now)
-                rows.append(cycle(factory, now=now, config=config, inputs=inputs))
+                if args.profile and not rows:
+                    rows.append(profiled(f"{args.profile}-{mode}.pstats", cycle, factory, now=now, config=config,
+                                         inputs=inputs))  # fmt: skip
+                else:
+                    rows.append(cycle(factory, now=now, config=config, inputs=inputs))
                 assert rows[-1]["reduced"] == 1, rows[-1]
             results[mode] = rows
             memory[mode] = rss_mb()

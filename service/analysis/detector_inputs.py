@@ -72,18 +72,34 @@ class _Columns:
             self.cols = [_frozen(np.concatenate([c, new])) for c, new in zip(self.cols, columns, strict=True)]
 
 
+_SPARE_ROWS = 64
+"""Steps of room a rank matrix keeps after its newest (25 MB at 16,384 ranks): a copy of the
+lookback every 64 new steps instead of every cycle."""
+
+
 class _RankMatrix:
-    """Per-step x per-rank timing, extended by the rows of new steps."""
+    """Per-step x per-rank timing, extended by the rows of new steps.
+
+    The matrices are read-only views of buffers with room for `_SPARE_ROWS` more steps: a cycle's
+    new steps are written into that room, not appended by copying the whole lookback (600 steps x
+    16,384 ranks x 3 matrices, 0.6 s of a restart's first cycle under cProfile). Rows a view ever
+    showed are never written again (a cut of the newest steps gives up the room), so a series
+    handed to the detectors does not change under them."""
 
     def __init__(self) -> None:
         self.steps = np.empty(0, dtype=I64)
         self.ranks = np.empty(0, dtype=I64)
         self.mats = [np.empty((0, 0)) for _ in range(3)]  # step, compute, wait seconds
         self.stage = np.empty(0, dtype=I64)
+        self._bufs: list[np.ndarray] | None = None  # what self.mats view, rows _lo.._lo+len(steps)-1
+        self._lo = 0
 
     def cut(self, *, after: float, upto: float) -> None:
         lo = int(np.searchsorted(self.steps, after, side="right"))
         hi = int(np.searchsorted(self.steps, upto, side="right"))
+        if hi < len(self.steps):  # the newest steps go (to be read again): their rows are not reused
+            self._bufs = None
+        self._lo += lo
         self.steps = self.steps[lo:hi]
         self.mats = [m[lo:hi] for m in self.mats]
         # A rank that has no step left in the window is not part of it (as in a fresh read).
@@ -91,6 +107,7 @@ class _RankMatrix:
         if not present.all():
             self.ranks, self.stage = self.ranks[present], self.stage[present]
             self.mats = [m[:, present] for m in self.mats]
+            self._bufs = None
 
     def _widen(self, ranks: np.ndarray) -> None:
         """Add columns (NaN) for ranks seen for the first time, keeping the ranks sorted."""
@@ -106,6 +123,27 @@ class _RankMatrix:
         stage = np.full(len(union), -1, dtype=I64)
         stage[at] = self.stage
         self.ranks, self.mats, self.stage = union, mats, stage
+        self._bufs = None
+
+    def _room(self, rows: int) -> int:
+        """Make room for `rows` more steps after the held ones (NaN); returns the buffer row where
+        they start. Copies the held rows only when the buffers are full (every ~_SPARE_ROWS steps)."""
+        held = len(self.steps)
+        end = self._lo + held
+        if self._bufs is None or end + rows > len(self._bufs[0]):
+            bufs = [np.empty((held + rows + max(_SPARE_ROWS, rows), len(self.ranks))) for _ in self.mats]
+            for buf, m in zip(bufs, self.mats, strict=True):
+                buf[:held] = m
+            self._bufs, self._lo, end = bufs, 0, held
+        for buf in self._bufs:
+            buf[end : end + rows] = np.nan
+        return end
+
+    def _show(self, new_steps: np.ndarray) -> None:
+        """The held steps followed by new_steps, whose rows were written into the buffers."""
+        assert self._bufs is not None
+        self.steps = np.concatenate([self.steps, new_steps])
+        self.mats = [_frozen(buf[self._lo : self._lo + len(self.steps)]) for buf in self._bufs]
 
     def append(self, columns: Sequence[np.ndarray]) -> None:
         """columns (detector_reads.RANK_DTYPES) of steps newer than every held step: one row per
@@ -119,13 +157,11 @@ class _RankMatrix:
         new_steps = step_a[np.concatenate([[True], step_a[1:] != step_a[:-1]])]
         si = np.searchsorted(new_steps, step_a)
         ri = np.searchsorted(self.ranks, rank_a)
-        block = []
-        for values in (total, comp, wait):
-            m = np.full((len(new_steps), len(self.ranks)), np.nan)
-            m[si, ri] = values
-            block.append(m)
-        self.steps = np.concatenate([self.steps, new_steps])
-        self.mats = [_frozen(np.concatenate([old, new])) for old, new in zip(self.mats, block, strict=True)]
+        row = self._room(len(new_steps))
+        assert self._bufs is not None
+        for buf, values in zip(self._bufs, (total, comp, wait), strict=True):
+            buf[row + si, ri] = values
+        self._show(new_steps)
         known = ~np.isnan(pp)
         self.stage[ri[known]] = pp[known].astype(I64)
 
@@ -156,26 +192,20 @@ class _RankMatrix:
         if not any(len(steps) for steps, *_ in parts):
             return
         self._widen(np.unique(np.concatenate([ranks for _, ranks, *_ in parts])))
-        # Each matrix once at its new size, the held rows and every block's written into it.
-        held = len(self.steps)
-        total = held + sum(len(steps) for steps, *_ in parts)
-        grown = [np.full((total, len(self.ranks)), np.nan) for _ in _TIMING_MATS]
-        for out, old in zip(grown, self.mats, strict=True):
-            out[:held] = old
-        row = held
+        row = self._room(sum(len(steps) for steps, *_ in parts))
+        assert self._bufs is not None
         for steps, ranks, mats, stage in parts:
             at = np.searchsorted(self.ranks, ranks)
             whole = len(at) == len(self.ranks)  # then at is every column, in order
-            for out, m in zip(grown, mats, strict=True):
+            for buf, m in zip(self._bufs, mats, strict=True):
                 if whole:
-                    out[row : row + len(steps)] = m
+                    buf[row : row + len(steps)] = m
                 else:
-                    out[row : row + len(steps), at] = m
+                    buf[row : row + len(steps), at] = m
             known = stage >= 0
             self.stage[at[known]] = stage[known]
             row += len(steps)
-        self.steps = np.concatenate([self.steps, *(steps for steps, *_ in parts)])
-        self.mats = [_frozen(m) for m in grown]
+        self._show(np.concatenate([steps for steps, *_ in parts]))
 
     def series(self) -> RankSteps | None:
         if not len(self.steps):

@@ -176,26 +176,64 @@ def summarize_steps(rows: Sequence[StepIn], *, peak_flops_total: float | None,
 
 
 def summarize_rank_windows(rows: Sequence[StepIn], *, window: int) -> list[dict[str, Any]]:
-    """Per (window, rank) statistics; windows are aligned at multiples of `window` steps."""
-    groups: dict[tuple[int, int], list[StepIn]] = defaultdict(list)
-    for r in newest_incarnation(rows):
-        groups[(r.step // window * window, r.rank)].append(r)
-    out = []
-    for (start, rank), rs in sorted(groups.items()):
-        t = np.array([r.step_seconds for r in rs])
-        comp = [r.compute_seconds for r in rs if r.compute_seconds is not None]
-        wait = [r.wait_seconds for r in rs if r.wait_seconds is not None]
-        out.append(
-            {
-                "window_start": start,
-                "rank": rank,
-                "steps": len(rs),
-                "pp_stage": rs[-1].pp_stage,
-                "step_seconds_mean": float(t.mean()),
-                "step_seconds_p50": float(np.median(t)),
-                "step_seconds_max": float(t.max()),
-                "compute_seconds_mean": float(np.mean(comp)) if comp else None,
-                "wait_seconds_mean": float(np.mean(wait)) if wait else None,
-            }
-        )
-    return out
+    """Per (window, rank) statistics; windows are aligned at multiples of `window` steps. On whole
+    arrays: a cycle at 16,384 ranks has 16,384 groups, and a loop over them cost ~1 s a cycle."""
+    kept = newest_incarnation(rows)
+    if not kept:
+        return []
+    n = len(kept)
+    start = np.fromiter((r.step for r in kept), np.int64, n) // window * window
+    rank = np.fromiter((r.rank for r in kept), np.int64, n)
+    secs = np.fromiter((r.step_seconds for r in kept), np.float64, n)
+    # Stable: within a group the rows keep their order, so its last row gives the stage, as before.
+    order = np.lexsort((rank, start))
+    start, rank, secs = start[order], rank[order], secs[order]
+    first = np.flatnonzero(np.concatenate([[True], (start[1:] != start[:-1]) | (rank[1:] != rank[:-1])]))
+    counts = np.diff(np.append(first, n))
+    last = first + counts - 1
+    mean = np.add.reduceat(secs, first) / counts
+    p50 = _sorted_group_medians(secs, start, rank, first, counts)
+    peak = np.maximum.reduceat(secs, first)  # NaN propagates, as ndarray.max does
+    comp = _present_mean(kept, "compute_seconds", order, first)
+    wait = _present_mean(kept, "wait_seconds", order, first)
+    stages = [kept[i].pp_stage for i in order[last].tolist()]
+    return [
+        {
+            "window_start": s,
+            "rank": r,
+            "steps": c,
+            "pp_stage": stage,
+            "step_seconds_mean": m,
+            "step_seconds_p50": med,
+            "step_seconds_max": mx,
+            "compute_seconds_mean": cm,
+            "wait_seconds_mean": wm,
+        }
+        for s, r, c, stage, m, med, mx, cm, wm in zip(
+            start[first].tolist(), rank[first].tolist(), counts.tolist(), stages, mean.tolist(), p50.tolist(),
+            peak.tolist(), comp, wait, strict=True,
+        )  # fmt: skip
+    ]
+
+
+def _sorted_group_medians(
+    values: np.ndarray, start: np.ndarray, rank: np.ndarray, first: np.ndarray, counts: np.ndarray
+) -> np.ndarray:
+    """np.median of each contiguous group (NaN if the group holds one, as np.median gives): the
+    values sorted within their groups, then the middle one or the mean of the middle two."""
+    by_value = np.lexsort((values, rank, start))  # groups stay where they are; NaN sorts last
+    v = values[by_value]
+    lo, hi = v[first + (counts - 1) // 2], v[first + counts // 2]
+    has_nan = np.isnan(v[first + counts - 1])
+    return np.where(has_nan, np.nan, (lo + hi) / 2)
+
+
+def _present_mean(rows: Sequence[StepIn], name: str, order: np.ndarray, first: np.ndarray) -> list[float | None]:
+    """Per group of rows[order], the mean of the field's values that are not None (NaN counts, and
+    makes it NaN); None where a group has none."""
+    n = len(rows)
+    present = np.fromiter((getattr(r, name) is not None for r in rows), bool, n)[order]
+    x = np.fromiter((0.0 if (v := getattr(r, name)) is None else v for r in rows), np.float64, n)[order]
+    k = np.add.reduceat(present.astype(np.int64), first)
+    means = np.add.reduceat(x, first) / np.maximum(k, 1)
+    return [m if c else None for m, c in zip(means.tolist(), k.tolist(), strict=True)]

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from trainvitals.service.analysis import pipeline
+from trainvitals.service.analysis import detector_inputs, pipeline
 from trainvitals.service.analysis.detector_inputs import DetectorInputs
 from trainvitals.service.store import batches, detector_reads, queries
 from trainvitals.wire import Batch, RunRegistration
@@ -52,8 +52,12 @@ def _assert_same(cached: object, fresh: object, path: str = "series") -> None:
         assert cached == fresh, path
 
 
-@pytest.mark.parametrize(("seed", "streamed"), [(1, False), (2, True)])
-def test_kept_inputs_equal_a_fresh_read_every_cycle(session, seed: int, streamed: bool, monkeypatch) -> None:
+@pytest.mark.parametrize(("seed", "streamed", "spare_rows"), [(1, False, None), (2, True, None), (3, False, 2)])
+def test_kept_inputs_equal_a_fresh_read_every_cycle(
+    session, seed: int, streamed: bool, spare_rows: int | None, monkeypatch
+) -> None:
+    if spare_rows is not None:  # the timing matrices' room runs out every few cycles
+        monkeypatch.setattr(detector_inputs, "_SPARE_ROWS", spare_rows)
     if streamed:  # every read streams, in chunks small enough that tensors and steps span several
         monkeypatch.setattr(detector_reads, "_STREAM_STEPS", 0)
         monkeypatch.setattr(detector_reads, "_CHUNK_ROWS", 7)
@@ -64,6 +68,7 @@ def test_kept_inputs_equal_a_fresh_read_every_cycle(session, seed: int, streamed
     sent = dict.fromkeys(range(WORLD), 0)  # next step each rank sends
     seq = dict.fromkeys(range(WORLD), 0)
     inputs = DetectorInputs()
+    handed_out = []  # each cycle's timing matrices, with a copy of what they held then
     for cycle in range(14):
         n = rng.randint(2, 5)  # steps per batch this cycle, the same for every rank (they run in lockstep)
         for rank in range(WORLD):
@@ -94,6 +99,11 @@ def test_kept_inputs_equal_a_fresh_read_every_cycle(session, seed: int, streamed
         cached = pipeline.build_series(session, run, now=now, config=CONFIG, inputs=inputs, rewritten_from=first)
         fresh = pipeline.build_series(session, run, now=now, config=CONFIG)
         _assert_same(cached, fresh)
+        if cached.ranks is not None:
+            handed_out.append((cached.ranks.step_seconds, cached.ranks.step_seconds.copy()))
+    # The kept matrices grow in place; what an earlier cycle's detectors got never changed after.
+    for then, copy in handed_out:
+        assert np.array_equal(then, copy, equal_nan=True)
     if streamed:  # and chunked reads equal whole ones
         monkeypatch.setattr(detector_reads, "_STREAM_STEPS", 10**9)
         _assert_same(fresh, pipeline.build_series(session, run, now=now, config=CONFIG))
@@ -214,3 +224,32 @@ def test_a_view_ending_at_upto_walks_a_stored_run(session) -> None:
         assert fresh.baseline is not None and list(fresh.baseline.steps.steps) == list(fresh.steps.steps)
         assert fresh.ranks is not None and fresh.ranks.steps[-1] == end
     _assert_same(_view(session, run, DetectorInputs(), None), _view(session, run, DetectorInputs(), 59))
+
+
+def _timing(steps: range, value: float) -> list[np.ndarray]:
+    """detector_reads.RANK_DTYPES columns: ranks 0 and 1 at each step, every time `value`."""
+    step = np.repeat(np.array(steps, dtype=np.int64), 2)
+    rank = np.tile(np.array([0, 1], dtype=np.int64), len(steps))
+    ones = np.full(len(step), value)
+    return [step, rank, ones, ones, ones, np.zeros(len(step))]
+
+
+@pytest.mark.parametrize("spare_rows", [64, 1])
+def test_rows_a_series_showed_are_not_written_again(monkeypatch, spare_rows: int) -> None:
+    """The timing matrices grow into spare room; steps read again after late data (the newest
+    steps cut, then appended anew) go to new rows, so the previous cycle's series keeps its values."""
+    monkeypatch.setattr(detector_inputs, "_SPARE_ROWS", spare_rows)
+    m = detector_inputs._RankMatrix()
+    m.append(_timing(range(0, 6), 1.0))
+    before = m.series()
+    assert before is not None
+    m.cut(after=-1, upto=3)  # steps 4 and 5 are re-read with new values
+    m.append(_timing(range(4, 6), 2.0))
+    m.append(_timing(range(6, 8), 3.0))  # and the next cycle's
+    after = m.series()
+    assert after is not None
+    assert before.step_seconds[:, 0].tolist() == [1.0] * 6
+    assert after.steps.tolist() == list(range(8))
+    assert after.step_seconds[:, 1].tolist() == [1.0] * 4 + [2.0] * 2 + [3.0] * 2
+    m.cut(after=5, upto=7)  # the window moves on: the oldest steps leave, the newest stay as they were
+    assert m.series().step_seconds[:, 0].tolist() == [3.0, 3.0]
