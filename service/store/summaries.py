@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     Boolean,
     Connection,
     Float,
@@ -494,6 +495,15 @@ def _rows_for(conn: Connection, table: Table, run_id: str, rows: list[dict[str, 
     its columns: multi-row INSERTs over flat parameters (store/batches.py `sqlite_multirow`, which
     writes NaN as Real does), bound in C. Else SQLAlchemy's executemany, which processes each
     value in Python as it runs."""
+    copy_plan = _pg_copy(table) if conn.dialect.name == "postgresql" else None
+    if copy_plan is not None and all(len(row) == len(copy_plan[0]) - 1 for row in rows):
+        names, sql, types = copy_plan
+        try:
+            values = [tuple(run_id if name == "run_id" else row[name] for name in names) for row in rows]
+        except KeyError:
+            values = None
+        if values is not None:
+            return lambda: _copy_rows(conn, sql, types, values)
     plan = _sqlite_insert(table) if conn.dialect.name == "sqlite" else None
     if plan is not None:
         names, insert_plan = plan
@@ -509,6 +519,31 @@ def _rows_for(conn: Connection, table: Table, run_id: str, rows: list[dict[str, 
     params = [{"run_id": run_id, **row} for row in rows]
     statement = insert(table)
     return lambda: conn.execute(statement, params)
+
+
+def _copy_rows(conn: Connection, sql: str, types: list[str], rows: list[tuple[Any, ...]]) -> None:
+    raw = conn.connection.driver_connection
+    with raw.cursor() as cur, cur.copy(sql) as copy:  # type: ignore[union-attr]
+        copy.set_types(types)
+        for row in rows:
+            copy.write_row(row)
+
+
+@functools.cache
+def _pg_copy(table: Table) -> tuple[tuple[str, ...], str, list[str]] | None:
+    """The table's column names, a binary COPY into them and their binary types; None when a
+    column's type is not one of these (JSON)."""
+    types = []
+    for c in table.columns:
+        t = c.type
+        kind = ("int8" if isinstance(t, BigInteger) else "int4" if isinstance(t, Integer) else "float8"
+                if isinstance(t, Real) else "bool" if isinstance(t, Boolean) else "varchar"
+                if isinstance(t, String) else None)  # fmt: skip
+        if kind is None:
+            return None
+        types.append(kind)
+    names = tuple(c.name for c in table.columns)
+    return names, f"COPY {table.name} ({', '.join(names)}) FROM STDIN (FORMAT BINARY)", types
 
 
 @functools.cache
