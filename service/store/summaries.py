@@ -522,6 +522,7 @@ def _rows_for(conn: Connection, table: Table, run_id: str, rows: list[dict[str, 
 
 
 def _copy_rows(conn: Connection, sql: str, types: list[str], rows: list[tuple[Any, ...]]) -> None:
+    """rows into the table by `_pg_copy`'s statement, in the connection's transaction."""
     raw = conn.connection.driver_connection
     with raw.cursor() as cur, cur.copy(sql) as copy:  # type: ignore[union-attr]
         copy.set_types(types)
@@ -529,21 +530,19 @@ def _copy_rows(conn: Connection, sql: str, types: list[str], rows: list[tuple[An
             copy.write_row(row)
 
 
+# Column type -> PostgreSQL binary type; BigInteger before Integer, its base class.
+_PG_BINARY_TYPES = ((BigInteger, "int8"), (Integer, "int4"), (Real, "float8"), (Boolean, "bool"), (String, "varchar"))
+
+
 @functools.cache
 def _pg_copy(table: Table) -> tuple[tuple[str, ...], str, list[str]] | None:
     """The table's column names, a binary COPY into them and their binary types; None when a
     column's type is not one of these (JSON)."""
-    types = []
-    for c in table.columns:
-        t = c.type
-        kind = ("int8" if isinstance(t, BigInteger) else "int4" if isinstance(t, Integer) else "float8"
-                if isinstance(t, Real) else "bool" if isinstance(t, Boolean) else "varchar"
-                if isinstance(t, String) else None)  # fmt: skip
-        if kind is None:
-            return None
-        types.append(kind)
+    types = [next((name for cls, name in _PG_BINARY_TYPES if isinstance(c.type, cls)), None) for c in table.columns]
+    if None in types:
+        return None
     names = tuple(c.name for c in table.columns)
-    return names, f"COPY {table.name} ({', '.join(names)}) FROM STDIN (FORMAT BINARY)", types
+    return names, f"COPY {table.name} ({', '.join(names)}) FROM STDIN (FORMAT BINARY)", [t for t in types if t]
 
 
 @functools.cache
