@@ -14,6 +14,8 @@ lands on, so a block never outlives a change of the rows it was made from.
 from __future__ import annotations
 
 import io
+import json
+import math
 from collections.abc import Collection, Iterator, Mapping
 
 import numpy as np
@@ -64,11 +66,7 @@ def load(session: Session, *, run_id: str, source: str, first: int, last: int) -
         .where(b.run_id == run_id, b.source == source, b.first_step >= first, b.last_step <= last)
         .order_by(b.first_step)
     )
-    out = []
-    for payload in _payloads(session, stmt):
-        with np.load(io.BytesIO(payload), allow_pickle=False) as z:
-            out.append({k: z[k] for k in z.files})
-    return out
+    return [decode(payload) for payload in _payloads(session, stmt)]
 
 
 def _payloads(session: Session, stmt: Select[bytes]) -> Iterator[bytes]:
@@ -87,11 +85,48 @@ def _payloads(session: Session, stmt: Select[bytes]) -> Iterator[bytes]:
             yield payload
 
 
+_MAGIC = b"TVB1"
+_ALIGN = 64
+
+
 def encode(arrays: Mapping[str, np.ndarray]) -> bytes:
-    """One block's payload: the arrays as an .npz (what `load` reads back)."""
-    buf = io.BytesIO()
-    np.savez(buf, **dict(arrays))  # type: ignore[arg-type]  # numpy's stub types **kwds oddly
-    return buf.getvalue()
+    """One block's payload (what `decode` reads back): the magic, the length of a JSON header that
+    gives each array's dtype, shape and offset, the header, then the arrays' bytes, each at a
+    64-byte boundary. Not an .npz: reading one back copied and checksummed every array through
+    zipfile (~0.5 s of a restart's ~640 MB at 16,384 ranks); these are read in place."""
+    header: dict[str, tuple[str, list[int], int]] = {}
+    datas, offset = [], 0
+    for name, array in arrays.items():
+        a = np.ascontiguousarray(array)
+        if a.dtype.hasobject:
+            raise ValueError(f"block array {name!r} holds Python objects; only plain dtypes are stored")
+        header[name] = (a.dtype.str, list(a.shape), offset)
+        datas.append(a.tobytes())
+        offset += -(-a.nbytes // _ALIGN) * _ALIGN
+    head = json.dumps(header).encode()
+    start = -(-(8 + len(head)) // _ALIGN) * _ALIGN
+    out = bytearray(start + offset)
+    out[:8] = _MAGIC + len(head).to_bytes(4, "little")
+    out[8 : 8 + len(head)] = head
+    for (_, _, at), data in zip(header.values(), datas, strict=True):
+        out[start + at : start + at + len(data)] = data
+    return bytes(out)
+
+
+def decode(payload: bytes) -> dict[str, np.ndarray]:
+    """The arrays of one payload, read-only views into it (no copy). A payload stored before this
+    format (an .npz) is read by numpy."""
+    if payload[:4] != _MAGIC:
+        with np.load(io.BytesIO(payload), allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    size = int.from_bytes(payload[4:8], "little")
+    header = json.loads(payload[8 : 8 + size])
+    start = -(-(8 + size) // _ALIGN) * _ALIGN
+    out = {}
+    for name, (dtype, shape, at) in header.items():
+        dt = np.dtype(dtype)
+        out[name] = np.frombuffer(payload, dtype=dt, count=math.prod(shape), offset=start + at).reshape(shape)
+    return out
 
 
 def save(session: Session, *, run_id: str, source: str, first: int, last: int, payload: bytes) -> None:
