@@ -225,7 +225,9 @@ def _sorted_group_medians(
     v = values[by_value]
     lo, hi = v[first + (counts - 1) // 2], v[first + counts // 2]
     has_nan = np.isnan(v[first + counts - 1])
-    return np.where(has_nan, np.nan, (lo + hi) / 2)
+    with np.errstate(over="ignore"):  # two values near the float limit: inf, as np.median gives
+        middle = np.where(counts % 2 == 1, lo, (lo + hi) / 2)  # odd: the value itself, never rounded
+    return np.where(has_nan, np.nan, middle)
 
 
 def _present_mean(rows: Sequence[StepIn], name: str, order: np.ndarray, first: np.ndarray) -> list[float | None]:
