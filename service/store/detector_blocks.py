@@ -89,6 +89,10 @@ _MAGIC = b"TVB1"
 _ALIGN = 64
 
 
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
 def encode(arrays: Mapping[str, np.ndarray]) -> bytes:
     """One block's payload (what `decode` reads back): the magic, the length of a JSON header that
     gives each array's dtype, shape and offset, the header, then the arrays' bytes, each at a
@@ -102,9 +106,9 @@ def encode(arrays: Mapping[str, np.ndarray]) -> bytes:
             raise ValueError(f"block array {name!r} holds Python objects; only plain dtypes are stored")
         header[name] = (a.dtype.str, list(a.shape), offset)
         datas.append(a.tobytes())
-        offset += -(-a.nbytes // _ALIGN) * _ALIGN
+        offset += _aligned(a.nbytes)
     head = json.dumps(header).encode()
-    start = -(-(8 + len(head)) // _ALIGN) * _ALIGN
+    start = _aligned(8 + len(head))
     out = bytearray(start + offset)
     out[:8] = _MAGIC + len(head).to_bytes(4, "little")
     out[8 : 8 + len(head)] = head
@@ -121,11 +125,11 @@ def decode(payload: bytes) -> dict[str, np.ndarray]:
             return {k: z[k] for k in z.files}
     size = int.from_bytes(payload[4:8], "little")
     header = json.loads(payload[8 : 8 + size])
-    start = -(-(8 + size) // _ALIGN) * _ALIGN
+    start = _aligned(8 + size)
     out = {}
     for name, (dtype, shape, at) in header.items():
-        dt = np.dtype(dtype)
-        out[name] = np.frombuffer(payload, dtype=dt, count=math.prod(shape), offset=start + at).reshape(shape)
+        flat = np.frombuffer(payload, dtype=np.dtype(dtype), count=math.prod(shape), offset=start + at)
+        out[name] = flat.reshape(shape)
     return out
 
 
