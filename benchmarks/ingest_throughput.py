@@ -893,11 +893,8 @@ def _floor_write(backend: str, raw: Any, group: dict[str, list[tuple[Any, ...]]]
         with raw.cursor() as cur:
             if not synchronous_commit:  # as the collector's ingest commits (store_batches)
                 cur.execute(store.PG_ASYNC_COMMIT)
-            for kind, rows in group.items():
-                with cur.copy(store._PG_COPY[kind]) as copy:  # noqa: SLF001
-                    copy.set_types(store._PG_COPY_TYPES[kind])  # noqa: SLF001
-                    for row in rows:
-                        copy.write_row(row)
+        for kind, rows in group.items():
+            store.pg_copy_rows(raw, store._PG_PLAN[kind], rows)  # noqa: SLF001 - the store's own COPY
     raw.commit()
 
 

@@ -84,6 +84,11 @@ def _work_time(rs: RankSteps) -> tuple[np.ndarray, str]:
     return np.asarray(rs.step_seconds, dtype=float), "step"
 
 
+def _window_medians(t: np.ndarray, rows_of: list[np.ndarray]) -> np.ndarray:
+    """Each rank's median over each window's rows: [windows, ranks]."""
+    return np.stack([nanmedian(t[r], axis=0) for r in rows_of])
+
+
 def _cohort_medians(t: np.ndarray, cohorts: dict[int, np.ndarray]) -> np.ndarray:
     """Each step's median over each rank's cohort, per rank (NaN for ranks in no cohort)."""
     out = np.full_like(t, np.nan)
@@ -181,8 +186,8 @@ def detect_stragglers(series: RunSeries, sup: Suppression, cfg: StragglerConfig)
     w = cfg.window_steps
     n_win = len(rs.steps) // w
     rows_of = [np.arange(i * w, (i + 1) * w) for i in range(n_win)]
-    win_med = np.stack([nanmedian(t[r], axis=0) for r in rows_of])  # [n_win, R]
-    win_wait = np.stack([nanmedian(wait[r], axis=0) for r in rows_of])
+    win_med = _window_medians(t, rows_of)  # [n_win, R]
+    win_wait = _window_medians(wait, rows_of)
     cohorts = _cohorts(rs, cfg.min_cohort)
     step_cohort_med = _cohort_medians(t, cohorts)
     all_cohort_med = step_cohort_med if t is t_all else _cohort_medians(t_all, cohorts)
@@ -191,7 +196,7 @@ def detect_stragglers(series: RunSeries, sup: Suppression, cfg: StragglerConfig)
     last_step = int(rs.steps[-1])
 
     # The same window test on unsuppressed times, only to backdate onsets into the warm-up.
-    win_all = win_med if t is t_all else np.stack([nanmedian(t_all[r], axis=0) for r in rows_of])
+    win_all = win_med if t is t_all else _window_medians(t_all, rows_of)
     raw_flag = np.zeros_like(win_all, dtype=bool)
     for cols in cohorts.values():
         cm_all = nanmedian(win_all[:, cols], axis=1)

@@ -13,7 +13,7 @@ import functools
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from itertools import chain
 from operator import attrgetter
@@ -234,17 +234,43 @@ def sqlite_insert(table: Table, names: Sequence[str]) -> SqliteInsert:
 
 _SQLITE_PLAN = {kind: sqlite_insert(RECORD_TABLES[kind], (*_PREFIX, *cols)) for kind, cols in _FAST_COLUMNS.items()}
 _SQLITE_INSERT = {kind: plan.sql for kind, plan in _SQLITE_PLAN.items()}  # also the benchmark's floor statement
-# Binary COPY: psycopg packs each value in C instead of formatting text (about a third of the
-# client's per-row cost), and the server skips parsing numbers from text.
-_PG_BINARY_TYPES = {Integer: "int4", BigInteger: "int8", Real: "float8", Boolean: "bool", String: "varchar"}
-_PG_COPY = {
-    kind: f"COPY {RECORD_TABLES[kind].name} ({', '.join((*_PREFIX, *cols))}) FROM STDIN (FORMAT BINARY)"
-    for kind, cols in _FAST_COLUMNS.items()
-}
-_PG_COPY_TYPES = {
-    kind: [_PG_BINARY_TYPES[type(RECORD_TABLES[kind].c[c].type)] for c in (*_PREFIX, *cols)]
-    for kind, cols in _FAST_COLUMNS.items()
-}
+
+
+class PgCopy(NamedTuple):
+    """A binary COPY of rows of some columns of a table, in order. psycopg packs each value in C
+    instead of formatting text (about a third of the client's per-row cost), and the server skips
+    parsing numbers from text."""
+
+    sql: str
+    types: list[str]
+    """The columns' binary types (psycopg's set_types)."""
+
+
+# Column type -> PostgreSQL binary type; BigInteger before Integer, its base class.
+_PG_BINARY_TYPES = ((BigInteger, "int8"), (Integer, "int4"), (Real, "float8"), (Boolean, "bool"), (String, "varchar"))
+
+
+def pg_copy(table: Table, names: Sequence[str]) -> PgCopy | None:
+    """The PgCopy of rows of `names`, columns of `table` in that order; None when a column's type
+    is not one of _PG_BINARY_TYPES (JSON)."""
+    types = [next((t for cls, t in _PG_BINARY_TYPES if isinstance(table.c[n].type, cls)), None) for n in names]
+    if None in types:
+        return None
+    sql = f"COPY {table.name} ({', '.join(names)}) FROM STDIN (FORMAT BINARY)"
+    return PgCopy(sql, [t for t in types if t is not None])
+
+
+def pg_copy_rows(dbapi: Any, plan: PgCopy, rows: Iterable[Sequence[Any]]) -> None:
+    """rows through the plan's COPY, in the psycopg connection's transaction."""
+    with dbapi.cursor() as cur, cur.copy(plan.sql) as copy:
+        copy.set_types(plan.types)
+        write_row = copy.write_row
+        for row in rows:
+            write_row(row)
+
+
+_PG_PLAN = {kind: cast(PgCopy, pg_copy(RECORD_TABLES[kind], (*_PREFIX, *cols))) for kind, cols in _FAST_COLUMNS.items()}
+assert all(_PG_PLAN.values())  # every fast column has a binary type
 
 
 FlatRowsByKind = dict[str, list[Any]]
@@ -304,12 +330,8 @@ def _write_fast(session: Session, kind: str, flat: list[Any]) -> None:
     if conn.dialect.name == "postgresql":
         # COPY skips per-row statement execution on the server and per-row binds in the driver:
         # the cheapest way into PostgreSQL, and it runs in the same transaction as the batch row.
-        raw = conn.connection.driver_connection
-        with raw.cursor() as cur, cur.copy(_PG_COPY[kind]) as copy:  # type: ignore[union-attr]
-            copy.set_types(_PG_COPY_TYPES[kind])
-            write_row = copy.write_row
-            for row in zip(*[iter(flat)] * _WIDTH[kind], strict=True):  # the flat list, row by row
-                write_row(row)
+        rows = zip(*[iter(flat)] * _WIDTH[kind], strict=True)  # the flat list, row by row
+        pg_copy_rows(conn.connection.driver_connection, _PG_PLAN[kind], rows)
     else:
         # Plain DBAPI statements: SQLAlchemy's per-row bind processing is not needed for these
         # column types (float, int, str, bool; NaN handled here), and skipping it is most of the

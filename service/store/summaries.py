@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
-    BigInteger,
     Boolean,
     Connection,
     Float,
@@ -53,7 +52,15 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Session
 
-from trainvitals.service.store.batches import PG_ASYNC_COMMIT, SqliteInsert, sqlite_insert, sqlite_multirow
+from trainvitals.service.store.batches import (
+    PG_ASYNC_COMMIT,
+    PgCopy,
+    SqliteInsert,
+    pg_copy,
+    pg_copy_rows,
+    sqlite_insert,
+    sqlite_multirow,
+)
 from trainvitals.service.store.incarnations import newest_incarnation_only
 from trainvitals.service.store.models import (
     GradStatRow,
@@ -497,13 +504,13 @@ def _rows_for(conn: Connection, table: Table, run_id: str, rows: list[dict[str, 
     value in Python as it runs."""
     copy_plan = _pg_copy(table) if conn.dialect.name == "postgresql" else None
     if copy_plan is not None and all(len(row) == len(copy_plan[0]) - 1 for row in rows):
-        names, sql, types = copy_plan
+        names, copy = copy_plan
         try:
             values = [tuple(run_id if name == "run_id" else row[name] for name in names) for row in rows]
         except KeyError:
             values = None
         if values is not None:
-            return lambda: _copy_rows(conn, sql, types, values)
+            return lambda: pg_copy_rows(conn.connection.driver_connection, copy, values)
     plan = _sqlite_insert(table) if conn.dialect.name == "sqlite" else None
     if plan is not None:
         names, insert_plan = plan
@@ -521,28 +528,12 @@ def _rows_for(conn: Connection, table: Table, run_id: str, rows: list[dict[str, 
     return lambda: conn.execute(statement, params)
 
 
-def _copy_rows(conn: Connection, sql: str, types: list[str], rows: list[tuple[Any, ...]]) -> None:
-    """rows into the table by `_pg_copy`'s statement, in the connection's transaction."""
-    raw = conn.connection.driver_connection
-    with raw.cursor() as cur, cur.copy(sql) as copy:  # type: ignore[union-attr]
-        copy.set_types(types)
-        for row in rows:
-            copy.write_row(row)
-
-
-# Column type -> PostgreSQL binary type; BigInteger before Integer, its base class.
-_PG_BINARY_TYPES = ((BigInteger, "int8"), (Integer, "int4"), (Real, "float8"), (Boolean, "bool"), (String, "varchar"))
-
-
 @functools.cache
-def _pg_copy(table: Table) -> tuple[tuple[str, ...], str, list[str]] | None:
-    """The table's column names, a binary COPY into them and their binary types; None when a
-    column's type is not one of these (JSON)."""
-    types = [next((name for cls, name in _PG_BINARY_TYPES if isinstance(c.type, cls)), None) for c in table.columns]
-    if None in types:
-        return None
+def _pg_copy(table: Table) -> tuple[tuple[str, ...], PgCopy] | None:
+    """The table's column names and a binary COPY into them; None when one has no binary type."""
     names = tuple(c.name for c in table.columns)
-    return names, f"COPY {table.name} ({', '.join(names)}) FROM STDIN (FORMAT BINARY)", [t for t in types if t]
+    plan = pg_copy(table, names)
+    return None if plan is None else (names, plan)
 
 
 @functools.cache

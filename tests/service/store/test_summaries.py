@@ -71,9 +71,11 @@ def test_every_value_reads_back_as_written(session: Session, monkeypatch: pytest
     the same values read back on both backends, however each writes them (on PostgreSQL the
     tables of scalar columns by binary COPY)."""
     copied: list[str] = []
-    copy_rows = summaries._copy_rows
+    copy_rows = summaries.pg_copy_rows
     monkeypatch.setattr(
-        summaries, "_copy_rows", lambda conn, sql, *a: (copied.append(sql.split()[1]), copy_rows(conn, sql, *a))
+        summaries,
+        "pg_copy_rows",
+        lambda dbapi, plan, rows: (copied.append(plan.sql.split()[1]), copy_rows(dbapi, plan, rows)),
     )
     tensors = [
         _tensor(0, "a", amax=NAN, headroom_bits=-INF, shadow=True, nonfinite=7, sat_frac=0.25),
