@@ -20,7 +20,9 @@ cycles, as the worker does now (its first cycle is the fresh read and is reporte
 `restart` is the first cycle of a worker that starts (or takes the lease over) after a worker that
 ran for a while stored its blocks (store/detector_blocks.py; emulated, untimed, by one read over
 lookbacks one block longer): it loads the blocks and reads rows only for the steps no block holds,
-then later cycles go on as `kept`'s.
+then later cycles go on as `kept`'s. In `kept` and `restart`, each cycle with a new step is followed
+by one without (a live run's steps complete once per send interval, the cycles between find none),
+reported as "no new step": it keeps the data detectors' answer (pipeline.detect_cycle).
 Also timed once: the watermark query the worker ran before (a group-by over every raw step row).
 """
 
@@ -38,7 +40,7 @@ from sqlalchemy import Engine, text
 
 from trainvitals.service.analysis import detector_inputs, pipeline
 from trainvitals.service.analysis.detector_inputs import DetectorInputs
-from trainvitals.service.detectors.run_all import DetectorConfig, detect
+from trainvitals.service.detectors.run_all import DetectorConfig
 from trainvitals.service.detectors.suppression import SuppressionConfig
 from trainvitals.service.store import db, queries
 from trainvitals.service.store.findings import store_findings
@@ -159,7 +161,7 @@ def cycle(session_factory, *, now: float, config: pipeline.PipelineConfig, input
         series = pipeline.build_series(session, run, now=now, config=config, inputs=inputs, rewritten_from=first)
         t2 = time.perf_counter()
         cfg = DetectorConfig(suppression=SuppressionConfig(warmup_steps=config.detector_warmup_steps))
-        findings = detect(series, config=cfg)
+        findings = pipeline.detect_cycle(series, inputs=inputs or DetectorInputs(), config=cfg)
         t3 = time.perf_counter()
         store_findings(session, run_id=RUN, findings=findings, now=now)
         t4 = time.perf_counter()
@@ -245,6 +247,7 @@ def main() -> None:
         factory = db.make_sessionmaker(engine)
         step = last
         results: dict[str, list[dict]] = {}
+        idle: dict[str, list[dict]] = {}
         memory = {}
         for mode in modes:  # kept first: its peak memory is not the fresh reads
             if mode == "restart":  # the kept worker stores every block it holds (untimed), then stops
@@ -263,6 +266,10 @@ def main() -> None:
                 else:
                     rows.append(cycle(factory, now=now, config=config, inputs=inputs))
                 assert rows[-1]["reduced"] == 1, rows[-1]
+                if mode != "fresh":  # and a cycle before the next step arrives, as most live cycles are
+                    now += 1.05
+                    idle.setdefault(mode, []).append(cycle(factory, now=now, config=config, inputs=inputs))
+                    assert idle[mode][-1]["reduced"] == 0, idle[mode][-1]
             results[mode] = rows
             memory[mode] = rss_mb()
         engine.dispose()
@@ -276,6 +283,8 @@ def main() -> None:
         ("kept: later cycles", results.get("kept", [])[1:]),
         ("restart: first cycle", results.get("restart", [])[:1]),
         ("restart: later cycles", results.get("restart", [])[1:]),
+        ("kept: no new step", idle.get("kept", [])),
+        ("restart: no new step", idle.get("restart", [])),
     ]
     for label, rows in labelled:
         if not rows:

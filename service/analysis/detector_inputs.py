@@ -285,6 +285,11 @@ class DetectorInputs:
         self._baseline_warned: set[str] = set()
         self._baseline = _Columns(STEP_DTYPES)
         self._baseline_upto = -1  # newest baseline step read
+        self.same_data = False
+        """Whether the last build's arrays hold what the build before it gave: no step was added,
+        rewritten or dropped, and the baseline read nothing new (the events are read every build)."""
+        self.kept_findings: tuple[object, list[Any]] | None = None
+        """The detectors' answer on the data (pipeline.detect_cycle), with what it was computed under."""
 
     def build(
         self,
@@ -304,6 +309,7 @@ class DetectorInputs:
         latest, peak_flops_total = (-1, None) if newest is None else newest
         if upto is not None:
             latest = min(latest, upto)
+        before = (self.loaded_upto, self._baseline_upto)
         if self.loaded_upto is not None and latest < self.loaded_upto:
             # The view moved back (a walk started again): its lookback reaches below the kept rows.
             self.loaded_upto, self._baseline_upto = None, -1
@@ -321,6 +327,8 @@ class DetectorInputs:
             self._save_blocks(session, rid, after={_TENSORS: lo, _TIMING: rank_lo}, upto=latest)
         series = self._series(session, run, now=now, peak_flops_total=peak_flops_total)
         series.baseline = self._baseline_series(session, run, after=lo, upto=latest)
+        # The same newest step means the same lookback, so nothing was cut and nothing read.
+        self.same_data = rewritten_from is None and before == (latest, self._baseline_upto)
         return series
 
     def _baseline_series(self, session: Session, run: Run, *, after: int, upto: int) -> RunSeries | None:
