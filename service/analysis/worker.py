@@ -125,14 +125,18 @@ class AnalysisWorker:
             logger.debug("recording the analysis cycle failed", exc_info=True)
 
     def _loop(self) -> None:
+        interval = self._settings.analysis_interval_seconds
+        pause = interval
         try:
-            while not self._stop.wait(self._settings.analysis_interval_seconds):
+            while not self._stop.wait(pause):
+                started = time.monotonic()
                 # Only the lease holder analyses; the others keep checking, to take over if it dies.
                 if self._lease is None or self._lease.acquire():
                     self.run_once()
                 else:
                     # Another process analyses meanwhile: what this one kept goes stale.
                     self._inputs.clear()
+                pause = pause_after_cycle(interval, time.monotonic() - started)
         finally:
             if self._lease is not None:
                 self._lease.release()
@@ -147,3 +151,11 @@ class AnalysisWorker:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+
+
+def pause_after_cycle(interval: float, cycle_seconds: float) -> float:
+    """The wait before the next cycle: cycles start `interval` apart, so a step that completes just
+    after a cycle read the steps is reduced one interval later, not an interval plus the rest of
+    that cycle (the step-to-screen bound, docs/performance.md); after a cycle longer than half the
+    interval, half an interval, so that a large run's long cycles do not run back to back."""
+    return max(interval - cycle_seconds, interval / 2)
