@@ -21,7 +21,7 @@ cycles, as the worker does now (its first cycle is the fresh read and is reporte
 ran for a while stored its blocks (store/detector_blocks.py; emulated, untimed, by one read over
 lookbacks one block longer): it loads the blocks and reads rows only for the steps no block holds,
 then later cycles go on as `kept`'s. In `kept` and `restart`, each cycle with a new step is followed
-by one without (a live run's steps complete once per send interval, the cycles between find none),
+by one without (a live run whose steps take longer than the 2 s between cycles has such cycles),
 reported as "no new step": it keeps the data detectors' answer (pipeline.detect_cycle).
 Also timed once: the watermark query the worker ran before (a group-by over every raw step row).
 """

@@ -243,9 +243,10 @@ def process_run(
 
 def detect_cycle(series: RunSeries, *, inputs: DetectorInputs, config: DetectorConfig) -> list[Finding]:
     """detect(series), keeping the data detectors' answer of the last cycle when `inputs` built
-    the same data (no new or rewritten step) under the same events and registration: a 16,384-rank
-    run's steps complete every send interval (32 s), and the cycles between them found the same
-    findings again for 1.5-1.8 s each. The checkpoint detectors, which judge the clock, always run."""
+    the same data (no new or rewritten step) under the same events and registration: a run whose
+    steps take longer than a cycle (2 s apart) has cycles that find no new step, and at 16,384
+    ranks each found the same findings again for 1.5-1.8 s. The checkpoint detectors, which judge
+    the clock, always run."""
     # Besides the arrays, what the data detectors read: the events (suppression windows) and the
     # scalars the registration gives. The baseline's arrays are part of `same_data`.
     key = (
