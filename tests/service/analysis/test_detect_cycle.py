@@ -76,8 +76,8 @@ def test_cycles_without_new_data_keep_the_data_findings_and_still_judge_the_cloc
     _send(session, range(250, 260), 2, slow_rank=3)
     cycle(now=5_003.0)
     assert len(calls) == 3
-    # Late data for a reduced step (rank 1 re-sends nothing new, rank 2's step 255 arrives again
-    # from a new incarnation): the reduction rewrites it, the detectors run again.
+    # Late data for a reduced step (rank 2 restarted and replays step 255 as a new incarnation):
+    # the reduction rewrites it, the detectors run again.
     replay = [{"kind": "step", "step": 255, "ts": 610.0, "step_seconds": 9.0, "loss": 2.0, "pp_stage": 0}]
     batches.store_batch(session, Batch.model_validate({"run": "r", "rank": 2, "incarnation": 2, "seq": 0,
                                                       "records": replay}))  # fmt: skip
