@@ -27,6 +27,7 @@ import numpy as np
 from sqlalchemy.orm import Session
 
 from trainvitals.service.analysis import expectations
+from trainvitals.service.detectors.findings import Finding
 from trainvitals.service.detectors.series import (
     CheckpointEvent,
     GroupGradNorms,
@@ -288,7 +289,7 @@ class DetectorInputs:
         self.same_data = False
         """Whether the last build's arrays hold what the build before it gave: no step was added,
         rewritten or dropped, and the baseline read nothing new (the events are read every build)."""
-        self.kept_findings: tuple[object, list[Any]] | None = None
+        self.kept_findings: tuple[tuple[object, ...], list[Finding]] | None = None
         """The detectors' answer on the data (pipeline.detect_cycle), with what it was computed under."""
 
     def build(

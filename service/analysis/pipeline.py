@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 from trainvitals.service.analysis import reduction
 from trainvitals.service.analysis.detector_inputs import DetectorInputs
 from trainvitals.service.detectors.findings import Finding
-from trainvitals.service.detectors.run_all import DetectorConfig, detect, detect_on_data
+from trainvitals.service.detectors.run_all import DetectorConfig, detect, detect_on_data, detect_on_data_reads
 from trainvitals.service.detectors.series import RunSeries
 from trainvitals.service.detectors.stragglers import StragglerConfig
 from trainvitals.service.store import detector_blocks, findings, summaries
@@ -247,12 +247,7 @@ def detect_cycle(series: RunSeries, *, inputs: DetectorInputs, config: DetectorC
     steps take longer than a cycle (2 s apart) has cycles that find no new step, and at 16,384
     ranks each found the same findings again for 1.5-1.8 s. The checkpoint detectors, which judge
     the clock, always run."""
-    # Besides the arrays, what the data detectors read: the events (suppression windows) and the
-    # scalars the registration gives. The baseline's arrays are part of `same_data`.
-    key = (
-        series.run, series.events, series.expected_mfu, series.expected_mfu_low, series.peak_flops_total,
-        series.warmup_steps, series.tensors[0].history_len if series.tensors else None, config,
-    )  # fmt: skip
+    key = detect_on_data_reads(series, config)  # the arrays themselves: `same_data`
     kept = inputs.kept_findings
     if inputs.same_data and kept is not None and kept[0] == key:
         data_found = kept[1]

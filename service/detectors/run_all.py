@@ -78,6 +78,17 @@ def detect(
     )
 
 
+def detect_on_data_reads(series: RunSeries, config: DetectorConfig) -> tuple[object, ...]:
+    """What `detect_on_data` reads of the series besides its arrays (and the baseline's), for a
+    caller that keeps its answer while these and the arrays stay the same: the events (suppression
+    windows) and the scalars the registration gives. A data detector that starts reading another
+    field of the series adds it here."""
+    return (
+        series.run, series.events, series.expected_mfu, series.expected_mfu_low, series.peak_flops_total,
+        series.warmup_steps, series.tensors[0].history_len if series.tensors else None, config,
+    )  # fmt: skip
+
+
 def detect_on_data(
     series: RunSeries, *, baseline: RunSeries | None = None, config: DetectorConfig | None = None
 ) -> list[Finding]:
