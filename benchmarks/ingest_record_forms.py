@@ -1,0 +1,287 @@
+"""What two other forms of the tensor records would cost the collector per batch, against today's.
+
+    python benchmarks/ingest_record_forms.py            # ~10 seconds, one process, one core
+
+Issue 17 item 3 asks ingest to reach 0.7 of the raw-insert floor; on SQLite the collector's one
+process holds one GIL between its event loop (HTTP, decoding, building rows) and its writer thread
+(binding rows, stepping statements with the GIL released). Two forms of the records were proposed
+to take work off that GIL, and this script measures what each would cost on the benchmark's own
+batch (`ingest_throughput.batch_template`: 4 steps x (1 step, 5 grad, 48 tensor records)):
+
+1. **Columnar tensor records on the wire.** Each step's 48 tensor records as one record of arrays
+   (one list per column), decoded by msgspec into lists, the flat rows then interleaved from the
+   columns in C (`zip`, `chain`). Compared with today's path: `decode_batch` into one struct a
+   record, then `batch_rows`. Both run on the event loop, with the GIL held.
+2. **SQLite extracting the rows from the body.** One `INSERT ... SELECT ... FROM json_each(?,
+   '$.records')` per record kind and batch, the body bound as one parameter, so that binding the
+   values moves into SQLite's C code, which runs with the GIL released. Compared with today's
+   writer: the flat rows of 16 batches through `sqlite_multirow` in one transaction. Each path's
+   time includes decoding (the route validates every body with msgspec either way).
+
+Times are per batch of 216 records, wall and CPU of this one thread, best of `--repeats` (the
+machine is shared: the least disturbed repeat), each form next to its baseline in the same run.
+Neither form is in the collector: these numbers are why (docs/performance.md, session 23).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sqlite3
+import sys
+import time
+from collections.abc import Callable
+from itertools import chain, repeat
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+STEPS_PER_BATCH = 4
+LAYERS_PER_RANK = 4
+BATCHES = 16  # one group of the writer: what 16 clients queue at once
+
+
+def batch_bodies(count: int) -> list[bytes]:
+    """`count` batch bodies of the ingest benchmark's load generators (ranks 0..count-1, seq 0)."""
+    from ingest_throughput import PP, TP, batch_template
+
+    bodies = []
+    for rank in range(count):
+        key = rank % (TP * PP)
+        template, _ = batch_template(
+            "bench-forms", key, steps_per_batch=STEPS_PER_BATCH, layers_per_rank=LAYERS_PER_RANK
+        )
+        values = {b"Q": b"0", b"R": b"%d" % rank, b"D": b"%d" % (rank // (TP * PP))}
+        for k in range(STEPS_PER_BATCH):
+            values[b"S%d" % k], values[b"T%d" % k] = b"%d" % (100 + k), b"1712900000.000"
+        parts = re.split(rb"@([A-Z][0-9]*)@", template)
+        bodies.append(b"".join(values[p] if i % 2 else p for i, p in enumerate(parts)))
+    return bodies
+
+
+# --------------------------------------------------------------------------- 1. columnar records
+
+_TENSOR_COLUMNS = ("tensor", "role", "format", "amax", "scale", "headroom_bits", "lag_bits", "staleness_steps")
+_OPTIONAL = (
+    *("scale", "headroom_bits", "lag_bits", "staleness_steps"),
+    *("sat_frac", "underflow_frac", "crest_bits", "nonfinite"),
+)
+
+
+def columnar_body(body: bytes) -> bytes:
+    """The same batch with each step's tensor records as one record of columns (kind "tensors")."""
+    batch = msgspec.json.decode(body)
+    records: list[dict[str, Any]] = []
+    for record in batch["records"]:
+        last = records[-1] if records else None
+        if record["kind"] != "tensor":
+            records.append(record)
+        elif last is not None and last["kind"] == "tensors" and last["step"] == record["step"]:
+            for column in _TENSOR_COLUMNS:
+                last[column].append(record.get(column))
+        else:
+            records.append({"kind": "tensors", "step": record["step"], **{c: [record.get(c)] for c in _TENSOR_COLUMNS}})
+    batch["records"] = records
+    return msgspec.json.encode(batch)
+
+
+def columnar_decoder() -> msgspec.json.Decoder[Any]:
+    """A decoder of the columnar form: today's structs for the other kinds (decode.py), one struct of
+    lists for the tensors (the wire's bounds per element left out: this measures the shape)."""
+    from trainvitals.service.ingest import decode
+
+    tensors = msgspec.defstruct(
+        "Tensors",
+        [
+            ("step", int),
+            ("tensor", list[str]),
+            ("role", list[Literal["input", "weight", "grad_output"]]),
+            ("format", list[Literal["e4m3", "e5m2"]]),
+            ("amax", list[float]),
+            *((name, list[float | None] | None, None) for name in _OPTIONAL),
+            ("shadow", list[bool] | None, None),
+        ],
+        namespace={"kind": "tensors"},  # as decode.py's structs: the kind as a class attribute
+        tag="tensors",
+        tag_field="kind",
+        forbid_unknown_fields=True,
+        frozen=True,
+    )
+    record = decode.StepRecord | decode.GradRecord | tensors | decode.CheckpointRecord | decode.EventRecord
+    batch = msgspec.defstruct(
+        "ColumnarBatch",
+        [
+            ("wire_version", int),
+            ("run", str),
+            ("rank", int),
+            ("incarnation", int),
+            ("seq", int),
+            ("records", list[record]),  # type: ignore[valid-type]
+            ("sent_at", float | None, None),
+        ],
+        forbid_unknown_fields=True,
+        frozen=True,
+    )
+    return msgspec.json.Decoder(batch)
+
+
+def columnar_rows(batch: Any) -> dict[str, list[Any]]:
+    """The flat rows `batch_rows` builds, from the columnar form: the tensor rows interleaved from
+    the columns by zip (absent optional columns as repeated None), the other kinds as today."""
+    fast: dict[str, list[Any]] = {}
+    prefix = (batch.run, batch.rank, batch.incarnation)
+    for record in batch.records:
+        if record.kind == "tensors":
+            n = len(record.tensor)
+            columns = [
+                repeat(batch.run, n), repeat(batch.rank, n), repeat(batch.incarnation, n), repeat(record.step, n),
+                record.tensor, record.role, record.format, record.amax,
+                *(getattr(record, name) or repeat(None, n) for name in _OPTIONAL),
+                record.shadow or repeat(False, n),
+            ]  # fmt: skip
+            fast.setdefault("tensor", []).extend(chain.from_iterable(zip(*columns, strict=True)))
+        else:
+            flat = fast.setdefault(record.kind, [])
+            flat += prefix
+            flat += msgspec.structs.astuple(record)
+    return fast
+
+
+# --------------------------------------------------------------------------- 2. rows from the body in SQLite
+
+
+def json_insert_sql(kind: str) -> str:
+    """INSERT ... SELECT of one kind's rows out of a batch body (parameters: run, rank, incarnation, body)."""
+    from trainvitals.service.store import batches
+
+    columns = batches._FAST_COLUMNS[kind]  # noqa: SLF001 - the store's own row layout
+
+    def field(column: str) -> str:
+        if column == "shadow":
+            return "coalesce(value->>'shadow', 0)"
+        return f"value->>'{'group' if column == 'group_name' else column}'"
+
+    table = batches.RECORD_TABLES[kind].name
+    return (
+        f"INSERT INTO {table} (run_id, rank, incarnation, {', '.join(columns)}) "
+        f"SELECT ?, ?, ?, {', '.join(map(field, columns))} "
+        f"FROM json_each(?, '$.records') WHERE value->>'kind' = '{kind}'"
+    )
+
+
+def stored_rows(conn: sqlite3.Connection) -> list[tuple[object, ...]]:
+    """Every stored record row without its id, each value with its storage class, in a fixed order."""
+    from trainvitals.service.store import batches
+
+    rows: list[tuple[object, ...]] = []
+    for kind in batches._FAST_KINDS:  # noqa: SLF001 - the store's own record kinds
+        columns = ("run_id", "rank", "incarnation", *batches._FAST_COLUMNS[kind])  # noqa: SLF001
+        names = ", ".join(f"typeof({c}), {c}" for c in columns)
+        table = batches.RECORD_TABLES[kind].name
+        rows += [(kind, *r) for r in conn.execute(f"SELECT {names} FROM {table} ORDER BY {', '.join(columns)}")]
+    return rows
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def best(fn: Callable[[], object], *, loops: int, repeats: int, per: int) -> tuple[float, float]:
+    """(wall us, CPU us) per `per` items of one call of fn, the least of `repeats` timings of `loops` calls."""
+    fn()
+    walls, cpus = [], []
+    for _ in range(repeats):
+        t, c = time.perf_counter(), time.thread_time()
+        for _ in range(loops):
+            fn()
+        walls.append((time.perf_counter() - t) / loops / per * 1e6)
+        cpus.append((time.thread_time() - c) / loops / per * 1e6)
+    return min(walls), min(cpus)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    sys.path.insert(0, str(Path(__file__).parent))
+    from ingest_throughput import add_shared_args, cpu_model, sqlite_scratch_db
+
+    add_shared_args(parser, server=False)
+    args = parser.parse_args()
+
+    from trainvitals.service.ingest.decode import decode_batch
+    from trainvitals.service.store import batches
+    from trainvitals.service.store.db import upgrade
+
+    bodies = batch_bodies(BATCHES)
+    body = bodies[0]
+    records = len(decode_batch(body).records)
+    columnar = columnar_body(body)
+    decoder = columnar_decoder()
+    # The columnar form holds the same rows (the prefix and every column, in order).
+    today = batches.batch_rows(decode_batch(body))[0]
+    assert columnar_rows(decoder.decode(columnar)) == today, "the columnar form must build the same rows"
+
+    print(f"machine: {cpu_model()}; SQLite {sqlite3.sqlite_version}")
+    print(f"a batch of {records} records, best of {args.repeats} repeats")
+    print(f"body: {len(body):,} bytes as records, {len(columnar):,} columnar\n")
+    print(f"{'event loop, per batch':<48} {'wall us':>9} {'CPU us':>9} {'ratio':>6}")
+
+    def per_batch(fn: Callable[[], object]) -> tuple[float, float]:
+        return best(fn, loops=2000, repeats=args.repeats, per=1)
+
+    base = per_batch(lambda: batches.batch_rows(decode_batch(body)))
+    rows = [
+        ("today: decode_batch + batch_rows", base),
+        ("  of it decode_batch", per_batch(lambda: decode_batch(body))),
+        ("columnar: decode + rows from columns", per_batch(lambda: columnar_rows(decoder.decode(columnar)))),
+        ("  of it decode", per_batch(lambda: decoder.decode(columnar))),
+    ]
+    for name, (wall, cpu) in rows:
+        print(f"{name:<48} {wall:9.1f} {cpu:9.1f} {wall / base[0]:6.2f}")
+
+    with sqlite_scratch_db(f"{args.db_prefix}_forms") as url:
+        upgrade(url)
+        conn = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None)
+        for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "cache_size=-65536"):  # as the collector's
+            conn.execute(f"PRAGMA {pragma}")
+        kinds = batches._FAST_KINDS  # noqa: SLF001 - the store's own record kinds
+        statements = {kind: json_insert_sql(kind) for kind in kinds}
+
+        def multirow() -> None:  # today: decode, build rows, one multi-row INSERT per kind
+            built = [batches.batch_rows(decode_batch(b))[0] for b in bodies]
+            conn.execute("BEGIN")
+            for kind in kinds:
+                plan = batches._SQLITE_PLAN[kind]  # noqa: SLF001 - the store's own statement
+                flat = list(chain.from_iterable(rows.get(kind, ()) for rows in built))
+                batches.sqlite_multirow(conn, plan.sql, flat, plan.real, nullable=plan.nullable)
+            conn.execute("COMMIT")
+
+        def from_body() -> None:  # decode (validation), then SQLite extracts the rows
+            decoded = [decode_batch(b) for b in bodies]
+            conn.execute("BEGIN")
+            for kind in kinds:
+                for raw, batch in zip(bodies, decoded, strict=True):
+                    conn.execute(statements[kind], (batch.run, batch.rank, batch.incarnation, raw))
+            conn.execute("COMMIT")
+
+        # Both store the same rows: every column of every table but the id, with its storage class (a
+        # float SQLite parsed from the body must be the very float msgspec parsed).
+        from_body()
+        extracted = stored_rows(conn)
+        conn.execute("DELETE FROM tensor_stats")
+        conn.execute("DELETE FROM grad_stats")
+        conn.execute("DELETE FROM steps")
+        multirow()
+        assert stored_rows(conn) == extracted and len(extracted) == BATCHES * records, "rows differ"
+        print(f"\n{'writer, per batch (16 per transaction)':<48} {'wall us':>9} {'CPU us':>9} {'ratio':>6}")
+        base = best(multirow, loops=20, repeats=args.repeats, per=BATCHES)
+        for name, (wall, cpu) in (
+            ("today: decode + rows + multi-row INSERT", base),
+            ("json_each: decode + INSERT ... SELECT", best(from_body, loops=20, repeats=args.repeats, per=BATCHES)),
+        ):
+            print(f"{name:<48} {wall:9.1f} {cpu:9.1f} {wall / base[0]:6.2f}")
+        conn.close()
+
+
+if __name__ == "__main__":
+    main()
