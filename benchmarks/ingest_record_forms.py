@@ -1,6 +1,6 @@
-"""What two other forms of the tensor records would cost the collector per batch, against today's.
+"""What other forms of the tensor records would cost the collector per batch, against today's.
 
-    python benchmarks/ingest_record_forms.py            # ~10 seconds, one process, one core
+    python benchmarks/ingest_record_forms.py            # ~15 seconds, one process, one core
 
 Issue 17 item 3 asks ingest to reach 0.7 of the raw-insert floor; on SQLite the collector's one
 process holds one GIL between its event loop (HTTP, decoding, building rows) and its writer thread
@@ -18,9 +18,16 @@ batch (`ingest_throughput.batch_template`: 4 steps x (1 step, 5 grad, 48 tensor 
    writer: the flat rows of 16 batches through `sqlite_multirow` in one transaction. Each path's
    time includes decoding (the route validates every body with msgspec either way).
 
+3. **The FP8 records stored as one row per rank and step** (a "pack": each statistic's 48 values
+   as one float64 blob). What the raw-insert floor (ingest_throughput.py's: sqlite3 `executemany`
+   per kind, 16 batches per transaction, pre-built rows) becomes in records/s, against today's
+   tables. The floor is what item 3's ratio divides by, so this is the denominator such a schema
+   would set; the pack table is a scratch one, its blobs the size of real packs (None stored as
+   NaN: not kept apart from NaN here, which a real pack must do).
+
 Times are per batch of 216 records, wall and CPU of this one thread, best of `--repeats` (the
 machine is shared: the least disturbed repeat), each form next to its baseline in the same run.
-Neither form is in the collector: these numbers are why (docs/performance.md, session 23).
+None of the forms is in the collector: these numbers are why (docs/performance.md, session 23).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import re
 import sqlite3
 import sys
 import time
+from array import array
 from collections.abc import Callable
 from itertools import chain, repeat
 from pathlib import Path
@@ -40,6 +48,7 @@ import msgspec
 STEPS_PER_BATCH = 4
 LAYERS_PER_RANK = 4
 BATCHES = 16  # one group of the writer: what 16 clients queue at once
+FLOOR_BATCHES = 512  # the floor's batches per timing: 32 groups
 
 
 def batch_bodies(count: int) -> list[bytes]:
@@ -183,6 +192,38 @@ def stored_rows(conn: sqlite3.Connection) -> list[tuple[object, ...]]:
     return rows
 
 
+# --------------------------------------------------------------------------- 3. packs: the floor
+
+_PACK_VALUES = (*_OPTIONAL[:4], "amax", *_OPTIONAL[4:])
+_PACK_TABLE = (
+    "CREATE TABLE tensor_packs (id INTEGER PRIMARY KEY, run_id VARCHAR(160), rank INTEGER, incarnation BIGINT, "
+    f"step BIGINT, layout BLOB, {', '.join(f'{c} BLOB' for c in _PACK_VALUES)}, shadow BLOB)"
+)
+_PACK_INDEX = "CREATE INDEX ix_tensor_packs_run_step ON tensor_packs (run_id, step)"  # as tensor_stats'
+_PACK_INSERT = (
+    f"INSERT INTO tensor_packs (run_id, rank, incarnation, step, layout, {', '.join(_PACK_VALUES)}, shadow) "
+    f"VALUES ({', '.join('?' * (len(_PACK_VALUES) + 6))})"
+)
+
+
+def pack_rows(batch: Any) -> list[tuple[Any, ...]]:
+    """One pack row per step of a decoded batch: its tensor records' values as float64 blobs."""
+    by_step: dict[int, list[Any]] = {}
+    for record in batch.records:
+        if record.kind == "tensor":
+            by_step.setdefault(record.step, []).append(record)
+    nan = float("nan")
+    return [
+        (
+            batch.run, batch.rank, batch.incarnation, step, b"sha256 of the (tensor, role, format) list",
+            *(array("d", [nan if v is None else v for v in (getattr(r, c) for r in records)]).tobytes()
+              for c in _PACK_VALUES),
+            bytes(r.shadow for r in records),
+        )
+        for step, records in by_step.items()
+    ]  # fmt: skip
+
+
 # --------------------------------------------------------------------------- timing
 
 
@@ -280,7 +321,51 @@ def main() -> None:
             ("json_each: decode + INSERT ... SELECT", best(from_body, loops=20, repeats=args.repeats, per=BATCHES)),
         ):
             print(f"{name:<48} {wall:9.1f} {cpu:9.1f} {wall / base[0]:6.2f}")
+
+        # 3. The floor, today's tables against packs: every row built before the clock starts.
+        conn.execute(_PACK_TABLE)
+        conn.execute(_PACK_INDEX)
+        many = [decode_batch(b) for b in batch_bodies(FLOOR_BATCHES)]
+        today_rows = [batches.batch_rows(b)[0] for b in many]
+        groups = [slice(g, g + BATCHES) for g in range(0, FLOOR_BATCHES, BATCHES)]
+        flat_kinds = {
+            "today": [_row_tuples(today_rows[g]) for g in groups],
+            "packs": [
+                {**_row_tuples(today_rows[g], skip="tensor"), "pack": [r for b in many[g] for r in pack_rows(b)]}
+                for g in groups
+            ],
+        }
+        tensor_values = sum(len(g["tensor"]) for g in flat_kinds["today"])
+        pack_values = sum(len(row[5]) // 8 for g in flat_kinds["packs"] for row in g["pack"])  # row[5]: one blob
+        assert pack_values == tensor_values, "the packs must hold every tensor record"
+        insert = {**batches._SQLITE_INSERT, "pack": _PACK_INSERT}  # noqa: SLF001 - the floor's statements
+
+        def floor(form: str) -> None:
+            for group in flat_kinds[form]:
+                conn.execute("BEGIN")
+                for kind, group_rows in group.items():
+                    conn.executemany(insert[kind], group_rows)
+                conn.execute("COMMIT")
+
+        print(f"\n{'raw-insert floor, per batch (16 per transaction)':<48} {'wall us':>9} {'CPU us':>9} {'ratio':>6}")
+        base = best(lambda: floor("today"), loops=2, repeats=args.repeats, per=FLOOR_BATCHES)
+        packs = best(lambda: floor("packs"), loops=2, repeats=args.repeats, per=FLOOR_BATCHES)
+        for name, (wall, cpu) in (("today's tables", base), ("FP8 records as one pack row a step", packs)):
+            print(f"{name:<48} {wall:9.1f} {cpu:9.1f} {wall / base[0]:6.2f}   {records / wall * 1e6:,.0f} records/s")
         conn.close()
+
+
+def _row_tuples(built: list[dict[str, list[Any]]], skip: str = "") -> dict[str, list[tuple[Any, ...]]]:
+    """The rows of several batches (batch_rows' flat lists) as one list of row tuples per kind."""
+    from trainvitals.service.store import batches
+
+    out: dict[str, list[tuple[Any, ...]]] = {}
+    for rows in built:
+        for kind, flat in rows.items():
+            if kind != skip:
+                width = batches._WIDTH[kind]  # noqa: SLF001 - the store's own row layout
+                out.setdefault(kind, []).extend(zip(*[iter(flat)] * width, strict=True))
+    return out
 
 
 if __name__ == "__main__":
