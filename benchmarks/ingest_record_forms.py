@@ -33,13 +33,12 @@ None of the forms is in the collector: these numbers are why (docs/performance.m
 from __future__ import annotations
 
 import argparse
-import re
 import sqlite3
 import sys
 import time
 from array import array
 from collections.abc import Callable
-from itertools import chain, repeat
+from itertools import chain, islice, repeat
 from pathlib import Path
 from typing import Any, Literal
 
@@ -52,21 +51,11 @@ FLOOR_BATCHES = 512  # the floor's batches per timing: 32 groups
 
 
 def batch_bodies(count: int) -> list[bytes]:
-    """`count` batch bodies of the ingest benchmark's load generators (ranks 0..count-1, seq 0)."""
-    from ingest_throughput import PP, TP, batch_template
+    """The first `count` batch bodies of the ingest benchmark's floor (ranks 0..count-1, seq 0)."""
+    from ingest_throughput import _floor_batches
 
-    bodies = []
-    for rank in range(count):
-        key = rank % (TP * PP)
-        template, _ = batch_template(
-            "bench-forms", key, steps_per_batch=STEPS_PER_BATCH, layers_per_rank=LAYERS_PER_RANK
-        )
-        values = {b"Q": b"0", b"R": b"%d" % rank, b"D": b"%d" % (rank // (TP * PP))}
-        for k in range(STEPS_PER_BATCH):
-            values[b"S%d" % k], values[b"T%d" % k] = b"%d" % (100 + k), b"1712900000.000"
-        parts = re.split(rb"@([A-Z][0-9]*)@", template)
-        bodies.append(b"".join(values[p] if i % 2 else p for i, p in enumerate(parts)))
-    return bodies
+    bodies = _floor_batches("bench-forms", steps_per_batch=STEPS_PER_BATCH, layers_per_rank=LAYERS_PER_RANK)
+    return list(islice(bodies, count))
 
 
 # --------------------------------------------------------------------------- 1. columnar records
@@ -194,16 +183,15 @@ def stored_rows(conn: sqlite3.Connection) -> list[tuple[object, ...]]:
 
 # --------------------------------------------------------------------------- 3. packs: the floor
 
-_PACK_VALUES = (*_OPTIONAL[:4], "amax", *_OPTIONAL[4:])
+_PACK_KEY = ("run_id", "rank", "incarnation", "step", "layout")  # layout: the (tensor, role, format) list's digest
+_PACK_VALUES = ("amax", *_OPTIONAL)  # one float64 blob each
 _PACK_TABLE = (
     "CREATE TABLE tensor_packs (id INTEGER PRIMARY KEY, run_id VARCHAR(160), rank INTEGER, incarnation BIGINT, "
     f"step BIGINT, layout BLOB, {', '.join(f'{c} BLOB' for c in _PACK_VALUES)}, shadow BLOB)"
 )
 _PACK_INDEX = "CREATE INDEX ix_tensor_packs_run_step ON tensor_packs (run_id, step)"  # as tensor_stats'
-_PACK_INSERT = (
-    f"INSERT INTO tensor_packs (run_id, rank, incarnation, step, layout, {', '.join(_PACK_VALUES)}, shadow) "
-    f"VALUES ({', '.join('?' * (len(_PACK_VALUES) + 6))})"
-)
+_PACK_COLUMNS = (*_PACK_KEY, *_PACK_VALUES, "shadow")
+_PACK_INSERT = f"INSERT INTO tensor_packs ({', '.join(_PACK_COLUMNS)}) VALUES ({', '.join('?' * len(_PACK_COLUMNS))})"
 
 
 def pack_rows(batch: Any) -> list[tuple[Any, ...]]:
@@ -249,110 +237,130 @@ def main() -> None:
     add_shared_args(parser, server=False)
     args = parser.parse_args()
 
-    from trainvitals.service.ingest.decode import decode_batch
-    from trainvitals.service.store import batches
     from trainvitals.service.store.db import upgrade
 
-    bodies = batch_bodies(BATCHES)
-    body = bodies[0]
-    records = len(decode_batch(body).records)
-    columnar = columnar_body(body)
-    decoder = columnar_decoder()
-    # The columnar form holds the same rows (the prefix and every column, in order).
-    today = batches.batch_rows(decode_batch(body))[0]
-    assert columnar_rows(decoder.decode(columnar)) == today, "the columnar form must build the same rows"
-
     print(f"machine: {cpu_model()}; SQLite {sqlite3.sqlite_version}")
-    print(f"a batch of {records} records, best of {args.repeats} repeats")
-    print(f"body: {len(body):,} bytes as records, {len(columnar):,} columnar\n")
-    print(f"{'event loop, per batch':<48} {'wall us':>9} {'CPU us':>9} {'ratio':>6}")
-
-    def per_batch(fn: Callable[[], object]) -> tuple[float, float]:
-        return best(fn, loops=2000, repeats=args.repeats, per=1)
-
-    base = per_batch(lambda: batches.batch_rows(decode_batch(body)))
-    rows = [
-        ("today: decode_batch + batch_rows", base),
-        ("  of it decode_batch", per_batch(lambda: decode_batch(body))),
-        ("columnar: decode + rows from columns", per_batch(lambda: columnar_rows(decoder.decode(columnar)))),
-        ("  of it decode", per_batch(lambda: decoder.decode(columnar))),
-    ]
-    for name, (wall, cpu) in rows:
-        print(f"{name:<48} {wall:9.1f} {cpu:9.1f} {wall / base[0]:6.2f}")
-
+    bodies = batch_bodies(FLOOR_BATCHES)
+    time_event_loop(bodies[0], repeats=args.repeats)
     with sqlite_scratch_db(f"{args.db_prefix}_forms") as url:
         upgrade(url)
         conn = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None)
         for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "cache_size=-65536"):  # as the collector's
             conn.execute(f"PRAGMA {pragma}")
-        kinds = batches._FAST_KINDS  # noqa: SLF001 - the store's own record kinds
-        statements = {kind: json_insert_sql(kind) for kind in kinds}
-
-        def multirow() -> None:  # today: decode, build rows, one multi-row INSERT per kind
-            built = [batches.batch_rows(decode_batch(b))[0] for b in bodies]
-            conn.execute("BEGIN")
-            for kind in kinds:
-                plan = batches._SQLITE_PLAN[kind]  # noqa: SLF001 - the store's own statement
-                flat = list(chain.from_iterable(rows.get(kind, ()) for rows in built))
-                batches.sqlite_multirow(conn, plan.sql, flat, plan.real, nullable=plan.nullable)
-            conn.execute("COMMIT")
-
-        def from_body() -> None:  # decode (validation), then SQLite extracts the rows
-            decoded = [decode_batch(b) for b in bodies]
-            conn.execute("BEGIN")
-            for kind in kinds:
-                for raw, batch in zip(bodies, decoded, strict=True):
-                    conn.execute(statements[kind], (batch.run, batch.rank, batch.incarnation, raw))
-            conn.execute("COMMIT")
-
-        # Both store the same rows: every column of every table but the id, with its storage class (a
-        # float SQLite parsed from the body must be the very float msgspec parsed).
-        from_body()
-        extracted = stored_rows(conn)
-        conn.execute("DELETE FROM tensor_stats")
-        conn.execute("DELETE FROM grad_stats")
-        conn.execute("DELETE FROM steps")
-        multirow()
-        assert stored_rows(conn) == extracted and len(extracted) == BATCHES * records, "rows differ"
-        print(f"\n{'writer, per batch (16 per transaction)':<48} {'wall us':>9} {'CPU us':>9} {'ratio':>6}")
-        base = best(multirow, loops=20, repeats=args.repeats, per=BATCHES)
-        for name, (wall, cpu) in (
-            ("today: decode + rows + multi-row INSERT", base),
-            ("json_each: decode + INSERT ... SELECT", best(from_body, loops=20, repeats=args.repeats, per=BATCHES)),
-        ):
-            print(f"{name:<48} {wall:9.1f} {cpu:9.1f} {wall / base[0]:6.2f}")
-
-        # 3. The floor, today's tables against packs: every row built before the clock starts.
-        conn.execute(_PACK_TABLE)
-        conn.execute(_PACK_INDEX)
-        many = [decode_batch(b) for b in batch_bodies(FLOOR_BATCHES)]
-        today_rows = [batches.batch_rows(b)[0] for b in many]
-        groups = [slice(g, g + BATCHES) for g in range(0, FLOOR_BATCHES, BATCHES)]
-        flat_kinds = {
-            "today": [_row_tuples(today_rows[g]) for g in groups],
-            "packs": [
-                {**_row_tuples(today_rows[g], skip="tensor"), "pack": [r for b in many[g] for r in pack_rows(b)]}
-                for g in groups
-            ],
-        }
-        tensor_values = sum(len(g["tensor"]) for g in flat_kinds["today"])
-        pack_values = sum(len(row[5]) // 8 for g in flat_kinds["packs"] for row in g["pack"])  # row[5]: one blob
-        assert pack_values == tensor_values, "the packs must hold every tensor record"
-        insert = {**batches._SQLITE_INSERT, "pack": _PACK_INSERT}  # noqa: SLF001 - the floor's statements
-
-        def floor(form: str) -> None:
-            for group in flat_kinds[form]:
-                conn.execute("BEGIN")
-                for kind, group_rows in group.items():
-                    conn.executemany(insert[kind], group_rows)
-                conn.execute("COMMIT")
-
-        print(f"\n{'raw-insert floor, per batch (16 per transaction)':<48} {'wall us':>9} {'CPU us':>9} {'ratio':>6}")
-        base = best(lambda: floor("today"), loops=2, repeats=args.repeats, per=FLOOR_BATCHES)
-        packs = best(lambda: floor("packs"), loops=2, repeats=args.repeats, per=FLOOR_BATCHES)
-        for name, (wall, cpu) in (("today's tables", base), ("FP8 records as one pack row a step", packs)):
-            print(f"{name:<48} {wall:9.1f} {cpu:9.1f} {wall / base[0]:6.2f}   {records / wall * 1e6:,.0f} records/s")
+        time_writer(conn, bodies[:BATCHES], repeats=args.repeats)
+        time_floor(conn, bodies, repeats=args.repeats)
         conn.close()
+
+
+def _print_row(name: str, timed: tuple[float, float], base: tuple[float, float], extra: str = "") -> None:
+    print(f"{name:<48} {timed[0]:9.1f} {timed[1]:9.1f} {timed[0] / base[0]:6.2f}{extra}")
+
+
+def _print_head(title: str) -> None:
+    print(f"\n{title:<48} {'wall us':>9} {'CPU us':>9} {'ratio':>6}")
+
+
+def time_event_loop(body: bytes, *, repeats: int) -> None:
+    """1. Decoding and row building of one batch: today's records against columnar ones."""
+    from trainvitals.service.ingest.decode import decode_batch
+    from trainvitals.service.store import batches
+
+    columnar = columnar_body(body)
+    decoder = columnar_decoder()
+    # The columnar form holds the same rows (the prefix and every column, in order).
+    today = batches.batch_rows(decode_batch(body))[0]
+    assert columnar_rows(decoder.decode(columnar)) == today, "the columnar form must build the same rows"
+    print(f"a batch of {len(decode_batch(body).records)} records, best of {repeats} repeats")
+    print(f"body: {len(body):,} bytes as records, {len(columnar):,} columnar")
+
+    def per_batch(fn: Callable[[], object]) -> tuple[float, float]:
+        return best(fn, loops=2000, repeats=repeats, per=1)
+
+    _print_head("event loop, per batch")
+    base = per_batch(lambda: batches.batch_rows(decode_batch(body)))
+    _print_row("today: decode_batch + batch_rows", base, base)
+    _print_row("  of it decode_batch", per_batch(lambda: decode_batch(body)), base)
+    _print_row("columnar: decode + rows from columns", per_batch(lambda: columnar_rows(decoder.decode(columnar))), base)
+    _print_row("  of it decode", per_batch(lambda: decoder.decode(columnar)), base)
+
+
+def time_writer(conn: sqlite3.Connection, bodies: list[bytes], *, repeats: int) -> None:
+    """2. One group of batches into SQLite: today's multi-row INSERTs against SQLite's JSON extraction."""
+    from trainvitals.service.ingest.decode import decode_batch
+    from trainvitals.service.store import batches
+
+    kinds = batches._FAST_KINDS  # noqa: SLF001 - the store's own record kinds
+    statements = {kind: json_insert_sql(kind) for kind in kinds}
+
+    def multirow() -> None:  # today: decode, build rows, one multi-row INSERT per kind
+        built = [batches.batch_rows(decode_batch(b))[0] for b in bodies]
+        conn.execute("BEGIN")
+        for kind in kinds:
+            plan = batches._SQLITE_PLAN[kind]  # noqa: SLF001 - the store's own statement
+            flat = list(chain.from_iterable(rows.get(kind, ()) for rows in built))
+            batches.sqlite_multirow(conn, plan.sql, flat, plan.real, nullable=plan.nullable)
+        conn.execute("COMMIT")
+
+    def from_body() -> None:  # decode (validation), then SQLite extracts the rows
+        decoded = [decode_batch(b) for b in bodies]
+        conn.execute("BEGIN")
+        for kind in kinds:
+            for raw, batch in zip(bodies, decoded, strict=True):
+                conn.execute(statements[kind], (batch.run, batch.rank, batch.incarnation, raw))
+        conn.execute("COMMIT")
+
+    # Both store the same rows: every column of every table but the id, with its storage class (a
+    # float SQLite parsed from the body must be the very float msgspec parsed).
+    from_body()
+    extracted = stored_rows(conn)
+    for kind in kinds:
+        conn.execute(f"DELETE FROM {batches.RECORD_TABLES[kind].name}")
+    multirow()
+    records = sum(len(decode_batch(b).records) for b in bodies)
+    assert stored_rows(conn) == extracted and len(extracted) == records, "the two paths must store the same rows"
+    _print_head(f"writer, per batch ({len(bodies)} per transaction)")
+    base = best(multirow, loops=20, repeats=repeats, per=len(bodies))
+    _print_row("today: decode + rows + multi-row INSERT", base, base)
+    _print_row(
+        "json_each: decode + INSERT ... SELECT", best(from_body, loops=20, repeats=repeats, per=len(bodies)), base
+    )
+
+
+def time_floor(conn: sqlite3.Connection, bodies: list[bytes], *, repeats: int) -> None:
+    """3. The raw-insert floor, today's tables against packs: every row built before the clock starts."""
+    from trainvitals.service.ingest.decode import decode_batch
+    from trainvitals.service.store import batches
+
+    conn.execute(_PACK_TABLE)
+    conn.execute(_PACK_INDEX)
+    decoded = [decode_batch(b) for b in bodies]
+    today_rows = [batches.batch_rows(b)[0] for b in decoded]
+    groups = [slice(g, g + BATCHES) for g in range(0, len(bodies), BATCHES)]
+    group_rows = {
+        "today": [_row_tuples(today_rows[g]) for g in groups],
+        "packs": [
+            {**_row_tuples(today_rows[g], skip="tensor"), "pack": [r for b in decoded[g] for r in pack_rows(b)]}
+            for g in groups
+        ],
+    }
+    amax = len(_PACK_KEY)  # a pack row's amax blob: 8 bytes a tensor record
+    in_packs = sum(len(row[amax]) // 8 for g in group_rows["packs"] for row in g["pack"])
+    assert in_packs == sum(len(g["tensor"]) for g in group_rows["today"]), "the packs must hold every tensor record"
+    insert = {**batches._SQLITE_INSERT, "pack": _PACK_INSERT}  # noqa: SLF001 - the floor's statements
+
+    def floor(form: str) -> None:
+        for group in group_rows[form]:
+            conn.execute("BEGIN")
+            for kind, rows in group.items():
+                conn.executemany(insert[kind], rows)
+            conn.execute("COMMIT")
+
+    records = len(decoded[0].records)
+    _print_head(f"raw-insert floor, per batch ({BATCHES} per transaction)")
+    base = best(lambda: floor("today"), loops=2, repeats=repeats, per=len(bodies))
+    packs = best(lambda: floor("packs"), loops=2, repeats=repeats, per=len(bodies))
+    for name, timed in (("today's tables", base), ("FP8 records as one pack row a step", packs)):
+        _print_row(name, timed, base, f"   {records / timed[0] * 1e6:,.0f} records/s")
 
 
 def _row_tuples(built: list[dict[str, list[Any]]], skip: str = "") -> dict[str, list[tuple[Any, ...]]]:
