@@ -47,10 +47,12 @@ waits for the WAL flush waits behind that sync phase: the collector's ingest com
 default (`synchronous_commit` off for them; `--ingest-synchronous-commit` runs the collector with
 TRAINVITALS_INGEST_SYNCHRONOUS_COMMIT=true, the database's own setting, on by default).
 
-The floor row (`--floor-seconds`, after each backend's ingest run): the same records, already row
-tuples, inserted from this one process into the same tables with nothing else in the way (SQLite
-`executemany`, PostgreSQL binary COPY; `--clients` batches per commit, committed as the collector
-commits them), and ingest's ratio to it.
+The floor row (`--floor-seconds`, before and after each backend's ingest run): the same records,
+already row tuples, inserted from this one process into the same tables with nothing else in the way
+(SQLite `executemany`, PostgreSQL binary COPY; `--clients` batches per commit, committed as the
+collector commits them), and ingest's ratio to it. The floor is measured on both sides because a
+shared host's speed drifts over minutes (other guests on the same cores): the ratio is to the mean
+of the two, and when they differ by more than a tenth a line says so and gives the ratio to each.
 
 The SQLite file and the PostgreSQL scratch database are removed at the end; every process this
 script starts is stopped by it. scrape_16k.py and postmortem_queries.py import the collector and
@@ -852,6 +854,10 @@ def _open_loop_stats(
 # --------------------------------------------------------------------------- the raw-insert floor
 
 
+FLOOR_DRIFT_WARN = 0.10
+"""Floors before and after an ingest run further apart than this (relative) get a line of their own."""
+
+
 @dataclass(kw_only=True, slots=True)
 class FloorResult:
     backend: str
@@ -861,6 +867,29 @@ class FloorResult:
     """CPU microseconds per record of the inserting process (its thread, during the inserts)."""
     server_us: float
     """CPU microseconds per record of its PostgreSQL backend (0 for SQLite, which runs in-process)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class BracketedFloor:
+    """The floor measured right before and right after one backend's ingest run."""
+
+    before: FloorResult
+    after: FloorResult
+
+    @property
+    def records_per_s(self) -> float:
+        return (self.before.records_per_s + self.after.records_per_s) / 2
+
+    @property
+    def cpu_us(self) -> float:
+        """CPU microseconds per record of the floor's inserts (process and backend), mean of the two."""
+        return sum(f.client_us + f.server_us for f in (self.before, self.after)) / 2
+
+    @property
+    def drift(self) -> float:
+        """How far the two floors lie apart, relative to the lower one."""
+        low, high = sorted((self.before.records_per_s, self.after.records_per_s))
+        return high / low - 1
 
 
 def _floor_batches(run: str, *, steps_per_batch: int, layers_per_rank: int) -> Iterator[bytes]:
@@ -958,6 +987,17 @@ def measure_floor(
     )
 
 
+def _floor_drift_line(backend: str, records_per_s: float, floor: BracketedFloor) -> str | None:
+    """A line when the floors before and after an ingest run lie too far apart for one ratio."""
+    if floor.drift <= FLOOR_DRIFT_WARN:
+        return None
+    low, high = sorted((floor.before.records_per_s, floor.after.records_per_s))
+    return (
+        f"[{backend}] the floor moved {floor.drift:.0%} across the ingest run (the host's speed changed): "
+        f"the ratio lies between {records_per_s / high:.2f} and {records_per_s / low:.2f}; rerun for a firmer one"
+    )
+
+
 def _ms(value: float, lower_bound: bool) -> str:
     return f"{'>' if lower_bound else ''}{value:.1f}"
 
@@ -1038,9 +1078,22 @@ def main() -> None:
         )
     )
     results = []
-    floors: dict[str, FloorResult] = {}
+    floors: dict[str, BracketedFloor] = {}
     shape = {"steps_per_batch": args.steps_per_batch, "layers_per_rank": args.layers_per_rank}
+
+    def floor(backend: str) -> FloorResult:
+        return measure_floor(
+            backend,
+            seconds=args.floor_seconds,
+            **shape,
+            group_batches=args.clients,
+            db_prefix=args.db_prefix,
+            synchronous_commit=args.ingest_synchronous_commit,
+        )
+
     for backend in args.backends.split(","):
+        # Right before and right after the ingest run, so that the two see the machine it saw.
+        before = floor(backend) if args.floor_seconds > 0 else None
         res = measure(
             backend,
             seconds=args.seconds,
@@ -1058,16 +1111,8 @@ def main() -> None:
         )
         print(f"[{backend}] collector ({res.collector_processes} processes): {res.command}", flush=True)
         results.append(res)
-        if args.floor_seconds > 0:
-            # Right after the ingest run, so the two see the same machine (load from other work).
-            floors[backend] = measure_floor(
-                backend,
-                seconds=args.floor_seconds,
-                **shape,
-                group_batches=args.clients,
-                db_prefix=args.db_prefix,
-                synchronous_commit=args.ingest_synchronous_commit,
-            )
+        if before is not None:
+            floors[backend] = BracketedFloor(before=before, after=floor(backend))
     header = (
         f"{'backend':<11}{'offered':>10}{'records/s':>11}{'batches/s':>10}{'rec/batch':>10}{'body KB':>8}"
         f"{'p50 ms':>8}{'p99 ms':>8}{'late ms':>8}{'errors':>7}{'CPU coll':>9}{'us/rec':>7}{'CPU pg':>7}{'CPU gen':>8}"
@@ -1101,7 +1146,8 @@ def main() -> None:
         # ingest well below it by waiting (round trips, the GIL, one request in flight per client).
         cores = os.cpu_count() or 1
         print(
-            f"\n{'backend':<11}{'floor rec/s':>12}{'ingest rec/s':>13}{'ratio':>7}{'floor us/rec':>13}"
+            f"\n{'backend':<11}{'floor before':>13}{'after':>9}{'mean':>9}{'ingest rec/s':>13}{'ratio':>7}"
+            f"{'floor us/rec':>13}"
             f"{'ingest us/rec':>14}{'= coll':>8}{'+ pg':>6}{'+ gen':>7}{'CPU ceiling':>12}{'of floor':>9}"
             f"{'busy':>6}  floor method"
         )
@@ -1111,19 +1157,25 @@ def main() -> None:
             coll, pg, gen = (1e6 * cpu / rate for cpu in (r.collector_cpu, r.postgres_cpu, r.clients_cpu))
             ceiling = cores * 1e6 / (coll + pg + gen)
             print(
-                f"{r.backend:<11}{f.records_per_s:>12,.0f}{r.records_per_s:>13,.0f}"
-                f"{r.records_per_s / f.records_per_s:>7.2f}{f.client_us + f.server_us:>13.1f}"
+                f"{r.backend:<11}{f.before.records_per_s:>13,.0f}{f.after.records_per_s:>9,.0f}"
+                f"{f.records_per_s:>9,.0f}{r.records_per_s:>13,.0f}"
+                f"{r.records_per_s / f.records_per_s:>7.2f}{f.cpu_us:>13.1f}"
                 f"{coll + pg + gen:>14.1f}{coll:>8.1f}{pg:>6.1f}{gen:>7.1f}{ceiling:>12,.0f}"
                 f"{ceiling / f.records_per_s:>9.2f}{(coll + pg + gen) * rate / 1e6 / cores:>6.0%}"
-                f"  {f.method}, {args.clients} batches per commit"
+                f"  {f.before.method}, {args.clients} batches per commit"
             )
         print(
-            f"floor us/rec: CPU per record of the floor's inserts (its process and, on PostgreSQL, its backend). "
+            f"floor: records/s of the raw inserts right before and right after the ingest run; ratio: ingest's "
+            f"to their mean. floor us/rec: CPU per record of the floor's inserts (its process and, on "
+            f"PostgreSQL, its backend; mean of the two). "
             f"ingest us/rec: CPU per acknowledged record in the ingest run, of the collector (all its processes), "
             f"PostgreSQL (the scratch database's backends) and the load generators. CPU ceiling: what {cores} cores "
             f"carry at that cost ({cores} x 1e6 / ingest us/rec), and its ratio to the floor; busy: the share of "
             f"the {cores} cores the ingest run kept busy (near 100%: bound by CPU; well below: by waiting)."
         )
+        for r in results:
+            if (line := _floor_drift_line(r.backend, r.records_per_s, floors[r.backend])) is not None:
+                print(line)
     print(
         "\nCPU columns: cores busy on average (the collector's processes: serve, its --workers and its analysis "
         "child; PostgreSQL backends of the scratch database; all load generators); RSS and HWM: summed over the "
