@@ -1051,7 +1051,8 @@ def main() -> None:
                              "commit waiting for the WAL flush (default: synchronous_commit off, as the "
                              "collector's default)")  # fmt: skip
     parser.add_argument("--floor-seconds", type=float, default=10.0,
-                        help="insert time of the raw-insert floor per backend (0: no floor rows)")  # fmt: skip
+                        help="insert time of the raw-insert floor before and again after each backend's ingest run "
+                             "(0: no floor rows)")  # fmt: skip
     parser.add_argument("--timeline", metavar="PREFIX",
                         help="open loop: write each batch's due time (Unix s), send lateness and answer time "
                              "to PREFIX-<backend>.csv, to line stalls up with other events")  # fmt: skip
