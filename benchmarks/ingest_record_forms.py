@@ -328,6 +328,8 @@ def time_writer(conn: sqlite3.Connection, bodies: list[bytes], *, repeats: int) 
 
 def time_floor(conn: sqlite3.Connection, bodies: list[bytes], *, repeats: int) -> None:
     """3. The raw-insert floor, today's tables against packs: every row built before the clock starts."""
+    from ingest_throughput import row_tuples
+
     from trainvitals.service.ingest.decode import decode_batch
     from trainvitals.service.store import batches
 
@@ -337,9 +339,9 @@ def time_floor(conn: sqlite3.Connection, bodies: list[bytes], *, repeats: int) -
     today_rows = [batches.batch_rows(b)[0] for b in decoded]
     groups = [slice(g, g + BATCHES) for g in range(0, len(bodies), BATCHES)]
     group_rows = {
-        "today": [_row_tuples(today_rows[g]) for g in groups],
+        "today": [row_tuples(today_rows[g]) for g in groups],
         "packs": [
-            {**_row_tuples(today_rows[g], skip="tensor"), "pack": [r for b in decoded[g] for r in pack_rows(b)]}
+            {**row_tuples(today_rows[g], skip="tensor"), "pack": [r for b in decoded[g] for r in pack_rows(b)]}
             for g in groups
         ],
     }
@@ -361,19 +363,6 @@ def time_floor(conn: sqlite3.Connection, bodies: list[bytes], *, repeats: int) -
     packs = best(lambda: floor("packs"), loops=2, repeats=repeats, per=len(bodies))
     for name, timed in (("today's tables", base), ("FP8 records as one pack row a step", packs)):
         _print_row(name, timed, base, f"   {records / timed[0] * 1e6:,.0f} records/s")
-
-
-def _row_tuples(built: list[dict[str, list[Any]]], skip: str = "") -> dict[str, list[tuple[Any, ...]]]:
-    """The rows of several batches (batch_rows' flat lists) as one list of row tuples per kind."""
-    from trainvitals.service.store import batches
-
-    out: dict[str, list[tuple[Any, ...]]] = {}
-    for rows in built:
-        for kind, flat in rows.items():
-            if kind != skip:
-                width = batches._WIDTH[kind]  # noqa: SLF001 - the store's own row layout
-                out.setdefault(kind, []).extend(zip(*[iter(flat)] * width, strict=True))
-    return out
 
 
 if __name__ == "__main__":

@@ -886,9 +886,15 @@ class BracketedFloor:
         return sum(f.client_us + f.server_us for f in (self.before, self.after)) / 2
 
     @property
+    def low_high(self) -> tuple[float, float]:
+        """The lower and the higher of the two floors, records/s."""
+        low, high = sorted((self.before.records_per_s, self.after.records_per_s))
+        return low, high
+
+    @property
     def drift(self) -> float:
         """How far the two floors lie apart, relative to the lower one."""
-        low, high = sorted((self.before.records_per_s, self.after.records_per_s))
+        low, high = self.low_high
         return high / low - 1
 
 
@@ -927,6 +933,20 @@ def _floor_write(backend: str, raw: Any, group: dict[str, list[tuple[Any, ...]]]
     raw.commit()
 
 
+def row_tuples(built: list[dict[str, list[Any]]], skip: str = "") -> dict[str, list[tuple[Any, ...]]]:
+    """The rows of several batches (`batch_rows`' flat lists) as one list of row tuples per kind, the
+    kind `skip` left out: what `executemany` and COPY take."""
+    from trainvitals.service.store import batches
+
+    out: dict[str, list[tuple[Any, ...]]] = {}
+    for rows in built:
+        for kind, flat in rows.items():
+            if kind != skip:
+                width = batches._WIDTH[kind]  # noqa: SLF001 - the store's own row layout
+                out.setdefault(kind, []).extend(zip(*[iter(flat)] * width, strict=True))
+    return out
+
+
 def measure_floor(
     backend: str,
     *,
@@ -962,11 +982,8 @@ def measure_floor(
             backend_pid = [raw.info.backend_pid] if backend == "postgresql" else []
             client_cpu = server_cpu = 0.0
             while busy < seconds:
-                group: dict[str, list[tuple[Any, ...]]] = {}
-                for _ in range(group_batches):
-                    for kind, flat in store.batch_rows(decode_batch(next(bodies)))[0].items():
-                        width = store._WIDTH[kind]  # noqa: SLF001 - the store's own row layout
-                        group.setdefault(kind, []).extend(zip(*[iter(flat)] * width, strict=True))
+                built = [store.batch_rows(decode_batch(next(bodies)))[0] for _ in range(group_batches)]
+                group = row_tuples(built)
                 t0, c0, s0 = time.perf_counter(), time.thread_time(), cpu_seconds(backend_pid)
                 _floor_write(backend, raw, group, synchronous_commit)
                 busy += time.perf_counter() - t0
@@ -991,7 +1008,7 @@ def _floor_drift_line(backend: str, records_per_s: float, floor: BracketedFloor)
     """A line when the floors before and after an ingest run lie too far apart for one ratio."""
     if floor.drift <= FLOOR_DRIFT_WARN:
         return None
-    low, high = sorted((floor.before.records_per_s, floor.after.records_per_s))
+    low, high = floor.low_high
     return (
         f"[{backend}] the floor moved {floor.drift:.0%} across the ingest run (the host's speed changed): "
         f"the ratio lies between {records_per_s / high:.2f} and {records_per_s / low:.2f}; rerun for a firmer one"
