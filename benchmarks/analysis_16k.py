@@ -228,8 +228,12 @@ def main() -> None:
     parser.add_argument("--summary-steps", type=int, default=20_000)
     parser.add_argument("--modes", default="kept,restart,fresh", help="comma-separated: kept, restart, fresh")
     parser.add_argument("--db-prefix", default="tv_bench", help="name prefix of the scratch database")
-    parser.add_argument("--profile", metavar="PATH", help="cProfile each mode's first cycle into PATH-<mode>.pstats "
-                        "and print its 25 costliest functions (cumulative)")
+    parser.add_argument(
+        "--profile",
+        metavar="PATH",
+        help="cProfile each mode's first cycle into PATH-<mode>.pstats "
+        "and print its 25 costliest functions (cumulative)",
+    )
     args = parser.parse_args()
     modes = [m for m in ("kept", "restart", "fresh") if m in args.modes.split(",")]
     print("$ python benchmarks/analysis_16k.py " + " ".join(sys.argv[1:]))

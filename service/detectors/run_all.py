@@ -68,14 +68,10 @@ def detect(
     found += detect_checkpoints(series, cfg.checkpoints)
     found += detect_no_rollback_target(series, cfg.checkpoints, open_pages=found)
     found = [
-        dataclasses.replace(f, paged_step=f.detected_step)
-        if f.severity == "page" and f.paged_step is None
-        else f
+        dataclasses.replace(f, paged_step=f.detected_step) if f.severity == "page" and f.paged_step is None else f
         for f in found
     ]
-    return sorted(
-        found, key=lambda f: (_SEVERITY_ORDER[f.severity], f.onset_step, f.kind, f.subject_kind, f.subject)
-    )
+    return sorted(found, key=lambda f: (_SEVERITY_ORDER[f.severity], f.onset_step, f.kind, f.subject_kind, f.subject))
 
 
 def detect_on_data_reads(series: RunSeries, config: DetectorConfig) -> tuple[object, ...]:
