@@ -176,9 +176,9 @@ def test_every_panel_and_annotation_returns_data_from_a_real_prometheus(
         first = _torchrun(args, tmp_path, env)
         assert first.returncode != 0 and "injected crash at step 170" in first.stderr, first.stderr[-3000:]
         # The relaunch comes after the collector has reduced the crash step without rank 1 and that
-        # has stood for one query step: a relaunch faster than the settle time re-sends step 170
-        # from all four ranks, the step is never short of ranks, and the annotation has nothing
-        # to show (what failed CI once on a fast host).
+        # has stood for one query step. A relaunch that re-sends step 170 from rank 1 before the
+        # settle time has passed leaves the step never short of ranks and the annotation with
+        # nothing to show (the likely cause of one CI failure: relaunch and settle time race).
         missing = f'trainvitals_run_ranks_reporting{{run="{RUN}"}} < trainvitals_run_world_size_ranks{{run="{RUN}"}}'
         _wait("the crash step reduced without rank 1", lambda: prom.api("query", query=missing)["result"],
               timeout=60, detail=lambda: first.stderr[-3000:])  # fmt: skip
