@@ -35,6 +35,8 @@ RUN, PROJECT = "e2e-dash", "e2e"
 SCRAPE_S = 1  # the shipped config scrapes every 15 s; a test cannot wait for that
 STEP_S = 5  # query resolution ($__interval)
 RATE_INTERVAL = "20s"  # Grafana's $__rate_interval: at least 4 scrape intervals, wider for a noisy box
+# The dashboard variables and macros as Grafana would substitute them for this test's run.
+QUERY_VALUES = {"$__rate_interval": RATE_INTERVAL, "$__interval": f"{STEP_S}s", "$project": PROJECT, "$run": RUN}
 COLLECTOR_ENV = {
     # Short windows and warm-up so a CPU-sized run is long enough for the detectors; a short settle
     # time so the step the crash left incomplete is reduced (ranks missing) before the relaunch.
@@ -179,7 +181,7 @@ def test_every_panel_and_annotation_returns_data_from_a_real_prometheus(
         # has stood for one query step. A relaunch that re-sends step 170 from rank 1 before the
         # settle time has passed leaves the step never short of ranks and the annotation with
         # nothing to show (the likely cause of one CI failure: relaunch and settle time race).
-        missing = f'trainvitals_run_ranks_reporting{{run="{RUN}"}} < trainvitals_run_world_size_ranks{{run="{RUN}"}}'
+        missing = _annotation_expr(dashboard_panels.RUN_UID, "Ranks missing from the complete step")
         _wait("the crash step reduced without rank 1", lambda: prom.api("query", query=missing)["result"],
               timeout=60, detail=lambda: first.stderr[-3000:])  # fmt: skip
         time.sleep(STEP_S)
@@ -227,10 +229,16 @@ def _empty_parts(panel_id: str, entry: dict[str, Any]) -> list[str]:
     return parts
 
 
+def _annotation_expr(uid: str, name: str) -> str:
+    """The PromQL of one query annotation of a generated dashboard, substituted for this test's run."""
+    board = json.loads((ROOT / "dashboards" / "generated" / f"{uid}.json").read_text())
+    (annotation,) = [a for a in grafana.query_annotations(board) if a["name"] == name]
+    return grafana.substitute(annotation["expr"], QUERY_VALUES)
+
+
 def _run_every_query(prom: Prometheus, pg_url: str, *, start: float, end: float) -> dict[str, Any]:
     """Every panel target, annotation and SQL panel of the generated dashboards, run against the
     test's Prometheus and PostgreSQL over [start, end], in the preview results format."""
-    values = {"$__rate_interval": RATE_INTERVAL, "$__interval": f"{STEP_S}s", "$project": PROJECT, "$run": RUN}
     results: dict[str, Any] = {
         "start": start, "end": end, "step": STEP_S, "variables": {"run": RUN, "project": PROJECT},
         "source": "a real Prometheus 2.42 scraping a real collector fed by two 4-rank torchrun jobs with injected "
@@ -246,7 +254,7 @@ def _run_every_query(prom: Prometheus, pg_url: str, *, start: float, end: float)
                 entry: dict[str, Any] = {"targets": []}
                 for t in pn.get("targets", []):
                     if t["datasource"]["type"] == dashboard_panels.PROMETHEUS_TYPE:
-                        expr = grafana.substitute(t["expr"], values)
+                        expr = grafana.substitute(t["expr"], QUERY_VALUES)
                         instant = bool(t.get("instant"))
                         data = (prom.api("query", query=expr, time=end) if instant else
                                 prom.api("query_range", query=expr, start=start, end=end, step=STEP_S))  # fmt: skip
@@ -260,8 +268,8 @@ def _run_every_query(prom: Prometheus, pg_url: str, *, start: float, end: float)
                 entries[str(pn["id"])] = entry
             results["dashboards"][board["uid"]] = entries
             results["annotations"][board["uid"]] = {
-                a["name"]: prom.api("query_range", query=grafana.substitute(a["expr"], values), start=start, end=end,
-                                    step=STEP_S)["result"]  # fmt: skip
+                a["name"]: prom.api("query_range", query=grafana.substitute(a["expr"], QUERY_VALUES),
+                                    start=start, end=end, step=STEP_S)["result"]  # fmt: skip
                 for a in grafana.query_annotations(board)
             }
     finally:
