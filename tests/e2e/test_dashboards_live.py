@@ -231,7 +231,7 @@ def _empty_parts(panel_id: str, entry: dict[str, Any]) -> list[str]:
 
 def _annotation_expr(uid: str, name: str) -> str:
     """The PromQL of one query annotation of a generated dashboard, substituted for this test's run."""
-    board = json.loads((ROOT / "dashboards" / "generated" / f"{uid}.json").read_text())
+    board = json.loads((preview.GENERATED / f"{uid}.json").read_text())
     (annotation,) = [a for a in grafana.query_annotations(board) if a["name"] == name]
     return grafana.substitute(annotation["expr"], QUERY_VALUES)
 
@@ -247,7 +247,7 @@ def _run_every_query(prom: Prometheus, pg_url: str, *, start: float, end: float)
     }  # fmt: skip
     engine = db.make_engine(pg_url)
     try:
-        for path in sorted((ROOT / "dashboards" / "generated").glob("*.json")):
+        for path in sorted(preview.GENERATED.glob("*.json")):
             board = json.loads(path.read_text())
             entries: dict[str, Any] = {}
             for pn in grafana.panels(board):
