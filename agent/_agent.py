@@ -7,9 +7,8 @@ import atexit
 import functools
 import logging
 import time
-import weakref
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import torch
@@ -100,12 +99,19 @@ class Agent:
             detail=f"host={info.hostname} restart_count={info.restart_count}",
             domains={"host": info.hostname},  # the collector labels the slowest ranks with it
         )
-        ref = weakref.ref(self)
+        # atexit holds the agent until close(): a job attaches inside main() and most leave it by
+        # a return, sys.exit or SIGTERM's SystemExit, which drop its last reference before atexit
+        # runs; a weak reference there lost every record of the last send interval.
+        self._held_for_exit: list[Agent] = [self]
+        held = self._held_for_exit
 
         def close_at_exit() -> None:
-            agent = ref()
-            if agent is not None:
-                agent.close()
+            if held:
+                # A SIGTERM held through this exit pass is raised at its end as SystemExit: here
+                # the process is ending already, with its own status, and atexit would only print
+                # that SystemExit as an ignored exception in every rank's log.
+                with suppress(SystemExit):
+                    held[0].close()
 
         atexit.register(close_at_exit)
         if config.exit_on_sigterm:
@@ -400,6 +406,7 @@ class Agent:
         Idempotent; whatever cannot be delivered in time stays in the spool for the next start."""
         if self._closed:
             return
+        self._held_for_exit.clear()  # closed: nothing left for atexit, the agent can be collected
         with _sigterm.exit_pass():  # a SIGTERM from here on waits for the delivery (agent/_sigterm.py)
             self.event("stop", detail=f"after {self._step} steps")
             self._closed = True

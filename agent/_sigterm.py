@@ -11,9 +11,10 @@ run) and the agent's atexit close writes what is undelivered to the spool and de
 
 A SIGTERM that arrives while the agent is already in that exit pass (`exit_pass`: the process is
 ending on an exception of its own, or the job closed the agent) waits for it, then ends the process
-as it would have. torchrun sends its SIGTERM moments after one rank fails, when the other ranks have
-usually raised the collective's error already and are delivering their last records: raised there,
-SystemExit cut the delivery short and those records, the run up to the failure, were lost.
+as it would have (in the atexit close the process is ending already and keeps its own status).
+torchrun sends its SIGTERM moments after one rank fails, when the other ranks have usually raised
+the collective's error already and are delivering their last records: raised there, SystemExit cut
+the delivery short and those records, the run up to the failure, were lost.
 
 A main thread blocked in a C call (a collective waiting for a dead peer) sees the signal only when
 that call returns: the scheduler's SIGKILL then ends it as it always did.

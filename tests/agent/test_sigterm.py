@@ -95,6 +95,51 @@ def test_a_sigterm_during_the_exit_pass_waits_for_its_delivery(collector, tmp_pa
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert child.stdout.strip() == "ending", child.stderr
+    # The process was ending with status 0 and keeps it; no "Exception ignored in atexit" traceback.
+    assert child.returncode == 0 and "Traceback" not in child.stderr, child.stderr[-2000:]
     steps, _events = _stored(collector.db_url, run="ending")
     assert steps == list(range(20)), child.stderr[-2000:]
+    assert not list((tmp_path / "spool").glob("*.jsonl")), "delivered, so nothing is left spooled"
+
+
+# How most jobs are written: the agent is a local of main(). SIGTERM's SystemExit (and a plain
+# return without close()) drops the last reference to it before atexit runs; the atexit close must
+# still find it. With a weak reference there, every record of the last send interval was lost (seen
+# in the crash-and-relaunch e2e test: the surviving ranks delivered nothing, exit status 143).
+IN_MAIN = """
+import sys, time, torch
+from torch import nn
+import trainvitals.agent as tv
+
+def main(url, spill, ending):
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    config = tv.AgentConfig(collector=url, spill_dir=spill, send_interval_s=3600.0)
+    agent = tv.attach(model, opt, run="in-main-" + ending, config=config)
+    for _ in range(20):
+        model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
+        agent.step(loss=1.0)
+    if ending == "return":
+        return 0  # the two-line integration: no close()
+    print("ready", flush=True)
+    time.sleep(120)  # SIGTERM arrives here
+
+sys.exit(main(*sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("ending", ["sigterm", "return"])
+def test_an_agent_attached_inside_main_delivers_when_main_is_left(collector, tmp_path: Path, ending: str) -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", IN_MAIN, collector.url, str(tmp_path / "spool"), ending],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    if ending == "sigterm":
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        child.send_signal(signal.SIGTERM)
+    _out, err = child.communicate(timeout=60)
+    assert child.returncode == (128 + signal.SIGTERM if ending == "sigterm" else 0), err[-2000:]
+    steps, _events = _stored(collector.db_url, run="in-main-" + ending)
+    assert steps == list(range(20)), err[-2000:]
     assert not list((tmp_path / "spool").glob("*.jsonl")), "delivered, so nothing is left spooled"
