@@ -80,8 +80,13 @@ class Agent:
         )
         self._pending_grads: GradNorms | None = None
         self._hooks: list[Any] = []
+        # Whether the optimizer stepped since the last step(): a loss scaler (torch.amp.GradScaler)
+        # skips optimizer.step() on inf/NaN gradients, and such a step is reported as skipped, not
+        # as a divergence. None: no optimizer watched, nothing is said.
+        self._optimizer_stepped: bool | None = None
         if optimizer is not None and self._grads is not None:
             self._hooks.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
+            self._optimizer_stepped = False
         parallelism = registration.get("parallelism", {})
         self.position: Position = position_of(info.rank, parallelism)
         self._flops_per_token = flops_per_token(registration.get("model", {}))
@@ -168,6 +173,7 @@ class Agent:
 
     @guarded()
     def _before_optimizer_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        self._optimizer_stepped = True
         # Gradients are final here (DDP/FSDP reductions done) and not yet zeroed -- unless the
         # loop computes them inside optimizer.step(closure); then grads_ready() has run already.
         if self._pending_grads is None and self._grads is not None:
@@ -225,6 +231,7 @@ class Agent:
         lr: float | None = None,
         grad_norm: torch.Tensor | float | None = None,
         step: int | None = None,
+        skipped: bool | None = None,
     ) -> None:
         """Mark the end of one optimizer step. Never syncs the device, never raises, never blocks.
 
@@ -232,13 +239,15 @@ class Agent:
         grad_norm: the total norm the job computed itself (e.g. clip_grad_norm_'s result), if any.
         tokens / flops: processed by this rank this step. step: set the step number explicitly
         (e.g. after a resume); by default steps count up from 0.
+        skipped: the optimizer did not apply this step's update (the job's own skip, or a loss
+        scaler's the agent cannot see); None: skipped when the watched optimizer did not step.
         """
         if self._closed:
             return
         now = time.perf_counter()
         if step is not None:
             self._jump_to(step)
-        fields = self._step_fields(now, tokens=tokens, flops=flops, lr=lr)
+        fields = self._step_fields(now, tokens=tokens, flops=flops, lr=lr, skipped=skipped)
         stack = DeviceStack()
         for name, value in (("loss", loss), ("grad_norm", grad_norm)):
             if isinstance(value, torch.Tensor):
@@ -259,7 +268,7 @@ class Agent:
         self._step = step
 
     def _step_fields(
-        self, now: float, *, tokens: int | None, flops: float | None, lr: float | None
+        self, now: float, *, tokens: int | None, flops: float | None, lr: float | None, skipped: bool | None
     ) -> dict[str, Any]:
         """The step record's host-side fields (step_record() arguments): the step's time and where
         it went, the work done, the rank's place in the layout. Plain floats, no device values."""
@@ -267,6 +276,12 @@ class Agent:
         step_s = now - self._last_step_end
         self._last_step_end = now
         fields: dict[str, Any] = {"step": self._step, "ts": time.time(), "step_seconds": step_s}
+        if self._optimizer_stepped is not None:
+            if skipped is None:
+                skipped = not self._optimizer_stepped
+            self._optimizer_stepped = False
+        if skipped:
+            fields["skipped"] = True
         if data_s is not None:
             fields["data_seconds"] = data_s
         if wait_s is not None:
@@ -473,6 +488,7 @@ class NoopAgent:
         lr: float | None = None,
         grad_norm: torch.Tensor | float | None = None,
         step: int | None = None,
+        skipped: bool | None = None,
     ) -> None:
         return None
 

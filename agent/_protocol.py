@@ -40,6 +40,7 @@ class TrainingAgent(Protocol):
         lr: float | None = None,
         grad_norm: torch.Tensor | float | None = None,
         step: int | None = None,
+        skipped: bool | None = None,
     ) -> None: ...
 
     def event(

@@ -46,6 +46,7 @@ def step_record(
     pp_stage: int | None = None,
     tp_rank: int | None = None,
     dp_rank: int | None = None,
+    skipped: bool = False,
 ) -> JsonObject:
     """A `StepRecord`: one optimizer step on one rank."""
     rec: JsonObject = {"kind": "step", "step": step, "ts": ts, "step_seconds": step_seconds}
@@ -71,6 +72,8 @@ def step_record(
         rec["tp_rank"] = tp_rank
     if dp_rank is not None:
         rec["dp_rank"] = dp_rank
+    if skipped:
+        rec["skipped"] = True
     return rec
 
 

@@ -188,6 +188,12 @@ class StepRecord(_Strict):
     pp_stage: _Count32 | None = Field(None, description="pipeline stage of this rank")
     tp_rank: _Count32 | None = Field(None, description="position in the tensor-parallel group")
     dp_rank: _Count32 | None = Field(None, description="position in the data-parallel group")
+    skipped: bool = Field(
+        False,
+        description="the optimizer did not apply this step's update (a loss scaler such as "
+        "torch.amp.GradScaler skipped it on inf/NaN gradients); the agent sets it when the "
+        "optimizer it watches did not step",
+    )
 
 
 class TensorRecord(_Strict):

@@ -115,7 +115,9 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
     Gradient norms: of `trainer.optimizers[0]`'s step (the only optimizer in automatic
     optimization), read when Lightning's on_before_optimizer_step fires, i.e. after backward and
     AMP unscaling, before Lightning's gradient clipping (see `_GradsReadyHooks` for why not at
-    optimizer.step). No hook is put on the optimizer itself.
+    optimizer.step). The optimizer itself gets one step pre-hook, which only notes that it
+    stepped: a loss scaler (fp16's GradScaler) skips optimizer.step() on inf/NaN gradients while
+    Lightning still counts the step, and such a step is sent as skipped, not as a divergence.
 
     Also: a `resume` event when fit() starts from a checkpoint, a `note` event per checkpoint
     save, a `failure` event when fit() raises, and close() (flush, hooks removed) when fit() ends.
@@ -144,6 +146,8 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         self._attached = False
         self._optimizer: torch.optim.Optimizer | None = None
         self._grad_hooks: _GradsReadyHooks | None = None
+        self._applied_hook: RemovableHandle | None = None
+        self._applied = False  # the optimizer stepped since the last step record
         self._last_global_step = 0
         self._loss: torch.Tensor | None = None
         self._tokens = 0
@@ -170,6 +174,10 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         if self._attached and self.agent is not None:
             self.agent.close()
         self._attached = False
+        if self._applied_hook is not None:
+            self._applied_hook.remove()
+            self._applied_hook = None
+        self._applied = False
 
     # ------------------------------------------------------------------ Callback hooks
 
@@ -179,6 +187,8 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         self._close()
         self._optimizer = trainer.optimizers[0] if trainer.optimizers else None
         self._grad_hooks = _GradsReadyHooks(self._optimizer) if self._optimizer is not None else None
+        if self._optimizer is not None:
+            self._applied_hook = self._optimizer.register_step_pre_hook(self._note_applied)
         self.agent = attach(
             pl_module,
             cast(torch.optim.Optimizer, self._grad_hooks),  # duck-typed: see _GradsReadyHooks
@@ -203,6 +213,9 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
                     step=trainer.global_step - 1,
                     detail=f"Lightning fit resumed from {trainer.ckpt_path}",
                 )
+
+    def _note_applied(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        self._applied = True
 
     @guarded()
     def on_before_optimizer_step(
@@ -239,7 +252,9 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
             tokens=self._tokens if self.count_tokens is not None else None,
             lr=self._lr,
             step=trainer.global_step - 1,
+            skipped=None if self._applied_hook is None else not self._applied,
         )
+        self._applied = False
         self._loss, self._tokens, self._lr = None, 0, None
 
     @guarded()

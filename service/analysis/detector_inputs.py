@@ -576,4 +576,5 @@ def _run_steps(c: list[np.ndarray], *, with_mfu: bool) -> RunSteps:
         flops=c[7],
         loss_nonfinite=c[8],
         mfu=c[9] if with_mfu else None,
+        skipped=c[10] > 0,
     )

@@ -43,6 +43,7 @@ class StepIn:
     flops: float | None
     grad_norm: float | None
     pp_stage: int | None
+    skipped: bool
 
 
 STEP_IN_COLUMNS = tuple(f.name for f in fields(StepIn))
@@ -120,6 +121,7 @@ def summarize_steps(rows: Sequence[StepIn], *, peak_flops_total: float | None,
     bad_loss = np.isinf(raw_loss) | np.array([r.loss is not None and r.loss != r.loss for r in kept])
     loss = _group_reduce(np.where(bad_loss, np.nan, raw_loss), starts, counts, "mean")
     loss_nonfinite = np.add.reduceat(bad_loss.astype(np.int64), starts)
+    skipped_ranks = np.add.reduceat(np.fromiter((bool(r.skipped) for r in kept), np.int64, len(kept)), starts)
     tokens = _group_reduce(_col(kept, "tokens"), starts, counts, "sum")
     flops = _group_reduce(_col(kept, "flops"), starts, counts, "sum")
     ts = _group_reduce(_col(kept, "ts"), starts, counts, "max")
@@ -166,6 +168,7 @@ def summarize_steps(rows: Sequence[StepIn], *, peak_flops_total: float | None,
             "grad_norm": norm,
             "agent_grad_norm": agent_norm,
             "grad_nonfinite": int(nonfinite),
+            "skipped_ranks": int(skipped_ranks[i]),
             "tokens": opt(tokens[i]),
             "flops": opt(flops[i]),
             "mfu": mfu,

@@ -72,18 +72,26 @@ class GradNormConfig:
     """CUSUM level (summed log excess over the floor) that opens the ticket."""
     nonfinite_hold_steps: int = 500
     """A non-finite finding stays active this many steps after the last non-finite step."""
+    skipped_run_steps: int = 32
+    """Steps whose non-finite gradients the optimizer skipped (a loss scaler: routine with fp16)
+    page only this many in a row: 32 halvings take torch.amp.GradScaler's initial 2**16 to 2**-16,
+    far below any scale still being calibrated, so the run has stopped learning."""
 
     def __post_init__(self) -> None:
         if self.spike_ratio <= 1 or self.spike_z <= 0:
             raise ValueError("spike_ratio must be > 1 and spike_z > 0")
         if self.min_episodes < 2:
             raise ValueError("min_episodes must be >= 2: one episode is not a recurrence")
+        if self.skipped_run_steps < 1:
+            raise ValueError("skipped_run_steps must be >= 1")
 
 
 def spike_mask(series: RunSeries, sup: Suppression, cfg: GradNormConfig) -> tuple[np.ndarray, np.ndarray]:
     """(spike per step, log residual vs the trailing median) over `series.steps`."""
     s = series.steps
     x = log_positive(s.grad_norm)
+    if s.skipped is not None:  # gradients the optimizer never applied are not the run's trajectory
+        x = np.where(s.skipped, np.nan, x)
     seg = sup.segment_ids(s.steps)
     med, scale = segment_apply(
         seg, lambda xs: trailing_median_scale(xs, cfg.baseline_steps, min_count=cfg.min_history), x
@@ -302,13 +310,21 @@ def detect_drift(
 
 
 def detect_nonfinite(series: RunSeries, cfg: GradNormConfig) -> list[Finding]:
-    """`grad_nonfinite` (page): never suppressed."""
+    """`grad_nonfinite` (page): never suppressed. A step whose update the optimizer skipped (a loss
+    scaler's inf/NaN skip, routine with fp16) is not one on its own: skipped steps page only
+    `skipped_run_steps` in a row, when the scaler has collapsed and nothing is learned."""
     s = series.steps
     # NaN alone means "not reported"; it counts when the job or a group norm says it was real.
     bad = np.isinf(s.grad_norm) | (np.nan_to_num(s.grad_nonfinite, nan=0) > 0) | _reported_nan(series)
     if not bad.any():
         return []
-    at = s.steps[bad]
+    skipped = s.skipped if s.skipped is not None else np.zeros(len(bad), dtype=bool)
+    applied = bad & ~skipped
+    collapsed = _in_runs_of(bad & skipped, cfg.skipped_run_steps)
+    paged = applied | collapsed
+    if not paged.any():
+        return []
+    at = s.steps[paged]
     first = int(at[0])
     subject_kind: SubjectKind = "run"
     subject = ""
@@ -320,6 +336,14 @@ def detect_nonfinite(series: RunSeries, cfg: GradNormConfig) -> list[Finding]:
             if len(cols):
                 subject_kind, subject = "layer", g.groups[int(cols[0])]
     where = f" first in {subject}" if subject else ""
+    summary = f"non-finite gradients on {len(at)} steps since step {first}{where}"
+    if not applied.any():
+        summary = (
+            f"the optimizer skipped {len(at)} steps on non-finite gradients since step {first}{where}, "
+            f"{cfg.skipped_run_steps} or more in a row: the loss scale is collapsing and the run is not learning"
+        )
+    elif routine := int((bad & skipped & ~collapsed).sum()):
+        summary += f" (and {routine} skipped by the loss scaler, not counted)"
     return [
         Finding(
             kind="grad_nonfinite",
@@ -330,11 +354,22 @@ def detect_nonfinite(series: RunSeries, cfg: GradNormConfig) -> list[Finding]:
             onset_step=first,
             last_step=int(at[-1]),
             magnitude=float(len(at)),
-            summary=f"non-finite gradients on {len(at)} steps since step {first}{where}",
+            summary=summary,
             active=int(at[-1]) > int(s.steps[-1]) - cfg.nonfinite_hold_steps,
             detected_step=first,
         )
     ]
+
+
+def _in_runs_of(mask: np.ndarray, length: int) -> np.ndarray:
+    """The True entries of `mask` that belong to a run of at least `length` consecutive ones."""
+    edges = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    out = np.zeros(len(mask), dtype=bool)
+    for a, b in zip(starts, ends, strict=True):
+        if b - a >= length:
+            out[a:b] = True
+    return out
 
 
 def _reported_nan(series: RunSeries) -> np.ndarray:

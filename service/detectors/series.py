@@ -39,6 +39,9 @@ class RunSteps:
     loss_nonfinite: np.ndarray | None = None
     """int64 ranks that reported a non-finite loss (optional: `loss` is NaN both for 'unknown' and
     for a reported NaN, so this tells them apart; +-inf in `loss` counts without it)."""
+    skipped: np.ndarray | None = None
+    """bool: the optimizer did not apply the step's update on some rank (a loss scaler such as
+    torch.amp.GradScaler skipped it on inf/NaN gradients). None: not known (all applied)."""
 
 
 @dataclass(kw_only=True, slots=True)

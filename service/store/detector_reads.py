@@ -36,9 +36,9 @@ from trainvitals.wire.conventions import GLOBAL_GROUP
 I64, F64 = np.int64, np.float64
 AnySelect: TypeAlias = Select[*tuple[Any, ...]]
 
-STEP_DTYPES = (I64, F64, F64, I64, F64, F64, F64, F64, I64, F64)
+STEP_DTYPES = (I64, F64, F64, I64, F64, F64, F64, F64, I64, F64, I64)
 """step_columns: step, loss, grad_norm, grad_nonfinite, step_seconds_max, ts, tokens, flops,
-loss_nonfinite, mfu."""
+loss_nonfinite, mfu, skipped_ranks."""
 GROUP_DTYPES = (I64, object, F64)
 """group_norm_columns: step, group name, norm."""
 TENSOR_DTYPES = (I64, F64, F64, F64, F64, F64, F64)
@@ -174,7 +174,7 @@ def step_columns(session: Session, *, run_id: str, after: int, upto: int) -> lis
     stmt = (
         select(
             s.step, s.loss, s.grad_norm, s.grad_nonfinite, s.step_seconds_max, s.ts, s.tokens, s.flops,
-            s.loss_nonfinite, s.mfu,
+            s.loss_nonfinite, s.mfu, s.skipped_ranks,
         )
         .where(s.run_id == run_id, s.step > after, s.step <= upto)
         .order_by(s.step)

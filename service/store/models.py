@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, ForeignKey, Index, Integer, LargeBinary, String, Table, Text
+from sqlalchemy import JSON, BigInteger, Boolean, ForeignKey, Index, Integer, LargeBinary, String, Table, Text, false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from trainvitals.service.store.types import Real
@@ -87,6 +87,8 @@ class StepRow(Base):
     pp_stage: Mapped[int | None] = mapped_column(Integer)
     tp_rank: Mapped[int | None] = mapped_column(Integer)
     dp_rank: Mapped[int | None] = mapped_column(Integer)
+    skipped: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    """The optimizer did not apply the step's update (a loss scaler's inf/NaN skip) (0017)."""
 
 
 class TensorStatRow(Base):
@@ -214,6 +216,8 @@ class StepSummary(Base):
     agent_grad_norm: Mapped[float | None] = mapped_column(Real)
     """sqrt(sum over ranks of owned_sq): the gradients the optimizer applied."""
     grad_nonfinite: Mapped[int] = mapped_column(BigInteger, default=0)
+    skipped_ranks: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    """Ranks whose optimizer did not apply the step's update (a loss scaler's skip) (0017)."""
     tokens: Mapped[float | None] = mapped_column(Real)
     flops: Mapped[float | None] = mapped_column(Real)
     mfu: Mapped[float | None] = mapped_column(Real)

@@ -437,8 +437,8 @@ def step_history(
     (the slowest rank), the one MFU divides by."""
     s = StepSummary
     q = select(
-        s.step, s.ts, s.ranks, s.loss, s.loss_nonfinite, s.grad_norm, s.grad_nonfinite, s.tokens,
-        s.step_seconds_p50, s.step_seconds_max, s.mfu,
+        s.step, s.ts, s.ranks, s.loss, s.loss_nonfinite, s.grad_norm, s.grad_nonfinite, s.skipped_ranks,
+        s.tokens, s.step_seconds_p50, s.step_seconds_max, s.mfu,
     ).where(s.run_id == run_id)  # fmt: skip
     q = _step_range(q, s.step, start, end).order_by(s.step).limit(limit)
     return [dict(r._mapping) for r in session.execute(q)]

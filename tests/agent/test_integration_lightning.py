@@ -70,6 +70,7 @@ def _fit(
     ckpt_path: str | None = None,
     save_to: Path | None = None,
     collector: str = "",
+    plugins: list[Any] | None = None,
 ) -> tuple[Any, TrainvitalsLightningCallback, list[Any], RunRegistration]:
     torch.manual_seed(0)
     module = _module_class(namespace)()
@@ -88,6 +89,7 @@ def _fit(
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[callback],
+        plugins=plugins,
     )
     trainer.fit(module, _data(), ckpt_path=ckpt_path)
     if save_to is not None:
@@ -140,6 +142,25 @@ def test_gradient_accumulation_gives_one_record_per_optimizer_step(tmp_path: Pat
     grads = [r for r in records if r.kind == "grad" and r.group == "__global__"]
     assert [g.step for g in grads] == [0, 1, 2, 3]
     assert [math.sqrt(g.owned_sq) for g in grads] == pytest.approx(module.grad_norms, rel=1e-5)
+
+
+def test_steps_an_fp16_loss_scaler_skipped_are_sent_as_skipped(tmp_path: Path) -> None:
+    """Lightning counts a step whose update the GradScaler skipped (inf/NaN gradients) and fires
+    on_before_optimizer_step for it; only the optimizer's own step tells them apart. Real fp16
+    autocast on CPU; the scaler starts at 2**24, so its first steps overflow, as fp16 jobs' first
+    steps do with the default 2**16 on larger models."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=1000)
+    precision = MixedPrecision("16-mixed", "cpu", scaler=scaler)
+    module, _, records, _ = _fit(tmp_path, name="fp16", max_steps=40, plugins=[precision])
+    # The scaler skips exactly the steps whose unscaled gradients the module saw non-finite.
+    skipped_by_scaler = [not math.isfinite(norm) for norm in module.grad_norms]
+    assert 3 <= sum(skipped_by_scaler) < 40  # some overflowed, and training went on after them
+    assert scaler.get_scale() == 2.0 ** (24 - sum(skipped_by_scaler))  # halved once per skip
+    steps = [r for r in records if r.kind == "step"]
+    assert [s.step for s in steps] == list(range(40))
+    assert [s.skipped for s in steps] == skipped_by_scaler
 
 
 def test_resume_from_checkpoint_is_an_event_and_step_numbers_continue(tmp_path: Path) -> None:

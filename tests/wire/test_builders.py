@@ -48,7 +48,7 @@ EVERY_FIELD: dict[type[BaseModel], dict[str, Any]] = {
     StepRecord: {
         "step": 3, "ts": 1.5, "step_seconds": 0.4, "compute_seconds": 0.3, "wait_seconds": 0.05,
         "data_seconds": 0.05, "loss": 2.5, "tokens": 4096, "flops": 1e12, "lr": 3e-4, "grad_norm": 1.2,
-        "pp_stage": 1, "tp_rank": 0, "dp_rank": 2,
+        "pp_stage": 1, "tp_rank": 0, "dp_rank": 2, "skipped": True,
     },
     TensorRecord: {
         "step": 3, "tensor": "layers.0.fc", "role": "grad_output", "format": "e5m2", "amax": 3.0,

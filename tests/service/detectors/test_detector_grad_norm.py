@@ -108,6 +108,61 @@ def test_nonfinite_pages_at_once_but_nan_alone_is_unknown(series, value: float, 
         assert found[0].severity == "page" and found[0].onset_step == 100 and found[0].detected_step == 100
 
 
+def _skipping(series, n: int, skipped_at: list[int]):
+    """A run whose optimizer skipped the given steps on inf gradients (a loss scaler's skips)."""
+    s = series(n)
+    s.steps.skipped = np.zeros(n, dtype=bool)
+    s.steps.skipped[skipped_at] = True
+    s.steps.grad_norm[skipped_at] = math.inf
+    s.steps.grad_nonfinite[skipped_at] = 3
+    return s
+
+
+def test_steps_a_loss_scaler_skipped_are_not_paged(series) -> None:
+    """fp16 with torch.amp.GradScaler: the first steps overflow while the scale calibrates, and one
+    step in every growth interval after that. Nothing was applied, nothing to page."""
+    skipped = [0, 1, 2, 3, 4, 5, 6, 2000, 4000, 4001, 6000]
+    s = _skipping(series, 8000, skipped)
+    assert detect_nonfinite(s, CFG) == []
+    # The same steps without the skip flags are a divergence: paged at the first one.
+    s.steps.skipped = None
+    assert detect_nonfinite(s, CFG)[0].onset_step == 0
+
+
+@pytest.mark.parametrize("in_a_row", [CFG.skipped_run_steps - 1, CFG.skipped_run_steps])
+def test_a_collapsing_loss_scale_pages_from_the_first_skip_of_the_run(series, in_a_row: int) -> None:
+    s = _skipping(series, 3000, [10, 11] + list(range(2500, 2500 + in_a_row)))
+    found = detect_nonfinite(s, CFG)
+    if in_a_row < CFG.skipped_run_steps:
+        assert found == []
+        return
+    (f,) = found
+    assert (f.severity, f.onset_step, f.last_step, f.magnitude) == ("page", 2500, 2500 + in_a_row - 1, in_a_row)
+    assert f.active and "loss scale is collapsing" in f.summary
+
+
+def test_an_applied_nonfinite_step_pages_beside_skipped_ones(series) -> None:
+    """A non-finite gradient the optimizer applied (no scaler, or one that missed it) pages at once;
+    the routine skips are named in the summary, not counted."""
+    s = _skipping(series, 1000, [0, 1, 2])
+    s.steps.grad_norm[700] = math.inf
+    (f,) = detect_nonfinite(s, CFG)
+    assert (f.onset_step, f.magnitude) == (700, 1.0)
+    assert "and 3 skipped by the loss scaler" in f.summary
+
+
+def test_a_skipped_steps_norm_is_no_spike(series) -> None:
+    """A loss scaler that skips on its own finite test (a norm cap) leaves a large norm that was
+    never applied: not a spike of the run's trajectory."""
+    gn = _gn(3000)
+    gn[[1500, 2200]] *= 4.0
+    s = series(3000, grad_norm=gn)
+    s.steps.skipped = np.zeros(3000, dtype=bool)
+    s.steps.skipped[1500] = True
+    found = _kinds(detect_spikes(s, suppression_for(s, SuppressionConfig()), CFG))
+    assert found["grad_spike"].magnitude == 1 and found["grad_spike"].onset_step == 2200
+
+
 def test_config_rejects_nonsense() -> None:
     with pytest.raises(ValueError):
         GradNormConfig(spike_ratio=1.0)
