@@ -214,6 +214,7 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
                     detail=f"Lightning fit resumed from {trainer.ckpt_path}",
                 )
 
+    @guarded()
     def _note_applied(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
         self._applied = True
 
