@@ -121,7 +121,7 @@ def summarize_steps(rows: Sequence[StepIn], *, peak_flops_total: float | None,
     bad_loss = np.isinf(raw_loss) | np.array([r.loss is not None and r.loss != r.loss for r in kept])
     loss = _group_reduce(np.where(bad_loss, np.nan, raw_loss), starts, counts, "mean")
     loss_nonfinite = np.add.reduceat(bad_loss.astype(np.int64), starts)
-    skipped_ranks = np.add.reduceat(np.fromiter((bool(r.skipped) for r in kept), np.int64, len(kept)), starts)
+    skipped_ranks = np.add.reduceat(_col(kept, "skipped"), starts)  # never NULL: a count
     tokens = _group_reduce(_col(kept, "tokens"), starts, counts, "sum")
     flops = _group_reduce(_col(kept, "flops"), starts, counts, "sum")
     ts = _group_reduce(_col(kept, "ts"), starts, counts, "max")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats
 
-from ._stats import fmt_int, log_positive, segment_apply, trailing_median, trailing_median_scale
+from ._stats import fmt_int, log_positive, runs_of_true, segment_apply, trailing_median, trailing_median_scale
 from .baseline import aligned_log
 from .findings import Finding, SubjectKind
 from .series import RunSeries
@@ -363,10 +363,8 @@ def detect_nonfinite(series: RunSeries, cfg: GradNormConfig) -> list[Finding]:
 
 def _in_runs_of(mask: np.ndarray, length: int) -> np.ndarray:
     """The True entries of `mask` that belong to a run of at least `length` consecutive ones."""
-    edges = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
-    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
     out = np.zeros(len(mask), dtype=bool)
-    for a, b in zip(starts, ends, strict=True):
+    for a, b in runs_of_true(mask):
         if b - a >= length:
             out[a:b] = True
     return out
