@@ -11,10 +11,12 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
+import pydantic
 import torch
 from torch import nn
 
 from trainvitals.agent import _sigterm
+from trainvitals.agent._arguments import AttachError, check_arguments, check_run_id, one_line
 from trainvitals.agent._checkpoints import CheckpointHandle, CheckpointRecorder
 from trainvitals.agent._config import AgentConfig, disabled_by_env
 from trainvitals.agent._delivery import spooling_exporter
@@ -23,6 +25,7 @@ from trainvitals.agent._fp8_monitor import Fp8Monitor
 from trainvitals.agent._grad_norms import GradNorms, GradNormTracker
 from trainvitals.agent._guard import ErrorBudget, guarded, logger
 from trainvitals.agent._model_facts import derive_into
+from trainvitals.agent._optimizer import hookable_optimizer, unhookable_notice
 from trainvitals.agent._position import FLOPS_CONVENTION, Position, flops_per_token, position_of
 from trainvitals.agent._protocol import TrainingAgent
 from trainvitals.agent._sample import DeviceStack
@@ -84,8 +87,11 @@ class Agent:
         # skips optimizer.step() on inf/NaN gradients, and such a step is reported as skipped, not
         # as a divergence. None: no optimizer watched, nothing is said.
         self._optimizer_stepped: bool | None = None
-        if optimizer is not None and self._grads is not None:
-            self._hooks.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
+        hooked = hookable_optimizer(optimizer)  # under accelerate's or DeepSpeed's wrapper, too
+        if optimizer is not None and hooked is None:
+            logger.warning("trainvitals agent: %s", unhookable_notice(optimizer))
+        if hooked is not None and self._grads is not None:
+            self._hooks.append(hooked.register_step_pre_hook(self._before_optimizer_step))
             self._optimizer_stepped = False
         parallelism = registration.get("parallelism", {})
         self.position: Position = position_of(info.rank, parallelism)
@@ -580,6 +586,8 @@ def attach(
 ) -> TrainingAgent:
     """Attach the agent to this rank. Never raises: on a bad setup it logs and returns a NoopAgent.
 
+    optimizer: the one that steps; a wrapper (accelerate's, DeepSpeed's) is seen through to the
+    torch optimizer it holds (agent/_optimizer.py).
     project: None takes config.project ($TRAINVITALS_PROJECT), else names none: the collector
     registers the run under the token's project ('default' with auth off).
     registration: optional parts of the wire-format run registration (keys model, parallelism,
@@ -590,11 +598,13 @@ def attach(
     if disabled_by_env():
         return NoopAgent()
     try:
+        check_arguments(model, optimizer)
         config = config or AgentConfig(collector=collector)
         if collector is not None:
             config.collector = collector
         info = rank_info()
         run_id = run or default_run_id()
+        check_run_id(run_id, "attach(run=...)" if run else "$TRAINVITALS_RUN or torchrun's --rdzv-id")
         body: dict[str, Any] = dict(registration or {})
         body.setdefault("parallelism", {})
         body["parallelism"] = {"world_size": info.world_size, **body["parallelism"]}
@@ -608,7 +618,10 @@ def attach(
         project = project or body.pop("project", None) or config.project
         if project:
             body["project"] = project
-        reg = RunRegistration(run=run_id, started_at=time.time(), **body).model_dump(mode="json")
+        try:
+            reg = RunRegistration(run=run_id, started_at=time.time(), **body).model_dump(mode="json")
+        except pydantic.ValidationError as exc:
+            raise AttachError(one_line(exc, "registration")) from None
         if not project:
             del reg["project"]  # none named: the token's, filled in by the collector (docs/agent.md)
         return Agent(

@@ -18,23 +18,11 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trainvitals.agent._agent import attach
 from trainvitals.agent._config import AgentConfig
 from trainvitals.agent._guard import ErrorBudget, guarded
+from trainvitals.agent._optimizer import hookable_optimizer
 from trainvitals.agent._protocol import TrainingAgent
 
 if TYPE_CHECKING:
     from transformers import Trainer
-
-
-def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
-    """The torch optimizer under accelerate's AcceleratedOptimizer (and similar wrappers).
-
-    The wrapper subclasses Optimizer without running its __init__, so it has no hook registry of
-    its own; its step() calls the inner optimizer's step(), which is where the agent's hook fires.
-    """
-    seen = 0
-    while optimizer is not None and not hasattr(optimizer, "_optimizer_step_pre_hooks") and seen < 4:
-        optimizer = getattr(optimizer, "optimizer", None)
-        seen += 1
-    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
 
 
 def _current_lr(optimizer: torch.optim.Optimizer | None) -> float | None:
@@ -138,7 +126,7 @@ class TrainvitalsCallback(TrainerCallback):
     # ------------------------------------------------------------------ attach / close
 
     def _attach(self, args: TrainingArguments, state: TrainerState, optimizer: Any) -> None:
-        inner = _inner_optimizer(optimizer)
+        inner = hookable_optimizer(optimizer)  # the torch optimizer under accelerate's wrapper
         if inner is None:
             return  # created lazily by this Trainer setup: retried at the next on_step_begin
         self._optimizer = inner

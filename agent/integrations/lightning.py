@@ -50,21 +50,22 @@ class _GradsReadyHooks:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        # An OrderedDict, as in torch: RemovableHandle keeps a weak reference to it.
-        self._hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        # An OrderedDict, as in torch: RemovableHandle keeps a weak reference to it. Named as torch
+        # names its registry, which is how the agent tells an object that takes step hooks.
+        self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
 
     def register_step_pre_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
-        handle = RemovableHandle(self._hooks)
-        self._hooks[handle.id] = hook
+        handle = RemovableHandle(self._optimizer_step_pre_hooks)
+        self._optimizer_step_pre_hooks[handle.id] = hook
         return handle
 
     def fire(self) -> None:
-        for hook in tuple(self._hooks.values()):
+        for hook in tuple(self._optimizer_step_pre_hooks.values()):
             hook(self.optimizer, (), {})
 
     @property
     def hooks(self) -> int:
-        return len(self._hooks)
+        return len(self._optimizer_step_pre_hooks)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)

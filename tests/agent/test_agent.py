@@ -1,6 +1,7 @@
 """attach(): two lines, harmless, hooks removed on close, records in wire format."""
 
 import inspect
+import logging
 import subprocess
 import sys
 import time
@@ -130,6 +131,39 @@ def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bad_setup_returns_a_noop_instead_of_raising() -> None:
     agent = tv.attach(None, None, run="bad run id with spaces")
     assert isinstance(agent, tv.NoopAgent)
+
+
+@pytest.mark.parametrize(
+    ("mistake", "said"),
+    [
+        ("parameters", "got a generator: pass the module itself, not model.parameters()"),
+        ("swapped", "got a SGD first and the module second: call attach(model, optimizer)"),
+        ("run", "run id 'exp 12/lr=3e-4' (from attach(run=...)) may hold only letters, digits and . _ : -"),
+        ("env_run", "run id 'a b' (from $TRAINVITALS_RUN"),
+        ("registration", "registration refused: parallelism.tp: Input should be greater than or equal to 1 (got 0)"),
+    ],
+)
+def test_a_mistake_in_attach_is_one_line_that_names_the_fix(
+    mistake: str, said: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """attach() never raises, so its one ERROR line is all the user sees of a mistake: it names the
+    fix (it was "'generator' object has no attribute 'named_parameters'", or five lines of pydantic)."""
+    model, opt = _model()
+    monkeypatch.setenv("TRAINVITALS_RUN", "a b")
+    args = {
+        "parameters": ((model.parameters(), opt), {"run": "r1"}),
+        "swapped": ((opt, model), {"run": "r1"}),
+        "run": ((model, opt), {"run": "exp 12/lr=3e-4"}),
+        "env_run": ((model, opt), {}),
+        "registration": ((model, opt), {"run": "r1", "registration": {"parallelism": {"tp": 0}}}),
+    }
+    positional, named = args[mistake]
+    with caplog.at_level(logging.WARNING, logger="trainvitals.agent"):
+        agent = tv.attach(*positional, collector="http://127.0.0.1:9", **named)  # type: ignore[arg-type]
+    assert isinstance(agent, tv.NoopAgent)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("trainvitals agent disabled: ") and said in line and "\n" not in line
+    assert len(opt._optimizer_step_pre_hooks) == 0 and _module_hooks(model) == 0
 
 
 def test_collector_down_does_not_slow_the_step(tmp_path: Path) -> None:
