@@ -232,9 +232,9 @@ class Agent:
         self,
         loss: torch.Tensor | float | None = None,
         *,
-        tokens: int | None = None,
-        flops: float | None = None,
-        lr: float | None = None,
+        tokens: int | torch.Tensor | None = None,
+        flops: float | torch.Tensor | None = None,
+        lr: float | torch.Tensor | None = None,
         grad_norm: torch.Tensor | float | None = None,
         step: int | None = None,
         skipped: bool | None = None,
@@ -244,7 +244,8 @@ class Agent:
         loss: the step's loss (tensor or float); a tensor is copied back asynchronously.
         grad_norm: the total norm the job computed itself (e.g. clip_grad_norm_'s result), if any.
         tokens / flops: processed by this rank this step. step: set the step number explicitly
-        (e.g. after a resume); by default steps count up from 0.
+        (e.g. after a resume); by default steps count up from 0. loss, grad_norm, tokens, flops
+        and lr may each be a number or a one-element tensor (tokens=attention_mask.sum()).
         skipped: the optimizer did not apply this step's update (the job's own skip, or a loss
         scaler's the agent cannot see); None: skipped when the watched optimizer did not step.
         """
@@ -253,9 +254,17 @@ class Agent:
         now = time.perf_counter()
         if step is not None:
             self._jump_to(step)
-        fields = self._step_fields(now, tokens=tokens, flops=flops, lr=lr, skipped=skipped)
+        # A count the job passes as a tensor (tokens=attention_mask.sum()) is read back with the
+        # loss, never synced here; it once reached the JSON encoder and cost its whole batch.
+        counts: dict[str, Any] = {"tokens": tokens, "flops": flops, "lr": lr}
+        tensors: dict[str, torch.Tensor] = {
+            name: counts.pop(name) for name in ("tokens", "flops", "lr") if isinstance(counts[name], torch.Tensor)
+        }
+        if "tokens" in tensors and flops is None and self._flops_per_token:
+            tensors["flops"] = tensors["tokens"].detach() * self._flops_per_token  # on the device
+        fields = self._step_fields(now, skipped=skipped, **counts)
         stack = DeviceStack()
-        for name, value in (("loss", loss), ("grad_norm", grad_norm)):
+        for name, value in (("loss", loss), ("grad_norm", grad_norm), *tensors.items()):
             if isinstance(value, torch.Tensor):
                 stack.add_scalar(name, value)  # read back by the exporter thread, no sync here
             elif value is not None:
@@ -274,7 +283,13 @@ class Agent:
         self._step = step
 
     def _step_fields(
-        self, now: float, *, tokens: int | None, flops: float | None, lr: float | None, skipped: bool | None
+        self,
+        now: float,
+        *,
+        skipped: bool | None,
+        tokens: int | None = None,
+        flops: float | None = None,
+        lr: float | None = None,
     ) -> dict[str, Any]:
         """The step record's host-side fields (step_record() arguments): the step's time and where
         it went, the work done, the rank's place in the layout. Plain floats, no device values."""
@@ -489,9 +504,9 @@ class NoopAgent:
         self,
         loss: torch.Tensor | float | None = None,
         *,
-        tokens: int | None = None,
-        flops: float | None = None,
-        lr: float | None = None,
+        tokens: int | torch.Tensor | None = None,
+        flops: float | torch.Tensor | None = None,
+        lr: float | torch.Tensor | None = None,
         grad_norm: torch.Tensor | float | None = None,
         step: int | None = None,
         skipped: bool | None = None,

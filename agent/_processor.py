@@ -323,10 +323,10 @@ class BatchProcessor:
             for _ in range(n):
                 item = self._queue.popleft()
                 items -= type(item) is _DropEvent  # not an emitted record: not counted if lost
-                records = self._expand(item)
-                if records:
-                    parts.append(_dumps(records)[1:-1])
-                    count += len(records)
+                encoded = self._encode(item)
+                if encoded is not None:
+                    parts.append(encoded[0])
+                    count += encoded[1]
             header = batch_header(
                 run=self._run, rank=self._rank, incarnation=self._incarnation, seq=self._seq, sent_at=time.time()
             )
@@ -335,15 +335,16 @@ class BatchProcessor:
             self._seq += 1
         return batches
 
-    def _expand(self, item: Any) -> list[Any]:
-        if isinstance(item, dict):
-            return [item]
+    def _encode(self, item: Any) -> tuple[str, int] | None:
+        """One queue item's records as the inside of a JSON array, and how many; None when it has
+        none, or when they cannot be built or encoded (logged): one bad item must not cost the
+        batch, as a value JSON cannot hold once cost every record of the pass."""
         try:
-            records: list[Any] = item.records()
-            return records
-        except Exception as exc:  # noqa: BLE001 - one bad step sample must not cost the batch
+            records: list[Any] = [item] if isinstance(item, dict) else item.records()
+            return (_dumps(records)[1:-1], len(records)) if records else None
+        except Exception as exc:  # noqa: BLE001
             self._errors.record("exporter", exc)
-            return []
+            return None
 
     def _after_fork(self) -> None:
         # DataLoader workers are forked from the training process: they must not export.

@@ -15,6 +15,7 @@ there runs no torch op in `sample()`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -52,16 +53,28 @@ class StepSample:
     def records(self) -> list[JsonObject]:
         fields = self.step_fields
         if self.values is None:
-            return [step_record(**fields)]
+            return [step_record(**_counts_as_int(fields))]
         if self.event is not None:
             self.event.synchronize()  # waits in the exporter thread, not in training
         vals = self.values.tolist()
         for i, name in enumerate(self.scalars):
             fields[name] = vals[i]
-        out = [step_record(**fields)]
+        out = [step_record(**_counts_as_int(fields))]
         for start, end, decode in self.sections:
             out.extend(decode(fields["step"], vals[start:end]))
         return out
+
+
+def _counts_as_int(fields: dict[str, Any]) -> dict[str, Any]:
+    """`tokens` read back from a tensor is a float (the stack is float32; a float mask's sum is one
+    on the host too): the wire's count is an integer. A non-finite count is not one: left out."""
+    tokens = fields.get("tokens")
+    if isinstance(tokens, float):
+        if math.isfinite(tokens):
+            fields["tokens"] = round(tokens)
+        else:
+            del fields["tokens"]
+    return fields
 
 
 class DeviceStack:

@@ -88,6 +88,37 @@ def test_a_loss_tensor_the_job_reuses_in_place_is_reported_per_step(collector, t
     assert [s.grad_norm for s in steps] == pytest.approx([norm for _, norm in expected])
 
 
+def test_counts_passed_as_tensors_arrive_as_numbers(collector, tmp_path: Path) -> None:
+    """tokens=attention_mask.sum() is a tensor, as an lr from a scheduler may be: each reached the
+    JSON encoder as a tensor, and its batch (every record of the send interval) was lost."""
+    model, opt = _model()
+    record = tmp_path / "rec-{rank}.jsonl"
+    config = tv.AgentConfig(collector=collector.url, spill_dir=str(tmp_path / "spool"), record_file=str(record))
+    registration = {"model": {"non_embedding_params": 100, "layers": 2, "hidden": 8, "seq_len": 4}}
+    agent = tv.attach(model, opt, run="tensors", config=config, registration=registration)
+    for i in range(4):
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mask = torch.ones(4, 4 + i)  # a float mask: its sum is a float tensor
+        agent.step(loss=loss, tokens=mask.sum(), lr=torch.tensor(0.5), flops=None)
+    agent.step(loss=1.0, tokens=torch.tensor(7), flops=torch.tensor(1e12))  # flops passed wins
+    agent.close()
+    assert agent.stats()["errors"] == 0
+    lines = (tmp_path / "rec-0.jsonl").read_bytes().splitlines()
+    steps = [r for line in lines[1:] for r in Batch.model_validate_json(line).records if r.kind == "step"]
+    assert [s.tokens for s in steps] == [16, 20, 24, 28, 7]
+    per_token = 6 * 100 + 12 * 2 * 8 * 4  # 6N + 12LHQT: the agent's own FLOPs per token
+    expected = [16 * per_token, 20 * per_token, 24 * per_token, 28 * per_token, 1e12]
+    assert [s.flops for s in steps] == pytest.approx(expected, rel=1e-6)  # float32 on the way back
+    assert [s.lr for s in steps[:4]] == [0.5] * 4
+    with collector.app.state.sessionmaker() as session:
+        from trainvitals.service.store import queries
+
+        assert queries.count_step_rows(session, run_id="tensors") == 5
+
+
 def _module_hooks(model: nn.Module) -> int:
     return sum(
         len(m._forward_pre_hooks)

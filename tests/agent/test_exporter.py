@@ -54,6 +54,18 @@ def test_delivers_in_batches_and_empties_the_spool(collector, tmp_path: Path) ->
     exp.shutdown()
 
 
+def test_a_record_json_cannot_hold_costs_only_itself(collector, tmp_path: Path) -> None:
+    """A value the encoder refuses (once: a tensor passed as tokens) aborted the pass: every record
+    popped with it was lost, and not counted. Now only its own queue item is left out, and said."""
+    exp = _exporter(collector.url, tmp_path, max_batch_records=100)
+    for i in range(6):
+        exp.emit({**_step(i), "tokens": object()} if i == 3 else _step(i))
+    exp.run_once(deadline=time.monotonic() + 10)
+    assert _stored_steps(collector.db_url) == [0, 1, 2, 4, 5]
+    assert exp.stats.delivered_records == 5 and exp._errors.errors == 1
+    exp.shutdown()
+
+
 def test_outage_spills_then_replays_exactly_once_in_order(collector, tmp_path: Path) -> None:
     exp = _exporter(collector.url, tmp_path, max_batch_records=5)
     for i in range(5):
