@@ -14,8 +14,7 @@ import pydantic
 from torch import nn
 
 from trainvitals.wire.v1 import _RUN_ID_PATTERN as RUN_ID_PATTERN  # the one definition of a run id
-
-_RUN_ID_MAX = 128
+from trainvitals.wire.v1 import RUN_ID_CHARS, RUN_ID_MAX_LENGTH
 
 
 class AttachError(ValueError):
@@ -43,12 +42,12 @@ def check_arguments(model: Any, optimizer: Any) -> None:
 
 def check_run_id(run: str, source: str) -> None:
     """A run id the collector takes: 1-128 letters, digits and . _ : -."""
-    if isinstance(run, str) and 0 < len(run) <= _RUN_ID_MAX and re.fullmatch(RUN_ID_PATTERN, run):
+    if isinstance(run, str) and 0 < len(run) <= RUN_ID_MAX_LENGTH and re.fullmatch(RUN_ID_PATTERN, run):
         return
-    suggestion = re.sub(r"[^A-Za-z0-9._:\-]+", "-", str(run)).strip("-")[:_RUN_ID_MAX] or "my-run"
+    suggestion = re.sub(f"[^{RUN_ID_CHARS}]+", "-", str(run)).strip("-")[:RUN_ID_MAX_LENGTH] or "my-run"
     raise AttachError(
         f"run id {run!r} (from {source}) may hold only letters, digits and . _ : -, at most "
-        f"{_RUN_ID_MAX} characters: use e.g. {suggestion!r}"
+        f"{RUN_ID_MAX_LENGTH} characters: use e.g. {suggestion!r}"
     )
 
 

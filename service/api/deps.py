@@ -13,12 +13,13 @@ from trainvitals.service.auth import ANONYMOUS, Principal
 from trainvitals.service.store import queries, run_keys
 from trainvitals.service.store.models import Run
 from trainvitals.wire.v1 import _RUN_ID_PATTERN as RUN_ID_PATTERN  # the one definition of a run id
+from trainvitals.wire.v1 import RUN_ID_MAX_LENGTH
 
 # Typed, bounded parameters: whatever a client sends is a 422 before the database sees it (an
 # integer beyond BIGINT, or a NUL byte that PostgreSQL refuses, would otherwise be a 500).
 MAX_STEP = 2**63 - 1  # the steps' column is a BIGINT
 _TEXT = r"^[^\x00]*$"  # any text but NUL, which PostgreSQL cannot store or compare
-RunId = Annotated[str, Path(min_length=1, max_length=128, pattern=RUN_ID_PATTERN, description="run id")]
+RunId = Annotated[str, Path(min_length=1, max_length=RUN_ID_MAX_LENGTH, pattern=RUN_ID_PATTERN, description="run id")]
 TensorName = Annotated[
     str, Path(min_length=1, max_length=256, pattern=_TEXT, description="module fully-qualified name")
 ]

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 from trainvitals.service.analysis import on_request
 from trainvitals.service.api.deps import (
     MAX_STEP,
+    RUN_ID_MAX_LENGTH,
     RUN_ID_PATTERN,
     DeletableRun,
     ReadableProject,
@@ -174,7 +175,7 @@ def analysis(
         str | None,
         Query(
             min_length=1,
-            max_length=128,
+            max_length=RUN_ID_MAX_LENGTH,
             pattern=RUN_ID_PATTERN,
             description="run to compare with (same project); default: the registered baseline_run",
         ),
