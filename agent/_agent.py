@@ -15,7 +15,7 @@ import pydantic
 import torch
 from torch import nn
 
-from trainvitals.agent import _sigterm
+from trainvitals.agent import _attached, _sigterm
 from trainvitals.agent._arguments import AttachError, check_arguments, check_run_id, one_line
 from trainvitals.agent._checkpoints import CheckpointHandle, CheckpointRecorder
 from trainvitals.agent._config import AgentConfig, disabled_by_env
@@ -440,6 +440,7 @@ class Agent:
         if self._closed:
             return
         self._held_for_exit.clear()  # closed: nothing left for atexit, the agent can be collected
+        _attached.forget(self)
         with _sigterm.exit_pass():  # a SIGTERM from here on waits for the delivery (agent/_sigterm.py)
             self.event("stop", detail=f"after {self._step} steps")
             self._closed = True
@@ -655,7 +656,10 @@ def attach(
             raise AttachError(one_line(exc, "registration")) from None
         if not project:
             del reg["project"]  # none named: the token's, filled in by the collector (docs/agent.md)
-        return Agent(
+        for earlier in _attached.earlier_agents(run_id, info.rank, model):
+            logger.warning("trainvitals agent: %s", _attached.superseded_notice(earlier))
+            earlier.close()
+        agent = Agent(
             model=model,
             optimizer=optimizer,
             run=run_id,
@@ -664,6 +668,8 @@ def attach(
             info=info,
             transport=transport,
         )
+        _attached.register(agent, model)
+        return agent
     except Exception as exc:  # noqa: BLE001 - a monitoring problem must not stop training
         logging.getLogger("trainvitals.agent").error("trainvitals agent disabled: %s", exc)
         return NoopAgent()

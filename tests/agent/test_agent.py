@@ -197,6 +197,49 @@ def test_a_mistake_in_attach_is_one_line_that_names_the_fix(
     assert len(opt._optimizer_step_pre_hooks) == 0 and _module_hooks(model) == 0
 
 
+@pytest.mark.parametrize(
+    ("same_model", "same_run", "closes"),
+    [(True, True, True), (True, False, True), (False, True, True), (False, False, False)],
+    ids=["rerun-cell", "same-model-new-run", "two-models-one-run", "two-models-two-runs"],
+)
+def test_attaching_again_closes_the_earlier_agent_of_the_model_or_run(
+    same_model: bool, same_run: bool, closes: bool, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A re-run attach cell left the first agent's hooks on the model: its FP8 shadow hooks, left on
+    by its last step (step 4 of fp8_every_steps=4), ran on every forward from then on, and both
+    agents reported as rank 0 of the run. One agent per model and per rank of a run, and one line."""
+    model, opt = _model()
+    other, other_opt = _model()
+
+    def config() -> tv.AgentConfig:
+        return tv.AgentConfig(collector="", spill_dir=str(tmp_path), fp8_every_steps=4)
+
+    first = tv.attach(model, opt, run="nb-1", config=config())
+    _train(first, model, opt, 4)
+    assert _module_hooks(model) > 0 and len(opt._optimizer_step_pre_hooks) == 1  # shadow hooks on
+    model2, opt2 = (model, opt) if same_model else (other, other_opt)
+    with caplog.at_level(logging.WARNING, logger="trainvitals.agent"):
+        second = tv.attach(model2, opt2, run="nb-1" if same_run else "nb-2", config=config())
+    lines = [r.getMessage() for r in caplog.records]
+    assert isinstance(second, tv.Agent)
+    _train(second, model2, opt2, 3)
+    _train(first, model, opt, 2)  # a superseded agent's step() is a no-op
+    if closes:
+        assert lines == [
+            "trainvitals agent: closed the agent attached earlier in this process (run 'nb-1', rank 0, "
+            "4 steps) before attaching this one: one agent per model and per rank of a run (re-running "
+            "the attach cell does this); to watch two models in one process, give each its own run id"
+        ]
+        assert first.stats()["steps"] == 4
+    else:
+        assert lines == [] and first.stats()["steps"] == 6
+    second.close()
+    # Only an agent left open holds hooks: the second's are gone with it, the first's with it.
+    assert (_module_hooks(model) + len(opt._optimizer_step_pre_hooks) == 0) is closes
+    first.close()
+    assert _module_hooks(model) + len(opt._optimizer_step_pre_hooks) == 0
+
+
 def test_collector_down_does_not_slow_the_step(tmp_path: Path) -> None:
     model, opt = _model()
     agent = tv.attach(
