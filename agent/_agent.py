@@ -368,9 +368,10 @@ class Agent:
         An async save: ``with agent.checkpoint(step=s, path=p) as ck: ck.track(dcp.async_save(...))``;
         the stall is the time inside the block, persistence ends when the future completes. The
         job's own exception propagates (recorded as a failed generation); the agent's never does.
-        Generation defaults to the step.
+        Step defaults to the last one step() was called for (the update the saved state holds,
+        what `loaded(step=...)` takes back); generation to the step.
         """
-        step = self._step if step is None else step
+        step = self._saved_step() if step is None else step
         gen = step if generation is None else generation
         if self._closed:
             yield CheckpointHandle()
@@ -412,10 +413,17 @@ class Agent:
     ) -> None:
         """Record a save that already happened (framework callbacks see saves after the fact);
         size and checksum are computed on the background thread."""
-        step = self._step if step is None else step
+        step = self._saved_step() if step is None else step
         self._checkpoints.saved(
             step=step, generation=step if generation is None else generation, path=path, stall=stall_seconds
         )
+
+    def _saved_step(self) -> int:
+        # The step whose update a save now holds: the last step() (0 before any). It was the next
+        # step's number, so a save then loaded(step=...) skipped one: a gap in the resumed run,
+        # where the crashed incarnation's record of that step stayed (newest wins only where the
+        # new one writes), and a rollback that passed over a clean save made right before an onset.
+        return max(self._step - 1, 0)
 
     @guarded()
     def loaded(self, *, step: int, path: str | None = None, generation: int | None = None) -> None:

@@ -93,3 +93,23 @@ def test_resume_is_an_event_and_sets_the_step(tmp_path: Path) -> None:
     assert [r.step for r in records if r.kind == "step"] == [0, 1, 101, 50]
     resumes = [r for r in records if r.kind == "event" and r.event == "resume"]
     assert [r.step for r in resumes] == [100, 50]
+
+
+def test_a_save_without_a_step_is_the_last_steps_and_resuming_from_it_leaves_no_gap(tmp_path: Path) -> None:
+    """A save's step defaulted to the next step's number, and loaded(step=...) continues at step + 1:
+    a save and a resume from it skipped a step (the resumed run had no record of it, and the crashed
+    incarnation's stayed), and rollback passed over a clean save made right before an onset."""
+    agent, model = _agent(tmp_path)
+    for _ in range(3):
+        agent.step(loss=1.0)  # steps 0, 1, 2
+    agent.save(model.state_dict(), str(tmp_path / "a.pt"))  # holds step 2's update
+    agent.checkpoint_saved(path=str(tmp_path / "a.pt"))
+    with agent.checkpoint(path=str(tmp_path / "a.pt")):
+        pass
+    agent.loaded(step=2)  # the relaunched job loads it and trains on
+    agent.step(loss=1.0)
+    agent.close()
+    lines = (tmp_path / "rec.jsonl").read_bytes().splitlines()[1:]
+    records = [r for line in lines for r in Batch.model_validate_json(line).records]
+    assert {(r.step, r.generation) for r in records if r.kind == "checkpoint"} == {(2, 2)}
+    assert [r.step for r in records if r.kind == "step"] == [0, 1, 2, 3]
