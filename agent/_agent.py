@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
-from typing import Any
+from typing import Any, cast
 
 import pydantic
 import torch
@@ -19,6 +19,7 @@ from trainvitals.agent import _attached, _sigterm
 from trainvitals.agent._arguments import AttachError, check_arguments, check_run_id, one_line
 from trainvitals.agent._checkpoints import CheckpointHandle, CheckpointRecorder
 from trainvitals.agent._config import AgentConfig, disabled_by_env
+from trainvitals.agent._counts import PLAIN, HostCounts, as_count, split_tensors
 from trainvitals.agent._delivery import spooling_exporter
 from trainvitals.agent._dist import RankInfo, default_run_id, rank_info
 from trainvitals.agent._fp8_monitor import Fp8Monitor
@@ -82,6 +83,7 @@ class Agent:
             else None
         )
         self._pending_grads: GradNorms | None = None
+        self._said: set[tuple[str, str]] = set()  # step() arguments of a kind it left out, said once
         self._hooks: list[Any] = []
         # Whether the optimizer stepped since the last step(): a loss scaler (torch.amp.GradScaler)
         # skips optimizer.step() on inf/NaN gradients, and such a step is reported as skipped, not
@@ -245,7 +247,8 @@ class Agent:
         grad_norm: the total norm the job computed itself (e.g. clip_grad_norm_'s result), if any.
         tokens / flops: processed by this rank this step. step: set the step number explicitly
         (e.g. after a resume); by default steps count up from 0. loss, grad_norm, tokens, flops
-        and lr may each be a number or a one-element tensor (tokens=attention_mask.sum()).
+        and lr may each be a number or a one-element tensor (tokens=attention_mask.sum()); a list
+        (lr=scheduler.get_last_lr(), one per parameter group) counts as its first entry.
         skipped: the optimizer did not apply this step's update (the job's own skip, or a loss
         scaler's the agent cannot see); None: skipped when the watched optimizer did not step.
         """
@@ -255,12 +258,17 @@ class Agent:
         if step is not None:
             self._jump_to(step)
         # A count the job passes as a tensor (tokens=attention_mask.sum()) is read back with the
-        # loss, never synced here; it once reached the JSON encoder and cost its whole batch. The
-        # split runs only when one is a tensor: on every step it added ~6 us to agent.step() (~37 us).
+        # loss, never synced here; a list or a numpy scalar becomes a number (agent/_counts.py). This
+        # runs only for such a value: on every step it added ~6 us to agent.step() (~37 us).
         host_tokens, host_flops, host_lr, tensors = (
-            _split_tensors(tokens, flops, lr, self._flops_per_token)
-            if isinstance(tokens, torch.Tensor) or isinstance(flops, torch.Tensor) or isinstance(lr, torch.Tensor)
-            else (tokens, flops, lr, None)
+            cast(HostCounts, (tokens, flops, lr, None))  # int, float or None each: the test below
+            if type(tokens) in PLAIN and type(flops) in PLAIN and type(lr) in PLAIN
+            else split_tensors(
+                as_count("tokens", tokens, self._said),
+                as_count("flops", flops, self._said),
+                as_count("lr", lr, self._said),
+                self._flops_per_token,
+            )
         )
         fields = self._step_fields(now, tokens=host_tokens, flops=host_flops, lr=host_lr, skipped=skipped)
         stack = DeviceStack()
@@ -286,7 +294,7 @@ class Agent:
         self._step = step
 
     def _step_fields(
-        self, now: float, *, tokens: int | None, flops: float | None, lr: float | None, skipped: bool | None
+        self, now: float, *, tokens: float | None, flops: float | None, lr: float | None, skipped: bool | None
     ) -> dict[str, Any]:
         """The step record's host-side fields (step_record() arguments): the step's time and where
         it went, the work done, the rank's place in the layout. Plain floats, no device values."""
@@ -492,25 +500,6 @@ class Agent:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _split_tensors(
-    tokens: int | torch.Tensor | None,
-    flops: float | torch.Tensor | None,
-    lr: float | torch.Tensor | None,
-    flops_per_token: float | None,
-) -> tuple[int | None, float | None, float | None, dict[str, torch.Tensor]]:
-    """step()'s counts that are numbers, and those that are tensors (by step-record field); FLOPs
-    from tensor tokens are multiplied on the device, as the host multiplies a number of tokens."""
-    tensors = {n: v for n, v in (("tokens", tokens), ("flops", flops), ("lr", lr)) if isinstance(v, torch.Tensor)}
-    if "tokens" in tensors and flops is None and flops_per_token:
-        tensors["flops"] = tensors["tokens"].detach() * flops_per_token
-    return (
-        None if isinstance(tokens, torch.Tensor) else tokens,
-        None if isinstance(flops, torch.Tensor) else flops,
-        None if isinstance(lr, torch.Tensor) else lr,
-        tensors,
-    )
 
 
 class NoopAgent:

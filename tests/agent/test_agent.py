@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -117,6 +118,48 @@ def test_counts_passed_as_tensors_arrive_as_numbers(collector, tmp_path: Path) -
         from trainvitals.service.store import queries
 
         assert queries.count_step_rows(session, run_id="tensors") == 5
+
+
+def test_a_schedulers_lr_list_and_numpy_counts_arrive_as_numbers(
+    collector, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """lr=scheduler.get_last_lr() is a list (one lr per parameter group): the collector refused every
+    batch of the run (422, step.lr not a number) and stored nothing; a numpy count could not be
+    encoded and cost its step record. A value that is no number is left out, said once."""
+    model, opt = _model()
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))], "lr": 0.5})  # a second group
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.1)
+    record = tmp_path / "rec-{rank}.jsonl"
+    config = tv.AgentConfig(collector=collector.url, spill_dir=str(tmp_path / "spool"), record_file=str(record))
+    agent = tv.attach(model, opt, run="lr-list", config=config)
+    lrs = []
+    for i in range(4):
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        lrs.append(sched.get_last_lr()[0])
+        agent.step(loss=loss, tokens=np.int64(32 + i), flops=np.float32(1e9), lr=sched.get_last_lr())
+    with caplog.at_level(logging.WARNING, logger="trainvitals.agent"):
+        agent.step(loss=1.0, tokens=8, lr="3e-4")  # type: ignore[arg-type]
+        agent.step(loss=1.0, tokens=8, lr="3e-4")  # type: ignore[arg-type]
+    agent.close()
+    assert agent.stats()["errors"] == 0 and agent.stats()["rejected_batches"] == 0
+    lines = (tmp_path / "rec-0.jsonl").read_bytes().splitlines()
+    steps = [r for line in lines[1:] for r in Batch.model_validate_json(line).records if r.kind == "step"]
+    assert [s.lr for s in steps] == [*lrs, None, None]  # the first group's, as HF logs it
+    assert [s.tokens for s in steps] == [32, 33, 34, 35, 8, 8]
+    assert [s.flops for s in steps[:4]] == [1e9] * 4
+    said = [r.getMessage() for r in caplog.records if "step(lr=...)" in r.getMessage()]
+    assert said == [
+        "trainvitals agent: step(lr=...) got a str, not a number: left out of the step records; pass a "
+        "number or a one-element tensor (a scheduler's: scheduler.get_last_lr()[0])"
+    ]
+    with collector.app.state.sessionmaker() as session:
+        from trainvitals.service.store import queries
+
+        assert queries.count_step_rows(session, run_id="lr-list") == 6
 
 
 def _module_hooks(model: nn.Module) -> int:

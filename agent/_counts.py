@@ -1,0 +1,70 @@
+"""step()'s tokens, flops and lr as the step record takes them: numbers, or tensors read back with
+the loss (never synced on the training thread).
+
+A value of another kind once cost far more than itself: `lr=scheduler.get_last_lr()` (a list, one
+learning rate per parameter group) made the collector refuse every batch of the run (422,
+"step.lr: Input should be a valid number"), and a numpy count (`tokens=np.int64(...)`) could not be
+encoded, which lost each step record it was in. The ordinary step (ints, floats, None) costs three
+type tests here.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import torch
+
+from trainvitals.agent._guard import logger
+
+PLAIN = frozenset({int, float, type(None)})
+"""Types step() passes through as they are; anything else goes through `as_count` first."""
+
+HostCounts = tuple[float | None, float | None, float | None, dict[str, torch.Tensor] | None]
+"""tokens, flops and lr as numbers (tokens an int, or a float rounded when encoded), and those
+that were tensors by step-record field."""
+
+
+def as_count(name: str, value: Any, said: set[tuple[str, str]]) -> int | float | torch.Tensor | None:
+    """`value` as a number or a tensor: a numpy scalar as the Python number, a list or tuple (a
+    scheduler's get_last_lr(), one entry per parameter group) as its first entry. Anything else
+    is left out of the step record, with one warning per field and type (kept in `said`, the
+    agent's) that names the fix."""
+    if isinstance(value, (list, tuple)) and value:
+        value = value[0]
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    kind = type(value).__name__
+    if (name, kind) not in said:
+        said.add((name, kind))
+        logger.warning(
+            "trainvitals agent: step(%s=...) got a %s, not a number: left out of the step records; pass "
+            "a number or a one-element tensor%s",
+            name,
+            kind,
+            " (a scheduler's: scheduler.get_last_lr()[0])" if name == "lr" else "",
+        )
+    return None
+
+
+def split_tensors(
+    tokens: int | float | torch.Tensor | None,
+    flops: int | float | torch.Tensor | None,
+    lr: int | float | torch.Tensor | None,
+    flops_per_token: float | None,
+) -> HostCounts:
+    """step()'s counts that are numbers, and those that are tensors (by step-record field); FLOPs
+    from tensor tokens are multiplied on the device, as the host multiplies a number of tokens."""
+    tensors = {n: v for n, v in (("tokens", tokens), ("flops", flops), ("lr", lr)) if isinstance(v, torch.Tensor)}
+    if "tokens" in tensors and flops is None and flops_per_token:
+        tensors["flops"] = tensors["tokens"].detach() * flops_per_token
+    return (
+        None if isinstance(tokens, torch.Tensor) else tokens,
+        None if isinstance(flops, torch.Tensor) else flops,
+        None if isinstance(lr, torch.Tensor) else lr,
+        tensors,
+    )
