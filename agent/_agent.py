@@ -19,7 +19,7 @@ from trainvitals.agent import _attached, _sigterm
 from trainvitals.agent._arguments import AttachError, check_arguments, check_run_id, one_line
 from trainvitals.agent._checkpoints import CheckpointHandle, CheckpointRecorder
 from trainvitals.agent._config import AgentConfig, disabled_by_env
-from trainvitals.agent._counts import PLAIN, HostCounts, as_count, split_tensors
+from trainvitals.agent._counts import PLAIN, HostCounts, host_counts
 from trainvitals.agent._delivery import spooling_exporter
 from trainvitals.agent._dist import RankInfo, default_run_id, rank_info
 from trainvitals.agent._fp8_monitor import Fp8Monitor
@@ -257,18 +257,13 @@ class Agent:
         now = time.perf_counter()
         if step is not None:
             self._jump_to(step)
-        # A count the job passes as a tensor (tokens=attention_mask.sum()) is read back with the
-        # loss, never synced here; a list or a numpy scalar becomes a number (agent/_counts.py). This
-        # runs only for such a value: on every step it added ~6 us to agent.step() (~37 us).
+        # A tensor count (tokens=attention_mask.sum()) is read back with the loss, never synced here;
+        # a list or a numpy scalar becomes a number (agent/_counts.py). That conversion runs only
+        # when a value is not a plain number: run on every step, it added ~6 us to agent.step() (~37).
         host_tokens, host_flops, host_lr, tensors = (
             cast(HostCounts, (tokens, flops, lr, None))  # int, float or None each: the test below
             if type(tokens) in PLAIN and type(flops) in PLAIN and type(lr) in PLAIN
-            else split_tensors(
-                as_count("tokens", tokens, self._said),
-                as_count("flops", flops, self._said),
-                as_count("lr", lr, self._said),
-                self._flops_per_token,
-            )
+            else host_counts(tokens, flops, lr, flops_per_token=self._flops_per_token, said=self._said)
         )
         fields = self._step_fields(now, tokens=host_tokens, flops=host_flops, lr=host_lr, skipped=skipped)
         stack = DeviceStack()

@@ -20,21 +20,26 @@ if TYPE_CHECKING:
     from trainvitals.agent._agent import Agent
 
 
-class _Entry:
-    __slots__ = ("agent", "first_parameter", "rank", "run")
+def _first_parameter(model: nn.Module | None) -> nn.Parameter | None:
+    # The model by its first parameter, which a DDP or torch.compile wrapper built around it again
+    # shares (the wrapper itself is a new object).
+    return next(iter(model.parameters()), None) if model is not None else None
 
-    def __init__(self, agent: Agent, run: str, rank: int, model: nn.Module | None) -> None:
+
+class _Entry:
+    __slots__ = ("agent", "first_parameter")
+
+    def __init__(self, agent: Agent, model: nn.Module | None) -> None:
         self.agent = agent
-        self.run = run
-        self.rank = rank
-        # The model by its first parameter, which a DDP or torch.compile wrapper built around it
-        # again shares; weak, so a dropped model is not kept alive (nor its id reused) by this.
-        first = next(iter(model.parameters()), None) if model is not None else None
+        first = _first_parameter(model)
+        # Weak: a dropped model is not kept alive (nor its id reused) by this.
         self.first_parameter = weakref.ref(first) if first is not None else None
 
-    def same_model(self, model: nn.Module | None) -> bool:
+    def supersedes(self, run: str, rank: int, model: nn.Module | None) -> bool:
+        if self.agent.run == run and self.agent.rank == rank:
+            return True  # one process is one rank of a run
         mine = self.first_parameter() if self.first_parameter is not None else None
-        return mine is not None and model is not None and next(iter(model.parameters()), None) is mine
+        return mine is not None and _first_parameter(model) is mine
 
 
 _open: list[_Entry] = []
@@ -43,11 +48,11 @@ _open: list[_Entry] = []
 def earlier_agents(run: str, rank: int, model: nn.Module | None) -> list[Agent]:
     """The open agents of this process that a new agent for (run, rank, model) supersedes: the
     same run and rank (one process is one rank of a run), or the same model under any run."""
-    return [e.agent for e in _open if (e.run == run and e.rank == rank) or e.same_model(model)]
+    return [e.agent for e in _open if e.supersedes(run, rank, model)]
 
 
 def register(agent: Agent, model: nn.Module | None) -> None:
-    _open.append(_Entry(agent, agent.run, agent.rank, model))
+    _open.append(_Entry(agent, model))
 
 
 def forget(agent: Agent) -> None:

@@ -18,14 +18,14 @@ import torch
 from trainvitals.agent._guard import logger
 
 PLAIN = frozenset({int, float, type(None)})
-"""Types step() passes through as they are; anything else goes through `as_count` first."""
+"""Types step() passes through as they are; anything else goes through `host_counts`."""
 
 HostCounts = tuple[float | None, float | None, float | None, dict[str, torch.Tensor] | None]
 """tokens, flops and lr as numbers (tokens an int, or a float rounded when encoded), and those
 that were tensors by step-record field."""
 
 
-def as_count(name: str, value: Any, said: set[tuple[str, str]]) -> int | float | torch.Tensor | None:
+def _as_count(name: str, value: Any, said: set[tuple[str, str]]) -> int | float | torch.Tensor | None:
     """`value` as a number or a tensor: a numpy scalar as the Python number, a list or tuple (a
     scheduler's get_last_lr(), one entry per parameter group) as its first entry. Anything else
     is left out of the step record, with one warning per field and type (kept in `said`, the
@@ -51,7 +51,7 @@ def as_count(name: str, value: Any, said: set[tuple[str, str]]) -> int | float |
     return None
 
 
-def split_tensors(
+def _split_tensors(
     tokens: int | float | torch.Tensor | None,
     flops: int | float | torch.Tensor | None,
     lr: int | float | torch.Tensor | None,
@@ -67,4 +67,14 @@ def split_tensors(
         None if isinstance(flops, torch.Tensor) else flops,
         None if isinstance(lr, torch.Tensor) else lr,
         tensors,
+    )
+
+
+def host_counts(
+    tokens: Any, flops: Any, lr: Any, *, flops_per_token: float | None, said: set[tuple[str, str]]
+) -> HostCounts:
+    """step()'s tokens, flops and lr when one is not a plain number: each as a number (`_as_count`),
+    and the tensors among them to be read back with the loss (`_split_tensors`)."""
+    return _split_tensors(
+        _as_count("tokens", tokens, said), _as_count("flops", flops, said), _as_count("lr", lr, said), flops_per_token
     )
