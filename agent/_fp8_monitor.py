@@ -261,6 +261,11 @@ class Fp8Monitor:
         def forward(mod: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             # One hook after the forward, not a pre-hook and a post-hook: each hook call is a cold
             # dispatch (~40-70 us on a 2-core Xeon), and a Linear leaves its input and weight as they were.
+            if not torch.is_grad_enabled():
+                # A validation pass (no_grad, inference_mode) inside a sampled step is not training:
+                # its inputs would be the step's amax and it would pay the monitor's cost. Reentrant
+                # activation checkpointing's no-grad forward is seen again at its recompute.
+                return
             if args and isinstance(args[0], torch.Tensor):
                 x = _local(args[0]).detach()
                 self._ensure_device(x.device)

@@ -299,3 +299,22 @@ def test_amax_is_the_max_over_the_calls_of_a_step() -> None:
     assert vec is not None
     assert {r["role"]: r for r in mon.records(1, vec.tolist(), False)}["input"]["amax"] == 0.25
     mon.close()
+
+
+def test_a_validation_pass_inside_a_sampled_step_is_not_measured() -> None:
+    """A loop that validates every N steps (N a multiple of fp8_every_steps, as eval intervals are)
+    runs its eval forwards while the step's hooks are on: under no_grad or inference_mode they
+    must neither set the step's amax nor pay for its reads."""
+    model = nn.Linear(8, 2)
+    mon = Fp8Monitor(model, history_len=4, mode="shadow", expensive_every=0)
+    with torch.no_grad():
+        model(torch.full((4, 8), 100.0))  # eval data 100x the training data's scale
+    with torch.inference_mode():
+        model(torch.full((4, 8), -50.0))
+    model(torch.full((4, 8), 1.0)).sum().backward()  # the step's one training micro-batch
+    vec, _ = mon.end_step()
+    assert vec is not None
+    rec = {r["role"]: r for r in mon.records(0, vec.tolist(), False)}
+    assert rec["input"]["amax"] == 1.0
+    assert rec["grad_output"]["amax"] == 1.0
+    mon.close()
