@@ -101,6 +101,7 @@ class GradNormTracker:
         self._decoders: dict[tuple[int, ...], Decoder] = {}
         self._clip_key: tuple[int, ...] = ()
         self._clip_ok = False
+        self._sparse = False  # the model has sparse gradients: _norms() takes them apart
 
     def compute_with_total(self, params: list[torch.Tensor]) -> tuple[GradNorms, torch.Tensor] | None:
         """This step's norms (as compute()) plus the total L2 norm of `params`' gradients, from one pass.
@@ -136,7 +137,7 @@ class GradNormTracker:
                 grads.append(_local(g))
         if not present:
             return None
-        norms: tuple[torch.Tensor, ...] | list[torch.Tensor] = torch._foreach_norm(grads, 2.0)
+        norms = self._norms(grads)
         device = norms[0].device
         if any(n.device != device for n in norms):  # e.g. CPU-offloaded parameters
             norms = [n.to(device, non_blocking=True) for n in norms]
@@ -148,6 +149,22 @@ class GradNormTracker:
             self._decoders = {key: decode}
         # A fresh tensor (torch.stack), never written again: it travels to the exporter as it is.
         return GradNorms(torch.stack(norms), decode)
+
+    def _norms(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, ...] | list[torch.Tensor]:
+        """The L2 norm of each gradient, as device scalars: one `_foreach_norm`, unless the model
+        has sparse gradients (nn.Embedding(sparse=True) under SparseAdam), which no norm kernel
+        takes: then each sparse one is the norm of its coalesced values (an index's duplicates
+        summed first, as the dense gradient holds them). Known after the first step that meets one."""
+        if not self._sparse:
+            try:
+                return torch._foreach_norm(grads, 2.0)
+            except (NotImplementedError, RuntimeError):
+                if not any(g.is_sparse for g in grads):
+                    raise
+                self._sparse = True
+        plain = [g for g in grads if not g.is_sparse]
+        dense = iter(torch._foreach_norm(plain, 2.0) if plain else ())
+        return [torch.linalg.vector_norm(g.coalesce().values(), 2.0) if g.is_sparse else next(dense) for g in grads]
 
     def records(self, groups: list[int], owned: list[float], step: int, norms: Sequence[float]) -> list[JsonObject]:
         """Wire-format grad records from one step's copied-back per-parameter norms (the exporter

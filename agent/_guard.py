@@ -36,8 +36,17 @@ class ErrorBudget:
         if now - self._last_log.get(key, -float("inf")) >= self._log_every_s:
             self._last_log[key] = now
             logger.warning(
-                "trainvitals agent error in %s (%d so far; training continues): %r", where, self.errors, exc
+                "trainvitals agent error in %s (%d so far; training continues): %s", where, self.errors, _one_line(exc)
             )
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    """The exception's type and the first line of its message: torch's dispatcher errors run to
+    10 KB and a hundred lines (every backend it has a kernel for), in the job's log each interval."""
+    lines = str(exc).strip().splitlines()
+    first = lines[0] if lines else ""
+    text = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def guarded(

@@ -208,3 +208,23 @@ def test_noop_agent_clips_like_torch(monkeypatch) -> None:
     assert agent.clip_grad_norm_(ours.parameters(), 0.05).item() == pytest.approx(
         nn.utils.clip_grad_norm_(theirs.parameters(), 0.05).item()
     )
+
+
+def test_sparse_embedding_gradients_are_measured_like_dense_ones() -> None:
+    """nn.Embedding(sparse=True) under SparseAdam: no norm kernel takes a sparse gradient, and
+    every step's measurement failed (an agent error a step, no gradient records for the run)."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"emb": nn.Embedding(50, 8, sparse=True), "head": nn.Linear(8, 3)})
+    tracker = GradNormTracker(model, groups="block")
+    for _ in range(2):  # the second step takes the path the first one chose
+        ids = torch.tensor([3, 7, 3, 3, 41])  # repeated indices: an uncoalesced gradient
+        model["head"](model["emb"](ids)).pow(2).sum().backward()
+        assert model["emb"].weight.grad is not None and model["emb"].weight.grad.is_sparse
+        grads = tracker.compute()
+        assert grads is not None
+        by_group = {r["group"]: r for r in grads.decode(0, grads.norms.tolist())}
+        dense_emb = model["emb"].weight.grad.to_dense().pow(2).sum().item()
+        assert by_group["emb"]["owned_sq"] == pytest.approx(dense_emb, rel=1e-5)
+        head = sum(p.grad.pow(2).sum().item() for p in model["head"].parameters())
+        assert by_group[GLOBAL_GROUP]["owned_sq"] == pytest.approx(dense_emb + head, rel=1e-5)
+        model.zero_grad(set_to_none=True)

@@ -296,7 +296,22 @@ def test_a_repeating_error_does_not_hide_a_new_kind(caplog: pytest.LogCaptureFix
     budget.record("hook", OSError("disk"))
     said = _warnings(caplog)
     assert budget.errors == 5 and len(said) == 3
-    assert ["OSError('disk')" in said[0], "ValueError('bad sample')" in said[1], " in hook " in said[2]] == [True] * 3
+    assert ["OSError: disk" in said[0], "ValueError: bad sample" in said[1], " in hook " in said[2]] == [True] * 3
+
+
+def test_an_error_is_one_line_however_long_its_message(caplog: pytest.LogCaptureFixture) -> None:
+    """torch's dispatcher errors (an op with no kernel for a tensor's backend) run to 10 KB and a
+    hundred lines; the job's log gets their first line."""
+    caplog.set_level(logging.WARNING, "trainvitals.agent")
+    budget = ErrorBudget(log_every_s=60.0)
+    dispatcher = "Could not run 'aten::op' with the 'SparseCPU' backend.\n\n" + "CPU: x\n" * 500
+    budget.record("grads", NotImplementedError(dispatcher))
+    budget.record("hook", RuntimeError("y" * 5000))
+    budget.record("exporter", KeyError())
+    said = _warnings(caplog)
+    assert said[0].endswith("NotImplementedError: Could not run 'aten::op' with the 'SparseCPU' backend.")
+    assert "\n" not in said[1] and len(said[1]) < 450 and said[1].endswith("y...")
+    assert said[2].endswith("training continues): KeyError")
 
 
 def test_each_kind_of_spool_failure_is_said(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
