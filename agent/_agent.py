@@ -21,7 +21,7 @@ from trainvitals.agent._checkpoints import CheckpointHandle, CheckpointRecorder
 from trainvitals.agent._config import AgentConfig, disabled_by_env
 from trainvitals.agent._counts import PLAIN, HostCounts, host_counts
 from trainvitals.agent._delivery import spooling_exporter
-from trainvitals.agent._dist import RankInfo, default_run_id, rank_info
+from trainvitals.agent._dist import RankInfo, RunId, default_run_id, rank_info
 from trainvitals.agent._fp8_monitor import Fp8Monitor
 from trainvitals.agent._grad_norms import GradNorms, GradNormTracker
 from trainvitals.agent._guard import ErrorBudget, guarded, logger
@@ -627,7 +627,8 @@ def attach(
         if collector is not None:
             config.collector = collector
         info = rank_info()
-        run_id = run or default_run_id()
+        chosen = RunId(run, None) if run else default_run_id(info.world_size)
+        run_id = chosen.value
         check_run_id(run_id, "attach(run=...)" if run else "$TRAINVITALS_RUN or torchrun's --rdzv-id")
         body: dict[str, Any] = dict(registration or {})
         body.setdefault("parallelism", {})
@@ -661,6 +662,13 @@ def attach(
             transport=transport,
         )
         _attached.register(agent, model)
+        if chosen.derived and info.rank == 0:
+            logger.warning(
+                "trainvitals agent: no run id given: this job reports as run %r, %s; name each run: "
+                "attach(run=...) or TRAINVITALS_RUN",
+                run_id,
+                chosen.derived,
+            )
         return agent
     except Exception as exc:  # noqa: BLE001 - a monitoring problem must not stop training
         logging.getLogger("trainvitals.agent").error("trainvitals agent disabled: %s", exc)

@@ -30,13 +30,34 @@ def rank_info() -> RankInfo:
     )
 
 
-def default_run_id() -> str:
-    """A run id every rank derives identically: $TRAINVITALS_RUN, torchrun's rdzv id, or the master."""
+@dataclass(frozen=True, slots=True)
+class RunId:
+    value: str
+    derived: str | None
+    """Where an id nobody named came from and who else gets it (the attach line); None: named."""
+
+
+def default_run_id(world_size: int) -> RunId:
+    """The run id of a job that names none, one every rank derives identically and without a
+    collective: $TRAINVITALS_RUN, torchrun's rendezvous id, the Slurm job's id, or the master."""
     explicit = os.environ.get("TRAINVITALS_RUN")
     if explicit:
-        return explicit
+        return RunId(explicit, None)
     rdzv = os.environ.get("TORCHELASTIC_RUN_ID")
-    if rdzv and rdzv != "none":
-        return rdzv
+    if rdzv and rdzv != "none":  # --rdzv-id, or a fresh one per launch with --standalone
+        return RunId(rdzv, None)
+    slurm = os.environ.get("SLURM_JOB_ID")
+    if slurm:
+        # Every rank of the job sees it and a requeue keeps it; the master's address and port are
+        # shared by every job whose first node and port are the same (a sweep's jobs).
+        return RunId(f"slurm-{slurm}", "from $SLURM_JOB_ID (a requeue of the job continues it)")
     master = f"{os.environ.get('MASTER_ADDR', socket.gethostname())}-{os.environ.get('MASTER_PORT', '0')}"
-    return "run-" + master.replace(":", "-")
+    shared = (
+        "from MASTER_ADDR-MASTER_PORT, which every job launched on that address and port shares"
+        if world_size > 1 or "MASTER_PORT" in os.environ
+        else "which every single-process job on this host that names no run shares"
+    )
+    return RunId(
+        "run-" + master.replace(":", "-"),
+        f"{shared} (a rerun of the same model continues its history, another model is refused)",
+    )

@@ -2,6 +2,7 @@
 
 import inspect
 import logging
+import socket
 import subprocess
 import sys
 import time
@@ -337,3 +338,53 @@ def test_stats_count_the_records_that_got_through(collector, tmp_path: Path) -> 
     sent = [r for line in lines for r in Batch.model_validate_json(line).records]
     assert agent.stats()["delivered_records"] == len(sent) > agent.stats()["steps"]  # grad records count too
     agent.close()
+
+
+_SHARED = " (a rerun of the same model continues its history, another model is refused)"
+
+
+@pytest.mark.parametrize(
+    ("env", "run", "said"),
+    [
+        ({}, f"run-{socket.gethostname()}-0",
+         f"which every single-process job on this host that names no run shares{_SHARED}"),
+        ({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "2"}, "run-10.0.0.1-29500",
+         f"from MASTER_ADDR-MASTER_PORT, which every job launched on that address and port shares{_SHARED}"),
+        ({"SLURM_JOB_ID": "4242", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}, "slurm-4242",
+         "from $SLURM_JOB_ID (a requeue of the job continues it)"),
+        ({"TORCHELASTIC_RUN_ID": "sweep-7", "SLURM_JOB_ID": "4242"}, "sweep-7", None),  # the user named it
+        ({"TRAINVITALS_RUN": "exp-3", "SLURM_JOB_ID": "4242"}, "exp-3", None),
+        ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}, "run-10.0.0.1-29500",
+         None),  # rank 0 says it for the job
+    ],
+)  # fmt: skip
+def test_a_run_id_nobody_named_is_said_once_with_who_else_gets_it(
+    env: dict[str, str], run: str, said: str | None, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture, tmp_path: Path,
+) -> None:  # fmt: skip
+    """Without run=, every single-process script on a host reported as one run, and every job of a
+    sweep launched on one node and port too: silently, a second job of the same model continued the
+    first one's history. Now the id and who shares it is one line, and a Slurm job gets its own."""
+    for name in ("TRAINVITALS_RUN", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "MASTER_ADDR", "MASTER_PORT", "RANK",
+                 "WORLD_SIZE"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    model, opt = _model()
+    with caplog.at_level(logging.WARNING, logger="trainvitals.agent"):
+        agent = tv.attach(model, opt, config=tv.AgentConfig(collector="", spill_dir=str(tmp_path)))
+    assert isinstance(agent, tv.Agent) and agent.run == run
+    lines = [r.getMessage() for r in caplog.records if "no run id given" in r.getMessage()]
+    if said is None:
+        assert lines == []
+    else:
+        assert lines == [
+            f"trainvitals agent: no run id given: this job reports as run {run!r}, {said}; name each run: "
+            "attach(run=...) or TRAINVITALS_RUN"
+        ]
+    agent.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trainvitals.agent"):
+        named = tv.attach(model, opt, run="mine", config=tv.AgentConfig(collector="", spill_dir=str(tmp_path)))
+    assert named.run == "mine" and not [r for r in caplog.records if "no run id given" in r.getMessage()]  # type: ignore[attr-defined]
+    named.close()
