@@ -318,3 +318,22 @@ def test_a_validation_pass_inside_a_sampled_step_is_not_measured() -> None:
     assert rec["input"]["amax"] == 1.0
     assert rec["grad_output"]["amax"] == 1.0
     mon.close()
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_activation_checkpointing_is_measured_at_its_recompute(use_reentrant: bool) -> None:
+    """Reentrant checkpointing runs the first forward under no_grad, which the monitor skips: the
+    recompute in backward (grad enabled, the same inputs) is where it sees the module."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = nn.Linear(8, 2)
+    mon = Fp8Monitor(model, history_len=4, mode="shadow", expensive_every=0)
+    x = torch.full((4, 8), 3.0, requires_grad=True)
+    checkpoint(model, x, use_reentrant=use_reentrant).sum().backward()
+    vec, _ = mon.end_step()
+    assert vec is not None
+    rec = {r["role"]: r for r in mon.records(0, vec.tolist(), False)}
+    assert rec["input"]["amax"] == 3.0
+    assert rec["grad_output"]["amax"] == 1.0
+    assert rec["weight"]["amax"] == pytest.approx(model.weight.abs().max().item())
+    mon.close()
