@@ -22,6 +22,7 @@ from trainvitals.agent._config import AgentConfig, disabled_by_env
 from trainvitals.agent._counts import PLAIN, HostCounts, host_counts
 from trainvitals.agent._delivery import spooling_exporter
 from trainvitals.agent._dist import RankInfo, RunId, default_run_id, rank_info
+from trainvitals.agent._events import fit_event
 from trainvitals.agent._fp8_monitor import Fp8Monitor
 from trainvitals.agent._grad_norms import GradNorms, GradNormTracker
 from trainvitals.agent._guard import ErrorBudget, guarded, logger
@@ -348,7 +349,9 @@ class Agent:
         step: int | None = None,
         domains: dict[str, str] | None = None,
     ) -> None:
-        """Record a run event: failure, restart, resume, phase_change, rollback, note ..."""
+        """Record a run event: failure, restart, resume, phase_change, rollback, note ... Another
+        kind is sent as a note, a detail past 4,096 characters keeps its end (agent/_events.py)."""
+        kind, detail, domains = fit_event(kind, detail, domains, self._said)
         self._exporter.emit(
             event_record(
                 ts=time.time(),

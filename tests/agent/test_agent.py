@@ -388,3 +388,40 @@ def test_a_run_id_nobody_named_is_said_once_with_who_else_gets_it(
         named = tv.attach(model, opt, run="mine", config=tv.AgentConfig(collector="", spill_dir=str(tmp_path)))
     assert named.run == "mine" and not [r for r in caplog.records if "no run id given" in r.getMessage()]  # type: ignore[attr-defined]
     named.close()
+
+
+def test_events_written_the_way_users_write_them_reach_the_collector(
+    collector, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A kind of the user's own, a failure's traceback as its detail, a node number as a domain: each
+    broke the wire's rules, so the collector refused its whole batch (a 422: every step record of
+    the send interval set aside, and refused again on replay). Each now fits, said once."""
+    model, opt = _model()
+    agent = tv.attach(model, opt, run="events", collector=collector.url,
+                      config=tv.AgentConfig(spill_dir=str(tmp_path)))  # fmt: skip
+    frames = '  File "train.py", line 1, in step\n' * 200
+    traceback = "Traceback (most recent call last):\n" + frames + "OOM: out of memory"
+    with caplog.at_level(logging.WARNING, logger="trainvitals.agent"):
+        _train(agent, model, opt, 2)
+        agent.event("eval", detail="val_loss=0.31")  # type: ignore[arg-type]
+        agent.event("eval")  # type: ignore[arg-type]
+        agent.event("failure", detail=traceback)
+        agent.event("node_replaced", domains={"node": 7, "rack": "r12", **{f"k{i}": i for i in range(20)}})  # type: ignore[dict-item]
+        _train(agent, model, opt, 2)
+    agent.close()
+    assert agent.stats()["rejected_batches"] == 0 and agent.stats()["errors"] == 0
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 3  # once per mistake, not per call
+    assert said[0].startswith("trainvitals agent: event('eval') is not a kind the collector takes (failure, ")
+    assert said[0].endswith("for a marker of your own, use agent.event('note', detail=...)")
+    assert said[1].startswith("trainvitals agent: an event's detail of 7,053 characters is cut to its last 4,096")
+    assert said[2] == "trainvitals agent: an event's 22 domains are cut to its first 16"
+    with collector.app.state.sessionmaker() as session:
+        from trainvitals.service.store import detector_reads, queries
+
+        assert queries.count_step_rows(session, run_id="events") == 4
+        stored = [(e.event, e.detail) for e in detector_reads.events(session, run_id="events") if e.event != "start"]
+        domains = [e.domains for e in detector_reads.events(session, run_id="events") if e.event == "node_replaced"]
+    assert stored[:2] == [("note", "eval: val_loss=0.31"), ("note", "eval")]
+    assert stored[2][0] == "failure" and len(stored[2][1]) == 4096 and stored[2][1].endswith("OOM: out of memory")
+    assert domains[0]["node"] == "7" and len(domains[0]) == 16
