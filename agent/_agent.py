@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import os
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
@@ -17,7 +18,7 @@ from torch import nn
 
 from trainvitals.agent import _attached, _sigterm
 from trainvitals.agent._arguments import AttachError, check_arguments, check_run_id, one_line
-from trainvitals.agent._checkpoints import CheckpointHandle, CheckpointRecorder
+from trainvitals.agent._checkpoints import CheckpointHandle, CheckpointRecorder, StrPath
 from trainvitals.agent._config import AgentConfig, disabled_by_env
 from trainvitals.agent._counts import PLAIN, HostCounts, host_counts
 from trainvitals.agent._delivery import spooling_exporter
@@ -364,7 +365,7 @@ class Agent:
 
     @contextmanager
     def checkpoint(
-        self, *, step: int | None = None, path: str | None = None, generation: int | None = None
+        self, *, step: int | None = None, path: StrPath | None = None, generation: int | None = None
     ) -> Iterator[CheckpointHandle]:
         """Record one checkpoint save around the job's own save code::
 
@@ -382,30 +383,30 @@ class Agent:
         if self._closed:
             yield CheckpointHandle()
             return
-        with self._checkpoints.saving(step=step, generation=gen, path=path) as handle:
+        with self._checkpoints.saving(step=step, generation=gen, path=_path_text(path)) as handle:
             yield handle
 
-    def save(self, obj: Any, path: str, *, step: int | None = None, **kwargs: Any) -> None:
+    def save(self, obj: Any, path: StrPath, *, step: int | None = None, **kwargs: Any) -> None:
         """`torch.save(obj, path)` recorded as a checkpoint generation."""
-        with self.checkpoint(step=step, path=str(path)):
+        with self.checkpoint(step=step, path=path):
             torch.save(obj, path, **kwargs)
 
     def dcp_save(
-        self, state_dict: dict[str, Any], *, checkpoint_id: str, step: int | None = None, **kwargs: Any
+        self, state_dict: dict[str, Any], *, checkpoint_id: StrPath, step: int | None = None, **kwargs: Any
     ) -> Any:
         """`torch.distributed.checkpoint.save` recorded as a checkpoint generation."""
         import torch.distributed.checkpoint as dcp
 
-        with self.checkpoint(step=step, path=str(checkpoint_id)):
+        with self.checkpoint(step=step, path=checkpoint_id):
             return dcp.save(state_dict, checkpoint_id=checkpoint_id, **kwargs)
 
     def dcp_async_save(
-        self, state_dict: dict[str, Any], *, checkpoint_id: str, step: int | None = None, **kwargs: Any
+        self, state_dict: dict[str, Any], *, checkpoint_id: StrPath, step: int | None = None, **kwargs: Any
     ) -> Any:
         """`torch.distributed.checkpoint.async_save`, stall and persistence recorded; returns the future."""
         import torch.distributed.checkpoint as dcp
 
-        with self.checkpoint(step=step, path=str(checkpoint_id)) as ck:
+        with self.checkpoint(step=step, path=checkpoint_id) as ck:
             return ck.track(dcp.async_save(state_dict, checkpoint_id=checkpoint_id, **kwargs))
 
     @guarded()
@@ -413,7 +414,7 @@ class Agent:
         self,
         *,
         step: int | None = None,
-        path: str | None = None,
+        path: StrPath | None = None,
         generation: int | None = None,
         stall_seconds: float | None = None,
     ) -> None:
@@ -421,7 +422,7 @@ class Agent:
         size and checksum are computed on the background thread."""
         step = self._saved_step() if step is None else step
         self._checkpoints.saved(
-            step=step, generation=step if generation is None else generation, path=path, stall=stall_seconds
+            step=step, generation=step if generation is None else generation, path=_path_text(path), stall=stall_seconds
         )
 
     def _saved_step(self) -> int:
@@ -432,7 +433,7 @@ class Agent:
         return max(self._step - 1, 0)
 
     @guarded()
-    def loaded(self, *, step: int, path: str | None = None, generation: int | None = None) -> None:
+    def loaded(self, *, step: int, path: StrPath | None = None, generation: int | None = None) -> None:
         """Record a resume from a checkpoint; the next step() continues from `step` + 1."""
         detail = f"loaded generation {step if generation is None else generation}" + (
             f" from {path}" if path else ""
@@ -550,22 +551,22 @@ class NoopAgent:
 
     @contextmanager
     def checkpoint(
-        self, *, step: int | None = None, path: str | None = None, generation: int | None = None
+        self, *, step: int | None = None, path: StrPath | None = None, generation: int | None = None
     ) -> Iterator[CheckpointHandle]:
         yield CheckpointHandle()
 
-    def save(self, obj: Any, path: str, *, step: int | None = None, **kwargs: Any) -> None:
+    def save(self, obj: Any, path: StrPath, *, step: int | None = None, **kwargs: Any) -> None:
         torch.save(obj, path, **kwargs)
 
     def dcp_save(
-        self, state_dict: dict[str, Any], *, checkpoint_id: str, step: int | None = None, **kwargs: Any
+        self, state_dict: dict[str, Any], *, checkpoint_id: StrPath, step: int | None = None, **kwargs: Any
     ) -> Any:
         import torch.distributed.checkpoint as dcp
 
         return dcp.save(state_dict, checkpoint_id=checkpoint_id, **kwargs)
 
     def dcp_async_save(
-        self, state_dict: dict[str, Any], *, checkpoint_id: str, step: int | None = None, **kwargs: Any
+        self, state_dict: dict[str, Any], *, checkpoint_id: StrPath, step: int | None = None, **kwargs: Any
     ) -> Any:
         import torch.distributed.checkpoint as dcp
 
@@ -575,13 +576,13 @@ class NoopAgent:
         self,
         *,
         step: int | None = None,
-        path: str | None = None,
+        path: StrPath | None = None,
         generation: int | None = None,
         stall_seconds: float | None = None,
     ) -> None:
         return None
 
-    def loaded(self, *, step: int, path: str | None = None, generation: int | None = None) -> None:
+    def loaded(self, *, step: int, path: StrPath | None = None, generation: int | None = None) -> None:
         return None
 
     def flush(self, timeout: float = 10.0) -> bool:
@@ -598,6 +599,12 @@ class NoopAgent:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def _path_text(path: StrPath | None) -> str | None:
+    # A pathlib.Path (what `ckpt_dir / "model.pt"` gives) cannot be JSON-encoded: each record of the
+    # generation was lost with an agent error, and the save went unrecorded.
+    return None if path is None else os.fspath(path)
 
 
 def attach(

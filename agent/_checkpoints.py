@@ -18,6 +18,9 @@ from trainvitals.wire import checkpoint_record
 from trainvitals.wire.builders import JsonObject
 from trainvitals.wire.conventions import CheckpointStatus
 
+StrPath = str | os.PathLike[str]
+"""A checkpoint's path as jobs pass it: a string or a pathlib.Path (`ckpt_dir / "model.pt"`)."""
+
 _CHUNK = 8 * 1024 * 1024
 
 

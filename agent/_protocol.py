@@ -8,7 +8,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from trainvitals.agent._checkpoints import CheckpointHandle
+from trainvitals.agent._checkpoints import CheckpointHandle, StrPath
 from trainvitals.wire.conventions import EventKind
 
 
@@ -64,29 +64,29 @@ class TrainingAgent(Protocol):
     ) -> torch.Tensor: ...
 
     def checkpoint(
-        self, *, step: int | None = None, path: str | None = None, generation: int | None = None
+        self, *, step: int | None = None, path: StrPath | None = None, generation: int | None = None
     ) -> AbstractContextManager[CheckpointHandle]: ...
 
-    def save(self, obj: Any, path: str, *, step: int | None = None, **kwargs: Any) -> None: ...
+    def save(self, obj: Any, path: StrPath, *, step: int | None = None, **kwargs: Any) -> None: ...
 
     def dcp_save(
-        self, state_dict: dict[str, Any], *, checkpoint_id: str, step: int | None = None, **kwargs: Any
+        self, state_dict: dict[str, Any], *, checkpoint_id: StrPath, step: int | None = None, **kwargs: Any
     ) -> Any: ...
 
     def dcp_async_save(
-        self, state_dict: dict[str, Any], *, checkpoint_id: str, step: int | None = None, **kwargs: Any
+        self, state_dict: dict[str, Any], *, checkpoint_id: StrPath, step: int | None = None, **kwargs: Any
     ) -> Any: ...
 
     def checkpoint_saved(
         self,
         *,
         step: int | None = None,
-        path: str | None = None,
+        path: StrPath | None = None,
         generation: int | None = None,
         stall_seconds: float | None = None,
     ) -> None: ...
 
-    def loaded(self, *, step: int, path: str | None = None, generation: int | None = None) -> None: ...
+    def loaded(self, *, step: int, path: StrPath | None = None, generation: int | None = None) -> None: ...
 
     def flush(self, timeout: float = 10.0) -> bool: ...
 

@@ -6,6 +6,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 
 import trainvitals.agent as tv
@@ -113,3 +114,24 @@ def test_a_save_without_a_step_is_the_last_steps_and_resuming_from_it_leaves_no_
     records = [r for line in lines for r in Batch.model_validate_json(line).records]
     assert {(r.step, r.generation) for r in records if r.kind == "checkpoint"} == {(2, 2)}
     assert [r.step for r in records if r.kind == "step"] == [0, 1, 2, 3]
+
+
+def test_a_pathlib_path_is_recorded_like_its_string(tmp_path: Path) -> None:
+    """`agent.checkpoint(path=ckpt_dir / "model.pt")`: a pathlib.Path could not be JSON-encoded, so
+    each record of the generation was lost with an agent error and the save went unrecorded."""
+    agent, model = _agent(tmp_path)
+    first, second = tmp_path / "a.pt", tmp_path / "b.pt"
+    with agent.checkpoint(step=1, path=first):
+        torch.save(model.state_dict(), first)
+    agent.save(model.state_dict(), second, step=2)
+    agent.checkpoint_saved(step=3, path=second)
+    agent.loaded(step=3, path=second)
+    agent.close()
+    assert agent.stats()["errors"] == 0
+    rec = _checkpoint_records(tmp_path)
+    assert [(r.step, r.status, r.path) for r in rec] == [
+        (1, "started", str(first)), (1, "persisted", str(first)),
+        (2, "started", str(second)), (2, "persisted", str(second)),
+        (3, "persisted", str(second)),
+    ]  # fmt: skip
+    assert rec[1].bytes == first.stat().st_size and rec[4].bytes == second.stat().st_size
