@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -51,13 +54,21 @@ def default_run_id(world_size: int) -> RunId:
         # Every rank of the job sees it and a requeue keeps it; the master's address and port are
         # shared by every job whose first node and port are the same (a sweep's jobs).
         return RunId(f"slurm-{slurm}", "from $SLURM_JOB_ID (a requeue of the job continues it)")
-    master = f"{os.environ.get('MASTER_ADDR', socket.gethostname())}-{os.environ.get('MASTER_PORT', '0')}"
-    shared = (
-        "from MASTER_ADDR-MASTER_PORT, which every job launched on that address and port shares"
-        if world_size > 1 or "MASTER_PORT" in os.environ
-        else "which every single-process job on this host that names no run shares"
-    )
+    after = "(the next one continues its history, or is refused where its model's dims differ)"
+    if world_size > 1 or "MASTER_PORT" in os.environ:
+        master = f"{os.environ.get('MASTER_ADDR', socket.gethostname())}-{os.environ.get('MASTER_PORT', '0')}"
+        return RunId(
+            "run-" + master.replace(":", "-"),
+            f"from MASTER_ADDR-MASTER_PORT, which every job launched on that address and port shares {after}",
+        )
+    # One process: nothing to agree on but the script, so two scripts tried one after the other on a
+    # host (a newcomer's first runs) are two runs, not one whose history the second overwrote.
+    name = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-") else ""  # no script: python -c, stdin
+    script = _SAFE.sub("-", Path(name).stem)[:64] if name else ""
+    who = "every run of this script" if script else "every process without a script (python -c, stdin)"
     return RunId(
-        "run-" + master.replace(":", "-"),
-        f"{shared} (a rerun of the same model continues its history, another model is refused)",
+        f"run-{socket.gethostname()}-{script or '0'}", f"which {who} on this host that names no run shares {after}"
     )
+
+
+_SAFE = re.compile(r"[^A-Za-z0-9._:-]")

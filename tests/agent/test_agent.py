@@ -340,36 +340,40 @@ def test_stats_count_the_records_that_got_through(collector, tmp_path: Path) -> 
     agent.close()
 
 
-_SHARED = " (a rerun of the same model continues its history, another model is refused)"
+_AFTER = " (the next one continues its history, or is refused where its model's dims differ)"
 
 
 @pytest.mark.parametrize(
-    ("env", "run", "said"),
+    ("env", "argv0", "run", "said"),
     [
-        ({}, f"run-{socket.gethostname()}-0",
-         f"which every single-process job on this host that names no run shares{_SHARED}"),
-        ({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "2"}, "run-10.0.0.1-29500",
-         f"from MASTER_ADDR-MASTER_PORT, which every job launched on that address and port shares{_SHARED}"),
-        ({"SLURM_JOB_ID": "4242", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}, "slurm-4242",
+        ({}, "/home/u/train_gpt.py", f"run-{socket.gethostname()}-train_gpt",
+         f"which every run of this script on this host that names no run shares{_AFTER}"),
+        ({}, "-c", f"run-{socket.gethostname()}-0",
+         f"which every process without a script (python -c, stdin) on this host that names no run shares{_AFTER}"),
+        ({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "2"}, "train.py", "run-10.0.0.1-29500",
+         f"from MASTER_ADDR-MASTER_PORT, which every job launched on that address and port shares{_AFTER}"),
+        ({"SLURM_JOB_ID": "4242", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}, "train.py", "slurm-4242",
          "from $SLURM_JOB_ID (a requeue of the job continues it)"),
-        ({"TORCHELASTIC_RUN_ID": "sweep-7", "SLURM_JOB_ID": "4242"}, "sweep-7", None),  # the user named it
-        ({"TRAINVITALS_RUN": "exp-3", "SLURM_JOB_ID": "4242"}, "exp-3", None),
-        ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}, "run-10.0.0.1-29500",
-         None),  # rank 0 says it for the job
+        ({"TORCHELASTIC_RUN_ID": "sweep-7", "SLURM_JOB_ID": "4242"}, "train.py", "sweep-7", None),  # named
+        ({"TRAINVITALS_RUN": "exp-3", "SLURM_JOB_ID": "4242"}, "train.py", "exp-3", None),
+        ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}, "train.py",
+         "run-10.0.0.1-29500", None),  # rank 0 says it for the job
     ],
 )  # fmt: skip
 def test_a_run_id_nobody_named_is_said_once_with_who_else_gets_it(
-    env: dict[str, str], run: str, said: str | None, monkeypatch: pytest.MonkeyPatch,
+    env: dict[str, str], argv0: str, run: str, said: str | None, monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture, tmp_path: Path,
 ) -> None:  # fmt: skip
-    """Without run=, every single-process script on a host reported as one run, and every job of a
-    sweep launched on one node and port too: silently, a second job of the same model continued the
-    first one's history. Now the id and who shares it is one line, and a Slurm job gets its own."""
+    """Without run=, every single-process script on a host reported as one run (two toy models tried
+    one after the other: the second silently overwrote the first's history), and every job of a
+    sweep launched on one node and port too. Now a script and a Slurm job get their own, and the
+    id and who else gets it is one line."""
     for name in ("TRAINVITALS_RUN", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "MASTER_ADDR", "MASTER_PORT", "RANK",
                  "WORLD_SIZE"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", [argv0])
     model, opt = _model()
     with caplog.at_level(logging.WARNING, logger="trainvitals.agent"):
         agent = tv.attach(model, opt, config=tv.AgentConfig(collector="", spill_dir=str(tmp_path)))
