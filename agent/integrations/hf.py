@@ -35,6 +35,23 @@ def _current_lr(optimizer: torch.optim.Optimizer | None) -> float | None:
     return float(lr) if lr is not None else None
 
 
+def _calling_trainer() -> Trainer | None:
+    """The Trainer whose callback handler is calling this callback, found on the call stack (a few
+    frames up: Trainer, CallbackHandler.call_event, the guard): HF passes callbacks no trainer."""
+    frame = inspect.currentframe()
+    try:
+        for _ in range(16):
+            if frame is None:
+                return None
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, transformers.Trainer):
+                return candidate
+            frame = frame.f_back
+        return None
+    finally:
+        del frame  # a frame reference would keep every local of the stack alive
+
+
 def _accepts(fn: Any, *names: str) -> bool:
     try:
         params = inspect.signature(fn).parameters
@@ -84,12 +101,14 @@ class TrainvitalsCallback(TrainerCallback):
     lr (the one this step used), tokens (when `include_num_input_tokens_seen` is on; HF counts them
     over all ranks, so the per-rank figure is that count / world size), loss and grad_norm.
 
-    Loss: HF logs the mean over the logging window, so it is the step's loss only when the window
-    is one step (`logging_steps=1`). For every step's loss at any logging interval, bind the
-    trainer: `trainer.add_callback(TrainvitalsCallback(run=..., trainer=trainer))`; the callback
-    then takes the per-step difference of the trainer's on-device loss accumulator (a tensor, no
-    sync; the agent copies it asynchronously). Both paths see what HF sees, including its
-    `logging_nan_inf_filter` (on by default), which replaces non-finite losses before logging.
+    Loss: every step's, at any logging interval: the per-step difference of the trainer's
+    on-device loss accumulator (a tensor, no sync; the agent copies it asynchronously). HF hands
+    callbacks the model and optimizer but not the trainer, so the callback finds the Trainer whose
+    handler calls its on_train_begin (`trainer=` names it outright). Without a trainer it falls
+    back to HF's logs, whose loss is the mean over the logging window: the step's loss only when
+    the window is one step (`logging_steps=1`); at HF's default of 500 no step had a loss before
+    2026-11-29. Both paths see what HF sees, including its `logging_nan_inf_filter` (on by
+    default), which replaces non-finite losses before logging.
 
     Also: a `resume` event when training starts from a checkpoint, a `note` event per checkpoint
     save, and close() (flush, hooks removed) at the end of training.
@@ -112,7 +131,8 @@ class TrainvitalsCallback(TrainerCallback):
         self.registration = registration
         self.agent: TrainingAgent | None = None
         """The agent of the current (or last) train() call; kept after close for stats()."""
-        self._trainer = trainer
+        self._bound = trainer
+        self._trainer = trainer  # the bound one, else the one found at on_train_begin
         self._errors = ErrorBudget()
         self._attached = False
         self._model: nn.Module | None = None
@@ -188,6 +208,7 @@ class TrainvitalsCallback(TrainerCallback):
         # A second train() on the same Trainer (auto_find_batch_size retries, a new fit) builds a
         # new optimizer: close the old agent so its hook goes away, then attach afresh.
         self._close()
+        self._trainer = self._bound or _calling_trainer()
         self._pending = None
         self._model = kwargs.get("model")
         self._tokens_seen = state.num_input_tokens_seen

@@ -25,6 +25,7 @@ from transformers import (
 )
 
 from trainvitals.agent import AgentConfig
+from trainvitals.agent.integrations import hf
 from trainvitals.agent.integrations.hf import TrainvitalsCallback
 from trainvitals.wire import Batch, RunRegistration
 
@@ -136,10 +137,9 @@ def test_one_step_record_per_optimizer_step_matching_the_trainer_logs(tmp_path: 
     assert callback._errors.errors == 0
 
 
-def test_bound_trainer_gives_every_step_its_own_loss_between_logs(tmp_path: Path) -> None:
-    trainer, callback, records, _ = _run(
-        tmp_path, name="bound", logging_steps=4, save_steps=100, bind_trainer=True
-    )
+def _each_step_has_its_own_loss(trainer: Trainer, records: list[Any]) -> dict[int, Any]:
+    """The step records of a 12-step run logged every 4 steps: each with a finite loss, and each
+    log window's losses averaging to HF's logged mean. Returns them by step."""
     logs = _train_logs(trainer)
     assert sorted(logs) == [4, 8, 12]
     steps = {r.step: r for r in records if r.kind == "step"}
@@ -148,14 +148,36 @@ def test_bound_trainer_gives_every_step_its_own_loss_between_logs(tmp_path: Path
     for end in (4, 8, 12):
         window = [steps[i].loss for i in range(end - 3, end + 1)]
         assert sum(window) / 4 == pytest.approx(logs[end]["loss"], rel=1e-5)  # type: ignore[arg-type]
+    assert len({round(s.loss, 6) for s in steps.values()}) > 1  # type: ignore[arg-type]
+    return steps
+
+
+def test_bound_trainer_gives_every_step_its_own_loss_between_logs(tmp_path: Path) -> None:
+    trainer, callback, records, _ = _run(
+        tmp_path, name="bound", logging_steps=4, save_steps=100, bind_trainer=True
+    )
+    steps = _each_step_has_its_own_loss(trainer, records)
     # HF reports grad_norm only on logged steps.
     assert [s for s in sorted(steps) if steps[s].grad_norm is not None] == [4, 8, 12]
-    assert len({round(s.loss, 6) for s in steps.values()}) > 1  # type: ignore[arg-type]
     assert callback._errors.errors == 0
 
 
-def test_unbound_callback_leaves_window_means_out_of_step_records(tmp_path: Path) -> None:
-    # Without the trainer, a 4-step log window is a mean, not any one step's loss: not recorded.
+def test_a_callback_made_without_its_trainer_finds_it_and_gives_every_step_its_loss(tmp_path: Path) -> None:
+    """The docstring's usage, callbacks=[TrainvitalsCallback(run=...)]: HF passes callbacks no trainer,
+    and without it only a one-step log window is a step's loss, so at HF's default logging_steps
+    (500) no step record had a loss. The callback finds the Trainer calling it."""
+    trainer, callback, records, _ = _run(tmp_path, name="found", logging_steps=4, save_steps=100)
+    assert callback._trainer is trainer
+    _each_step_has_its_own_loss(trainer, records)
+    assert callback._errors.errors == 0
+
+
+def test_without_a_trainer_window_means_stay_out_of_step_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A trainer not found (a loop of one's own calling the callbacks): a 4-step log window is a
+    # mean, not any one step's loss, so it is not recorded.
+    monkeypatch.setattr(hf, "_calling_trainer", lambda: None)
     _, _, records, _ = _run(tmp_path, name="unbound", max_steps=8, logging_steps=4, save_steps=100)
     steps = [r for r in records if r.kind == "step"]
     assert [s.step for s in steps] == list(range(1, 9))
