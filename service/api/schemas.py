@@ -207,6 +207,8 @@ class RollbackPublic(_Public):
     run: str
     before_step: int | None
     reason: str
+    """Why this target; when there is none, why not (no save recorded, or how many failed, never
+    persisted, or came at or after before_step)."""
     target: CheckpointGenerationPublic | None
     """Newest verified (else persisted) generation before before_step; null when there is none."""
     verified: bool

@@ -542,14 +542,31 @@ def rollback_target(session: Session, *, run_id: str, before_step: int | None = 
     ]
     verified = [g for g in candidates if g["status"] == "verified"]
     pick = (verified or candidates)[-1] if candidates else None
+    reason = reason or "newest usable generation"
+    if pick is None:
+        reason += f": none, {_why_no_target(gens, before_step)}"
     return {
         "run": run_keys.run_id_of(run_id),
         "before_step": before_step,
-        "reason": reason or "newest usable generation",
+        "reason": reason,
         "target": pick,
         "verified": pick is not None and pick["status"] == "verified",
         "generations_considered": len(gens),
     }
+
+
+def _why_no_target(gens: list[dict[str, Any]], before_step: int | None) -> str:
+    """Why no generation qualifies, in words a post-mortem reader acts on."""
+    if not gens:
+        return "no checkpoint save was recorded for this run (agent.checkpoint(...) or agent.save(...) records one)"
+    earlier = [g["status"] for g in gens if before_step is None or g["step"] < before_step]
+    parts = [f"{earlier.count('failed')} failed"] if "failed" in earlier else []
+    if "started" in earlier:
+        parts.append(f"{earlier.count('started')} started and never persisted")
+    if len(earlier) < len(gens):
+        parts.append(f"{len(gens) - len(earlier)} at or after step {before_step}")
+    where = "" if before_step is None else f" before step {before_step}"
+    return f"of {len(gens)} recorded generation(s) none was persisted{where} ({', '.join(parts)})"
 
 
 def _step_range(q: Any, col: Any, start: int | None, end: int | None) -> Any:

@@ -219,3 +219,30 @@ def test_a_large_body_refused_by_the_fast_decoder_costs_one_pass(db_url: str) ->
         assert refused.status_code == 422
         assert refused.json()["message"] == "invalid request, nothing stored: records.7.step: Expected `int` >= 0"
         assert client.get("/v1/runs/r1").json()["step_records"] == 4000
+
+
+def test_a_rollback_without_a_target_says_why(client: TestClient) -> None:
+    """"Which checkpoint do we roll back to" answered null with the reason "newest usable generation",
+    whether the run recorded no save or only failed and late ones."""
+    client.post("/v1/runs", json={"run": "r1"})
+    client.post("/v1/batches", json=_batch())
+    none = client.get("/v1/runs/r1/rollback").json()
+    assert none["target"] is None and none["generations_considered"] == 0
+    assert none["reason"] == (
+        "newest usable generation: none, no checkpoint save was recorded for this run (agent.checkpoint(...) "
+        "or agent.save(...) records one)"
+    )
+    saves = [
+        {"kind": "checkpoint", "step": 1, "generation": 1, "status": "started", "ts": 1.0},
+        {"kind": "checkpoint", "step": 1, "generation": 1, "status": "failed", "ts": 1.5, "error": "disk full"},
+        {"kind": "checkpoint", "step": 2, "generation": 2, "status": "started", "ts": 2.0},
+        {"kind": "checkpoint", "step": 5, "generation": 5, "status": "persisted", "ts": 5.0},
+    ]
+    client.post("/v1/batches", json={**_batch(seq=1), "records": saves})
+    late = client.get("/v1/runs/r1/rollback", params={"before_step": 4}).json()
+    assert late["target"] is None and late["generations_considered"] == 3
+    assert late["reason"] == (
+        "before step 4: none, of 3 recorded generation(s) none was persisted before step 4 (1 failed, 1 started "
+        "and never persisted, 1 at or after step 4)"
+    )
+    assert client.get("/v1/runs/r1/rollback").json()["target"]["generation"] == 5
