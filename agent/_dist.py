@@ -6,6 +6,7 @@ import os
 import re
 import socket
 import sys
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,8 +48,11 @@ def default_run_id(world_size: int) -> RunId:
     if explicit:
         return RunId(explicit, None)
     rdzv = os.environ.get("TORCHELASTIC_RUN_ID")
-    if rdzv and rdzv != "none":  # --rdzv-id, or a fresh one per launch with --standalone
-        return RunId(rdzv, None)
+    if rdzv and rdzv != "none":
+        # --rdzv-id names the job; without it a one-node torchrun (--standalone or not) draws a uuid4
+        # per launch, which nobody knows to look for.
+        drawn = "torchrun's rendezvous id, drawn afresh for each launch"
+        return RunId(rdzv, drawn if _is_uuid(rdzv) else None)
     slurm = os.environ.get("SLURM_JOB_ID")
     if slurm:
         # Every rank of the job sees it and a requeue keeps it; the master's address and port are
@@ -72,3 +76,10 @@ def default_run_id(world_size: int) -> RunId:
 
 
 _SAFE = re.compile(r"[^A-Za-z0-9._:-]")
+
+
+def _is_uuid(text: str) -> bool:
+    try:
+        return str(uuid.UUID(text)) == text
+    except ValueError:
+        return False

@@ -355,6 +355,8 @@ _AFTER = " (the next one continues its history, or is refused where its model's 
         ({"SLURM_JOB_ID": "4242", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}, "train.py", "slurm-4242",
          "from $SLURM_JOB_ID (a requeue of the job continues it)"),
         ({"TORCHELASTIC_RUN_ID": "sweep-7", "SLURM_JOB_ID": "4242"}, "train.py", "sweep-7", None),  # named
+        ({"TORCHELASTIC_RUN_ID": "0c9e4b1e-3a7d-4c52-9f0e-5b8a1d2c3e4f"}, "train.py",
+         "0c9e4b1e-3a7d-4c52-9f0e-5b8a1d2c3e4f", "torchrun's rendezvous id, drawn afresh for each launch"),
         ({"TRAINVITALS_RUN": "exp-3", "SLURM_JOB_ID": "4242"}, "train.py", "exp-3", None),
         ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}, "train.py",
          "run-10.0.0.1-29500", None),  # rank 0 says it for the job
