@@ -59,6 +59,9 @@ def _serve(args: argparse.Namespace) -> int:
     if args.api_docs:
         overrides["api_docs"] = True
     settings = Settings(**overrides)
+    if (taken := _port_taken(settings.host, settings.port)) is not None:
+        print(f"trainvitals: {taken}", file=sys.stderr)
+        return 2
     logs.configure(settings.log_level)
     log = logging.getLogger("trainvitals.serve")
     analysis = "off" if not settings.run_analysis else "thread" if args.analysis_thread else "process"
@@ -86,6 +89,34 @@ def _serve(args: argparse.Namespace) -> int:
         return _run_uvicorn(args, settings)
     with _analysis_process(settings):
         return _run_uvicorn(args, settings.model_copy(update={"run_analysis": False}))
+
+
+def _port_taken(host: str, port: int) -> str | None:
+    """The line that says why serve cannot listen on host:port, or None when it can. Checked before
+    migrations and the analysis child: uvicorn finds out only after starting up, and its line names
+    no fix (a collector still running from the README's recipe is the usual cause)."""
+    import errno
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"cannot listen on {host!r} ({exc.strerror}): --host / TRAINVITALS_HOST takes an address of this machine"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return (
+                    f"{host}:{port} is already in use (another collector? `ss -ltnp 'sport = :{port}'` shows "
+                    "which process): stop it, or serve on another port with --port / TRAINVITALS_PORT"
+                )
+            if exc.errno == errno.EACCES:
+                return f"no permission to listen on port {port} (below 1024 needs root): choose --port 1024 or above"
+            return f"cannot listen on {host}:{port} ({exc.strerror}): check --host / --port"
+    return None
 
 
 @contextmanager

@@ -330,3 +330,25 @@ def test_replay_into_another_project_and_query_by_project(tmp_path: Path, capsys
     capsys.readouterr()
     assert main(["query", "checkpoints", "--db", url, "--run", RUN, "--project", "p"]) == 1
     assert capsys.readouterr().err == f"trainvitals: no run {RUN!r} of project 'p' in {url}\n"
+
+
+def test_serve_on_a_port_in_use_is_one_line_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second collector on the port (the README recipe's one still running): uvicorn found out
+    after migrating and starting the analysis child, and its line named no fix (exit code 3)."""
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        code = main(["serve", "--db", f"sqlite:///{tmp_path}/tv.db", "--port", str(port), "--insecure-no-auth"])
+    assert code == 2
+    assert _one_line_error(capsys).rstrip("\n") == (
+        f"trainvitals: 127.0.0.1:{port} is already in use (another collector? `ss -ltnp 'sport = :{port}'` shows "
+        "which process): stop it, or serve on another port with --port / TRAINVITALS_PORT"
+    )
+    assert not (tmp_path / "tv.db").exists()  # nothing migrated, no analysis child started
+    assert main(["serve", "--db", f"sqlite:///{tmp_path}/tv.db", "--host", "no-such-host.invalid"]) == 2
+    assert "cannot listen on 'no-such-host.invalid' (" in _one_line_error(capsys)
