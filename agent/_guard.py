@@ -36,11 +36,14 @@ class ErrorBudget:
         if now - self._last_log.get(key, -float("inf")) >= self._log_every_s:
             self._last_log[key] = now
             logger.warning(
-                "trainvitals agent error in %s (%d so far; training continues): %s", where, self.errors, _one_line(exc)
+                "trainvitals agent error in %s (%d so far; training continues): %s",
+                where,
+                self.errors,
+                _exception_line(exc),
             )
 
 
-def _one_line(exc: BaseException, limit: int = 300) -> str:
+def _exception_line(exc: BaseException, limit: int = 300) -> str:
     """The exception's type and the first line of its message: torch's dispatcher errors run to
     10 KB and a hundred lines (every backend it has a kernel for), in the job's log each interval."""
     lines = str(exc).strip().splitlines()
