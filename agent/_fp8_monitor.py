@@ -174,6 +174,11 @@ class Fp8Monitor:
         self._fresh = bytearray(b"\x01" * n)
         self._zeros_host = [0.0] * n
         self._all_fresh = bytes(self._fresh)
+        # Shadow tensors, as indices and as a bit mask over `_fresh`'s bytes: those still fresh at
+        # step end were not run this step (a MoE expert no token reached, nn.MultiheadAttention's
+        # out_proj, whose weight it uses without calling the module).
+        self._shadow_idx = [i for i, t in enumerate(self.tensors) if not t.recipe]
+        self._shadow_bits = int.from_bytes(bytes(0 if t.recipe else 1 for t in self.tensors), "little")
         self._scratch = torch.empty(0)  # CPU only: |x| of the expensive tier, reused (_abs_f32)
         self._flags = torch.empty(0)  # CPU only: comparison results of the expensive tier (_count)
         self._sample_buf = torch.empty(0)  # CPU only: the expensive tier's |x| sample (_abs_sample)
@@ -477,6 +482,13 @@ class Fp8Monitor:
                 rows.narrow(0, 4, 4).copy_(torch.tensor(self._expensive_host))
             else:
                 rows.narrow(0, 4, 4).copy_(self._expensive)
+        unseen = self._unseen()
+        if unseen is not None:
+            # No record for them (records() skips the mark), and their history keeps its newest
+            # sample: a recipe's history does not move for a module that did not run. Their amax
+            # was 0 before: a phantom record each sampled step, and 'most_recent' then had no scale.
+            staleness.index_fill_(0, unseen, UNSEEN)
+            amax = amax.index_copy(0, unseen, hist.newest().index_select(0, unseen))
         self._push_history(amax)
         if self._has_shadow:
             self._extremes.zero_()
@@ -494,6 +506,14 @@ class Fp8Monitor:
         self._expensive_now = self.expensive_every > 0 and self._step_counter % period == 0
         self._sync_hooks()
         return out, expensive
+
+    def _unseen(self) -> torch.Tensor | None:
+        """Indices of the shadow tensors no hook saw this step, or None (the usual case, one
+        integer AND)."""
+        if not self._has_shadow or not int.from_bytes(self._fresh, "little") & self._shadow_bits:
+            return None
+        idx = [i for i in self._shadow_idx if self._fresh[i]]
+        return torch.tensor(idx, dtype=torch.long, device=self._device)
 
     def _push_history(self, amax: torch.Tensor) -> None:
         hist = self._history
@@ -548,6 +568,8 @@ class Fp8Monitor:
         n = len(self.tensors)
         out: list[JsonObject] = []
         for i, t in enumerate(self.tensors):
+            if values[3 * n + i] == UNSEEN:
+                continue  # its module did not run this step: nothing was measured
             # NaN (not known yet: no history, no scale) is left out rather than sent.
             crest = values[6 * n + i] if expensive else math.nan
             rec = tensor_record(
@@ -576,6 +598,11 @@ class Fp8Monitor:
     def hooks(self) -> int:
         """Module hooks registered right now (they come and go with the sampled steps; 0 after close)."""
         return self._shadow_hooks.registered + self._recipe_hooks.registered
+
+
+UNSEEN = -1.0
+"""The staleness a tensor gets in end_step()'s vector when its module did not run that step
+(staleness is otherwise >= 0 or NaN): records() leaves it out."""
 
 
 def _finite(v: float) -> float | None:

@@ -337,3 +337,42 @@ def test_activation_checkpointing_is_measured_at_its_recompute(use_reentrant: bo
     assert rec["grad_output"]["amax"] == 1.0
     assert rec["weight"]["amax"] == pytest.approx(model.weight.abs().max().item())
     mon.close()
+
+
+def test_a_module_that_did_not_run_has_no_record_and_keeps_its_history() -> None:
+    """A MoE expert no token reached does not run, and nn.MultiheadAttention uses out_proj's weight
+    without calling it: every sampled step sent amax 0 for them, and with 'most_recent' the next
+    step that ran them had no scale to compare with (the 0 was the newest sample)."""
+
+    class TwoExperts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, route: str) -> torch.Tensor:
+            return self.a(x) if route == "a" else self.b(x)
+
+    model = TwoExperts()
+    mon = Fp8Monitor(model, history_len=4, amax_algo="most_recent", mode="shadow", expensive_every=0)
+
+    def step(route: str, scale: float) -> dict:
+        model(torch.full((2, 4), scale), route).sum().backward()
+        vec, _ = mon.end_step()
+        assert vec is not None
+        return {(r["tensor"], r["role"]): r for r in mon.records(0, vec.tolist(), False)}
+
+    assert {t for t, _ in step("a", 1.0)} == {"a"}  # b did not run: no record of it
+    assert {t for t, _ in step("b", 2.0)} == {"b"}
+    again = step("a", 1.0)
+    assert again[("a", "input")]["amax"] == 1.0
+    assert again[("a", "input")]["headroom_bits"] == pytest.approx(0.0)  # against its own last amax, 1.0
+    mon.close()
+
+    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+    mon = Fp8Monitor(layer, history_len=4, mode="shadow", expensive_every=0)
+    layer(torch.randn(2, 3, 8)).sum().backward()
+    vec, _ = mon.end_step()
+    assert vec is not None
+    recorded = {r["tensor"] for r in mon.records(0, vec.tolist(), False)}
+    assert recorded == {"linear1", "linear2"}  # not self_attn.out_proj
+    mon.close()
