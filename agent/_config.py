@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import getpass
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,9 @@ def default_spill_dir() -> str:
     except Exception:  # noqa: BLE001 - no user name (a container without a passwd entry)
         user = str(os.getuid())
     return os.path.join(tempfile.gettempdir(), f"trainvitals-spool-{user}")
+
+
+_TOKEN = re.compile(r"[!-~]+")  # printable ASCII without spaces: what an HTTP header value carries
 
 
 def disabled_by_env() -> bool:
@@ -138,8 +142,18 @@ class AgentConfig:
             raise ValueError("grad_ownership must be 'auto', 'replicated' or 'sharded'")
         if self.collector is None:
             self.collector = os.environ.get("TRAINVITALS_COLLECTOR", "http://127.0.0.1:8000")
+        self.collector = self.collector.strip()
         if self.token is None:
             self.token = os.environ.get("TRAINVITALS_TOKEN") or None
+        if self.token is not None:
+            # A token read from a file or a Kubernetes secret usually ends in a newline, which no
+            # HTTP header may hold: every delivery failed, with the token itself in the error line.
+            self.token = self.token.strip() or None
+            if self.token is not None and not _TOKEN.fullmatch(self.token):
+                raise ValueError(
+                    "the collector token (TRAINVITALS_TOKEN or AgentConfig.token) holds a space or a control "
+                    "character: pass the token exactly as `trainvitals token create` printed it"
+                )
         if self.project is None:
             self.project = os.environ.get("TRAINVITALS_PROJECT") or None
         if self.auth_retry_s < 0:

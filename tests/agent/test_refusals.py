@@ -350,3 +350,25 @@ def test_a_torchrun_restart_registers_as_a_resume(collector: CollectorServer, tm
     assert relaunched["rejected_batches"] == 0
     runs, steps = _stored(collector.db_url)
     assert runs == {"shared": "default"} and len({i for i, _ in steps}) == 2 and len(steps) == 5
+
+
+def test_a_token_read_with_its_newline_delivers_and_is_never_printed(
+    secured: CollectorServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A token from a file or a Kubernetes secret ends in a newline, which no HTTP header holds:
+    every delivery failed, and the agent's error line carried the token itself."""
+    caplog.set_level(logging.WARNING, "trainvitals.agent")
+    token = _token(secured.db_url, "llm")
+    monkeypatch.setenv("TRAINVITALS_TOKEN", token + "\n")
+    config = AgentConfig(collector=secured.url + "\n", spill_dir=str(tmp_path / "spool"), retry_backoff_s=0.0)
+    reg = RunRegistration(run="r1", parallelism={"world_size": 1}).model_dump(mode="json")
+    del reg["project"]
+    exp = spooling_exporter(config=config, run="r1", rank=0, incarnation=1, registration=reg)
+    _emit_steps(exp, range(3))
+    exp.shutdown()
+    assert exp.stats.delivered_batches == 3 and exp.stats.failed_attempts == 0
+    assert _stored(secured.db_url) == ({"llm/r1": "llm"}, [(1, s) for s in range(3)])
+    assert not [s for s in _warnings(caplog) if token in s]
+    with pytest.raises(ValueError, match="holds a space or a control character") as refused:
+        AgentConfig(token=token[:5] + " " + token[5:])
+    assert token[5:] not in str(refused.value)
