@@ -6,7 +6,6 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
-import os
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
@@ -383,7 +382,7 @@ class Agent:
         if self._closed:
             yield CheckpointHandle()
             return
-        with self._checkpoints.saving(step=step, generation=gen, path=_path_text(path)) as handle:
+        with self._checkpoints.saving(step=step, generation=gen, path=path) as handle:
             yield handle
 
     def save(self, obj: Any, path: StrPath, *, step: int | None = None, **kwargs: Any) -> None:
@@ -422,7 +421,7 @@ class Agent:
         size and checksum are computed on the background thread."""
         step = self._saved_step() if step is None else step
         self._checkpoints.saved(
-            step=step, generation=step if generation is None else generation, path=_path_text(path), stall=stall_seconds
+            step=step, generation=step if generation is None else generation, path=path, stall=stall_seconds
         )
 
     def _saved_step(self) -> int:
@@ -599,12 +598,6 @@ class NoopAgent:
 
     def __exit__(self, *exc: object) -> None:
         return None
-
-
-def _path_text(path: StrPath | None) -> str | None:
-    # A pathlib.Path (what `ckpt_dir / "model.pt"` gives) cannot be JSON-encoded: each record of the
-    # generation was lost with an agent error, and the save went unrecorded.
-    return None if path is None else os.fspath(path)
 
 
 def attach(

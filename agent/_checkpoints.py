@@ -61,6 +61,12 @@ class _Generation:
     generation: int
     path: str | None
 
+    @classmethod
+    def of(cls, step: int, generation: int, path: StrPath | None) -> _Generation:
+        # The path as text: a pathlib.Path (what `ckpt_dir / "model.pt"` gives) cannot be
+        # JSON-encoded, and each record of the generation was lost with an agent error.
+        return cls(step, generation, None if path is None else os.fspath(path))
+
 
 class CheckpointRecorder:
     """Emits wire-format checkpoint records through `emit` (the exporter's O(1) emit)."""
@@ -105,9 +111,9 @@ class CheckpointRecorder:
         )
 
     @contextmanager
-    def saving(self, *, step: int, generation: int, path: str | None) -> Iterator[CheckpointHandle]:
+    def saving(self, *, step: int, generation: int, path: StrPath | None) -> Iterator[CheckpointHandle]:
         handle = CheckpointHandle()
-        gen = _Generation(step, generation, path)
+        gen = _Generation.of(step, generation, path)
         self._record(gen, "started")
         t0 = time.perf_counter()
         try:
@@ -122,8 +128,8 @@ class CheckpointRecorder:
         else:
             self._track_async(handle.future, gen, t0=t0, stall=stall)
 
-    def saved(self, *, step: int, generation: int, path: str | None, stall: float | None) -> None:
-        self._finish(_Generation(step, generation, path), stall=stall, persist=None)
+    def saved(self, *, step: int, generation: int, path: StrPath | None, stall: float | None) -> None:
+        self._finish(_Generation.of(step, generation, path), stall=stall, persist=None)
 
     def _track_async(self, future: Any, gen: _Generation, *, t0: float, stall: float) -> None:
         def done(fut: Any) -> None:

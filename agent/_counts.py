@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from trainvitals.agent._guard import logger
+from trainvitals.agent._guard import warn_once
 
 PLAIN = frozenset({int, float, type(None)})
 """Types step() passes through as they are; anything else goes through `host_counts`."""
@@ -39,15 +39,9 @@ def _as_count(name: str, value: Any, said: set[tuple[str, str]]) -> int | float 
     if isinstance(value, numbers.Real):
         return float(value)
     kind = type(value).__name__
-    if (name, kind) not in said:
-        said.add((name, kind))
-        logger.warning(
-            "trainvitals agent: step(%s=...) got a %s, not a number: left out of the step records; pass "
-            "a number or a one-element tensor%s",
-            name,
-            kind,
-            " (a scheduler's: scheduler.get_last_lr()[0])" if name == "lr" else "",
-        )
+    hint = " (a scheduler's: scheduler.get_last_lr()[0])" if name == "lr" else ""
+    warn_once(said, (name, kind), f"step({name}=...) got a {kind}, not a number: left out of the step records; "
+              f"pass a number or a one-element tensor{hint}")  # fmt: skip
     return None
 
 

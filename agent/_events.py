@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, get_args
 
-from trainvitals.agent._guard import logger
+from trainvitals.agent._guard import warn_once
 from trainvitals.wire.conventions import EventKind
 
 KINDS: frozenset[str] = frozenset(get_args(EventKind))
@@ -27,7 +27,7 @@ def fit_event(
     domains become strings and at most 16 of them. `said` (the agent's) holds what was warned."""
     if kind not in KINDS:
         kinds = ", ".join(sorted(KINDS - {"dropped"}))  # 'dropped' is the agent's own count of lost records
-        _say(said, ("kind", str(kind)),
+        warn_once(said, ("kind", str(kind)),
              f"event({kind!r}) is not a kind the collector takes ({kinds}): sent as a 'note' whose detail "
              f"starts with {kind!r}; for a marker of your own, use agent.event('note', detail=...)")  # fmt: skip
         detail = f"{kind}: {detail}" if detail is not None else str(kind)
@@ -35,20 +35,15 @@ def fit_event(
     if detail is not None:
         detail = str(detail)
         if len(detail) > MAX_DETAIL:
-            _say(said, ("detail", ""),
+            warn_once(said, ("detail", ""),
                  f"an event's detail of {len(detail):,} characters is cut to its last {MAX_DETAIL:,} (the wire's "
                  "limit), where a traceback names the error")  # fmt: skip
             detail = "..." + detail[-(MAX_DETAIL - 3) :]
     if domains:
         items = [(str(k), str(v)) for k, v in dict(domains).items()]
         if len(items) > MAX_DOMAINS:
-            _say(said, ("domains", ""), f"an event's {len(items)} domains are cut to its first {MAX_DOMAINS}")
+            warn_once(said, ("domains", ""), f"an event's {len(items)} domains are cut to its first {MAX_DOMAINS}")
             items = items[:MAX_DOMAINS]
         domains = dict(items)
     return kind, detail, domains or None
 
-
-def _say(said: set[tuple[str, str]], key: tuple[str, str], text: str) -> None:
-    if key not in said:
-        said.add(key)
-        logger.warning("trainvitals agent: %s", text)

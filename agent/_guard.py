@@ -43,6 +43,14 @@ class ErrorBudget:
             )
 
 
+def warn_once(said: set[tuple[str, str]], key: tuple[str, str], text: str) -> None:
+    """One WARNING line per key for the life of `said` (the agent's): a mistake in what the job
+    passes is said once, however often the job repeats it."""
+    if key not in said:
+        said.add(key)
+        logger.warning("trainvitals agent: %s", text)
+
+
 def _exception_line(exc: BaseException, limit: int = 300) -> str:
     """The exception's type and the first line of its message: torch's dispatcher errors run to
     10 KB and a hundred lines (every backend it has a kernel for), in the job's log each interval."""
