@@ -13,6 +13,7 @@ from typing import Any, cast
 
 import pydantic
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from trainvitals.agent import _attached, _sigterm
@@ -107,6 +108,9 @@ class Agent:
         self._step = 0
         self._last_step_end = time.perf_counter()
         self._closed = False
+        # attach() before init_process_group read the rank from the environment, or took 0 of 1 where
+        # the launcher sets none (mp.spawn): the first step() holds it against the process group.
+        self._rank_unconfirmed = not (dist.is_available() and dist.is_initialized())
         self._exporter.start()
         self.event(
             "start",
@@ -255,6 +259,10 @@ class Agent:
         """
         if self._closed:
             return
+        if self._rank_unconfirmed:
+            self._rank_unconfirmed = False
+            if self._rank_was_wrong():
+                return
         now = time.perf_counter()
         if step is not None:
             self._jump_to(step)
@@ -283,6 +291,28 @@ class Agent:
             # Registers the monitor's module hooks for a sampled step, removes them for the others:
             # off-cadence steps cost the FP8 monitor nothing, not even hook dispatch.
             fp8.observing = self._step % fp8.every == 0
+
+    def _rank_was_wrong(self) -> bool:
+        """True, said and the agent stopped, when the process group puts this process at another
+        rank or world size than attach() assumed: its records would mix with another rank's (every
+        mp.spawn process took itself for rank 0 of 1), so none of them is delivered."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return False
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if (rank, world) == (self.rank, self.info.world_size):
+            return False
+        logger.error(
+            "trainvitals agent disabled on rank %d of %d: attach() ran before "
+            "torch.distributed.init_process_group and took this process for rank %d of %d; "
+            "call attach() after init_process_group",
+            rank,
+            world,
+            self.rank,
+            self.info.world_size,
+        )
+        self._release()
+        self._exporter.abandon()
+        return True
 
     def _jump_to(self, step: int) -> None:
         if step < self._step:
@@ -453,23 +483,27 @@ class Agent:
         Idempotent; whatever cannot be delivered in time stays in the spool for the next start."""
         if self._closed:
             return
-        self._held_for_exit.clear()  # closed: nothing left for atexit, the agent can be collected
-        _attached.forget(self)
         with _sigterm.exit_pass():  # a SIGTERM from here on waits for the delivery (agent/_sigterm.py)
             self.event("stop", detail=f"after {self._step} steps")
-            self._closed = True
-            for hook in self._hooks:
-                hook.remove()
-            self._hooks.clear()
-            self._timer.close()
-            for fp8 in self._fp8:
-                fp8.close()
+            self._release()
             timeout = self.config.flush_timeout_s if timeout is None else timeout
             try:
                 self._checkpoints.close(timeout / 2)
                 self._exporter.shutdown(timeout)
             except Exception as exc:  # noqa: BLE001
                 self._errors.record("close", exc)
+
+    def _release(self) -> None:
+        """Closed: every hook removed, nothing left for atexit (the agent can be collected)."""
+        self._closed = True
+        self._held_for_exit.clear()
+        _attached.forget(self)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self._timer.close()
+        for fp8 in self._fp8:
+            fp8.close()
 
     def stats(self) -> dict[str, int]:
         """Counters: agent errors, steps, records emitted / delivered (acknowledged by the

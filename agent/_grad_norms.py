@@ -6,7 +6,9 @@ element of the global gradient exactly once: shards summed once, replicas counte
 collector takes sqrt(sum over ranks of owned_sq); replicas' local_sq must agree, which makes
 silent corruption of one replica visible.
 
-Ownership, per parameter, decided once:
+Ownership, per parameter, decided once the process group exists (at attach, or at the first step
+with gradients when attach() ran before init_process_group: until then every parameter looked
+owned, and each DDP replica would have counted the whole gradient):
 - DTensor gradients (FSDP2 `fully_shard`, TP): Shard dims are distinct data, so they count; along
   every Replicate mesh dim only coordinate 0 counts.
 - Plain tensors under DDP: replicated over the DDP process group, so only its rank 0 counts.
@@ -45,7 +47,7 @@ def _owned(param: torch.Tensor, model: nn.Module, mode: str) -> bool:
         if coord is None:  # this rank is not in the mesh
             return False
         return all(c == 0 for c, p in zip(coord, placements, strict=True) if p.is_replicate())
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _group_exists():
         return True
     if mode == "auto":
         fsdp1 = getattr(getattr(dist, "fsdp", None), "FullyShardedDataParallel", None)
@@ -54,6 +56,10 @@ def _owned(param: torch.Tensor, model: nn.Module, mode: str) -> bool:
         group = getattr(model, "process_group", None)  # DDP keeps its group here
         return dist.get_rank(group) == 0
     return dist.get_rank() == 0  # 'replicated': over the whole world
+
+
+def _group_exists() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 _F32_MAX = torch.finfo(torch.float32).max
@@ -96,7 +102,9 @@ class GradNormTracker:
             names = [GLOBAL_GROUP for _ in named]
         self.group_names: list[str] = list(dict.fromkeys(names))
         index = {g: i for i, g in enumerate(self.group_names)}
+        self._model, self._ownership = model, ownership
         self._owned = [_owned(p, model, ownership) for p in self._params]
+        self._owned_without_group = not _group_exists()  # decided again once the group exists
         self._group_index = [index[n] for n in names]
         self._decoders: dict[tuple[int, ...], Decoder] = {}
         self._clip_key: tuple[int, ...] = ()
@@ -141,6 +149,10 @@ class GradNormTracker:
         device = norms[0].device
         if any(n.device != device for n in norms):  # e.g. CPU-offloaded parameters
             norms = [n.to(device, non_blocking=True) for n in norms]
+        if self._owned_without_group and _group_exists():
+            self._owned_without_group = False
+            self._owned = [_owned(p, self._model, self._ownership) for p in self._params]
+            self._decoders = {}
         key = tuple(present)
         decode = self._decoders.get(key)
         if decode is None:  # the set of parameters with a gradient is stable after the first step

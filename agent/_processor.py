@@ -197,6 +197,7 @@ class BatchProcessor:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # serialises passes between the worker, flush and shutdown
         self._closed = False
+        self._abandoned = False
         self._in_forked_child = False
         self.stats = ExporterStats()
         self._reported_drops = dict(self.stats.dropped)  # what the last 'dropped' event said
@@ -257,6 +258,15 @@ class BatchProcessor:
             self.stats.dropped[reason] = self.stats.dropped.get(reason, 0) + n
         self._delivery.exit_report(dict(self.stats.dropped))
 
+    def abandon(self) -> None:
+        """Stop without delivering or spooling what is queued: records that name a rank this
+        process is not (Agent.step, attach() before init_process_group). Idempotent."""
+        with self._lock:  # not mid-pass: what the worker took already is on its way
+            self._closed = self._abandoned = True
+            self._queue.clear()
+        self._stopping.set()
+        self._wake.set()
+
     def flush(self, timeout: float = 10.0) -> bool:
         """Deliver everything queued now; True when nothing is left undelivered afterwards."""
         self.run_once(deadline=time.monotonic() + timeout, ignore_backoff=True)
@@ -275,6 +285,8 @@ class BatchProcessor:
             if self._stopping.is_set():
                 break
             self.run_once(deadline=time.monotonic() + self.send_interval_s + self._cfg.http_timeout_s)
+        if self._abandoned:
+            return
         # The last pass: the process is ending, so everything goes to disk before the collector is
         # tried, and a hung request or the interpreter's exit cannot lose it.
         self.run_once(deadline=time.monotonic() + self._cfg.flush_timeout_s, ignore_backoff=True, write_ahead=True)

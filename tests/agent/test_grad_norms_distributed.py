@@ -27,7 +27,7 @@ def _global_sq_by_step(out: Path, ranks: int) -> dict[int, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2", "ddp-attach-first"])
 def test_global_norm_matches_clip_grad_norm(mode: str, tmp_path: Path) -> None:
     ranks = 2
     result = subprocess.run(

@@ -28,31 +28,35 @@ class Tiny(nn.Module):
 
 
 def main() -> None:
+    # mode: ddp, fsdp2, or ddp-attach-first (attach() to the bare model before init_process_group,
+    # as a script may: the gradient ownership must be decided against the process group anyway).
     mode, out_dir = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    config = tv.AgentConfig(
+        fp8=sys.argv[3] if len(sys.argv) > 3 else "auto",
+        collector="",
+        record_file=f"{out_dir}/rec-{{rank}}.jsonl",
+        spill_dir=f"{out_dir}/spool",
+    )
     torch.manual_seed(0)
     model = Tiny()
-    if mode == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.layers:
-            fully_shard(layer)
-        wrapped = fully_shard(model)
+    if mode == "ddp-attach-first":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        agent = tv.attach(model, opt, run=f"gn-{mode}", config=config)
+        dist.init_process_group("gloo")
+        wrapped: nn.Module = nn.parallel.DistributedDataParallel(model)
     else:
-        wrapped = nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
-    agent = tv.attach(
-        wrapped,
-        opt,
-        run=f"gn-{mode}",
-        config=tv.AgentConfig(
-            fp8=sys.argv[3] if len(sys.argv) > 3 else "auto",
-            collector="",
-            record_file=f"{out_dir}/rec-{{rank}}.jsonl",
-            spill_dir=f"{out_dir}/spool",
-        ),
-    )
+        dist.init_process_group("gloo")
+        if mode == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model.layers:
+                fully_shard(layer)
+            wrapped = fully_shard(model)
+        else:
+            wrapped = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+        agent = tv.attach(wrapped, opt, run=f"gn-{mode}", config=config)
+    rank = dist.get_rank()
     gen = torch.Generator().manual_seed(rank)
     totals = []
     for step in range(5):
