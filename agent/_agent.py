@@ -20,7 +20,7 @@ from trainvitals.agent import _attached, _sigterm
 from trainvitals.agent._arguments import AttachError, check_arguments, check_run_id, one_line
 from trainvitals.agent._checkpoints import CheckpointHandle, CheckpointRecorder, StrPath
 from trainvitals.agent._config import AgentConfig, disabled_by_env
-from trainvitals.agent._counts import PLAIN, HostCounts, host_counts
+from trainvitals.agent._counts import PLAIN, HostCounts, host_counts, not_one_element
 from trainvitals.agent._delivery import spooling_exporter
 from trainvitals.agent._dist import RankInfo, RunId, default_run_id, rank_info
 from trainvitals.agent._events import fit_event
@@ -253,7 +253,8 @@ class Agent:
         tokens / flops: processed by this rank this step. step: set the step number explicitly
         (e.g. after a resume); by default steps count up from 0. loss, grad_norm, tokens, flops
         and lr may each be a number or a one-element tensor (tokens=attention_mask.sum()); a list
-        (lr=scheduler.get_last_lr(), one per parameter group) counts as its first entry.
+        (lr=scheduler.get_last_lr(), one per parameter group) counts as its first entry; a tensor of
+        another size (a per-sample loss, the mask itself) is left out, and said once.
         skipped: the optimizer did not apply this step's update (the job's own skip, or a loss
         scaler's the agent cannot see); None: skipped when the watched optimizer did not step.
         """
@@ -278,12 +279,14 @@ class Agent:
         stack = DeviceStack()
         for name, value in (("loss", loss), ("grad_norm", grad_norm)):
             if isinstance(value, torch.Tensor):
-                stack.add_scalar(name, value)  # read back by the exporter thread, no sync here
+                # read back by the exporter thread, no sync here
+                if not stack.add_scalar(name, value):
+                    not_one_element(name, value, self._said)
             elif value is not None:
                 fields[name] = float(value)
         if tensors:
             for name, tensor in tensors.items():
-                stack.add_scalar(name, tensor)
+                stack.add_scalar(name, tensor)  # one element each: host_counts() left out the others
         self._stack_monitors(stack)
         self._exporter.emit(stack.sample(fields))
         self._step += 1

@@ -27,11 +27,14 @@ that were tensors by step-record field."""
 
 def _as_count(name: str, value: Any, said: set[tuple[str, str]]) -> int | float | torch.Tensor | None:
     """`value` as a number or a tensor: a numpy scalar as the Python number, a list or tuple (a
-    scheduler's get_last_lr(), one entry per parameter group) as its first entry. Anything else
-    is left out of the step record, with one warning per field and type (kept in `said`, the
-    agent's) that names the fix."""
+    scheduler's get_last_lr(), one entry per parameter group) as its first entry. Anything else,
+    a tensor of another size than one element too, is left out of the step record, with one
+    warning per field and type (kept in `said`, the agent's) that names the fix."""
     if isinstance(value, (list, tuple)) and value:
         value = value[0]
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        not_one_element(name, value, said)
+        return None
     if value is None or isinstance(value, torch.Tensor):
         return value
     if isinstance(value, numbers.Integral):
@@ -43,6 +46,22 @@ def _as_count(name: str, value: Any, said: set[tuple[str, str]]) -> int | float 
     warn_once(said, (name, kind), f"step({name}=...) got a {kind}, not a number: left out of the step records; "
               f"pass a number or a one-element tensor{hint}")  # fmt: skip
     return None
+
+
+_ONE_ELEMENT_FIX = {
+    "loss": "the step's loss as one number (loss.mean() of a per-sample loss)",
+    "grad_norm": "the total norm (clip_grad_norm_'s result)",
+    "tokens": "a count (attention_mask.sum() or input_ids.numel())",
+    "flops": "a count",
+    "lr": "one learning rate (scheduler.get_last_lr()[0])",
+}
+
+
+def not_one_element(name: str, value: torch.Tensor, said: set[tuple[str, str]]) -> None:
+    """Say once per field that a tensor of another size than one element was left out: its first
+    element, taken until 2026-11-29, made a mask's count 1 token and a per-sample loss one sample's."""
+    warn_once(said, (name, "tensor size"), f"step({name}=...) got a tensor of {value.numel()} elements, not one: "
+              f"left out of the step records; pass {_ONE_ELEMENT_FIX[name]}")  # fmt: skip
 
 
 def _split_tensors(

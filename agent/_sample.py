@@ -97,19 +97,23 @@ class DeviceStack:
         self._vectors: list[torch.Tensor] = []
         self._decoders: list[Decoder] = []
 
-    def add_scalar(self, name: str, value: torch.Tensor) -> None:
-        """A step field that is a device tensor (its first element, as for a 0-dim loss)."""
-        if value.device.type == "cpu" and value.numel() == 1 and getattr(value, "to_local", None) is None:
+    def add_scalar(self, name: str, value: torch.Tensor) -> bool:
+        """A step field that is a one-element tensor; False, and nothing added, for any other size
+        (a per-sample loss, an attention mask: no element of it is the step's value)."""
+        if value.numel() != 1:
+            return False
+        if value.device.type == "cpu" and getattr(value, "to_local", None) is None:
             self._host[name] = value.item()  # a read that waits for nothing on CPU (a DTensor's could)
-            return
+            return True
         if value.requires_grad:
             value = value.detach()
         # A one-element view: sample() concatenates it with the vectors, no stack of the scalars.
-        value = value.reshape(1) if value.dim() == 0 else value.reshape(-1)[:1]
+        value = value.reshape(1)
         if self._scalars and value.device != self._scalars[0].device:
             value = value.to(self._scalars[0].device, non_blocking=True)
         self._names.append(name)
         self._scalars.append(value)
+        return True
 
     def add(self, vector: torch.Tensor, decode: Decoder) -> None:
         """A monitor's flat vector (another dtype than float32 is converted by sample()) and the

@@ -163,6 +163,46 @@ def test_a_schedulers_lr_list_and_numpy_counts_arrive_as_numbers(
         assert queries.count_step_rows(session, run_id="lr-list") == 6
 
 
+def test_a_tensor_of_many_elements_is_left_out_and_said_once(
+    collector, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """tokens=attention_mask (the mask, not its sum) and a per-sample loss (reduction='none') were
+    read by their first element: 1 token a step, which made the run's MFU near zero, and one
+    sample's loss for the step's. A tensor of another size than one element is left out, said
+    once per field, and the rest of the step record arrives."""
+    model, opt = _model()
+    record = tmp_path / "rec-{rank}.jsonl"
+    config = tv.AgentConfig(collector=collector.url, spill_dir=str(tmp_path / "spool"), record_file=str(record))
+    agent = tv.attach(model, opt, run="many", config=config)
+    mask = torch.ones(4, 16)
+    with caplog.at_level(logging.WARNING, logger="trainvitals.agent"):
+        for _ in range(3):
+            per_sample = model(torch.randn(4, 8)).pow(2).squeeze(-1)
+            per_sample.mean().backward()
+            opt.step()
+            opt.zero_grad()
+            agent.step(loss=per_sample, tokens=mask, grad_norm=torch.ones(2), lr=0.1)
+        agent.step(loss=torch.empty(0), tokens=mask.sum(), lr=torch.tensor([0.1, 0.2]))
+    agent.close()
+    assert agent.stats()["errors"] == 0 and agent.stats()["rejected_batches"] == 0
+    lines = (tmp_path / "rec-0.jsonl").read_bytes().splitlines()
+    steps = [r for line in lines[1:] for r in Batch.model_validate_json(line).records if r.kind == "step"]
+    assert [(s.loss, s.tokens, s.grad_norm, s.lr) for s in steps] == [(None, None, None, 0.1)] * 3 + [
+        (None, 64, None, None)
+    ]
+    said = sorted(r.getMessage() for r in caplog.records if "elements, not one" in r.getMessage())
+    assert said == [
+        "trainvitals agent: step(grad_norm=...) got a tensor of 2 elements, not one: left out of the step "
+        "records; pass the total norm (clip_grad_norm_'s result)",
+        "trainvitals agent: step(loss=...) got a tensor of 4 elements, not one: left out of the step records; "
+        "pass the step's loss as one number (loss.mean() of a per-sample loss)",
+        "trainvitals agent: step(lr=...) got a tensor of 2 elements, not one: left out of the step records; "
+        "pass one learning rate (scheduler.get_last_lr()[0])",
+        "trainvitals agent: step(tokens=...) got a tensor of 64 elements, not one: left out of the step "
+        "records; pass a count (attention_mask.sum() or input_ids.numel())",
+    ]
+
+
 def _module_hooks(model: nn.Module) -> int:
     return sum(
         len(m._forward_pre_hooks)
