@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import os
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
@@ -20,7 +21,7 @@ from trainvitals.agent import _attached, _sigterm
 from trainvitals.agent._arguments import AttachError, check_arguments, check_run_id, one_line
 from trainvitals.agent._checkpoints import CheckpointHandle, CheckpointRecorder, StrPath
 from trainvitals.agent._config import AgentConfig, disabled_by_env
-from trainvitals.agent._counts import PLAIN, HostCounts, host_counts, not_one_element
+from trainvitals.agent._counts import PLAIN, HostCounts, host_counts, not_one_element, step_number
 from trainvitals.agent._delivery import spooling_exporter
 from trainvitals.agent._dist import RankInfo, RunId, default_run_id, rank_info
 from trainvitals.agent._events import fit_event
@@ -109,8 +110,11 @@ class Agent:
         self._last_step_end = time.perf_counter()
         self._closed = False
         # attach() before init_process_group read the rank from the environment, or took 0 of 1 where
-        # the launcher sets none (mp.spawn): the first step() holds it against the process group.
+        # the launcher sets none (mp.spawn): the first step() (or close()) holds it against the process
+        # group. Without RANK nothing is delivered until then, as no rank is known yet.
         self._rank_unconfirmed = not (dist.is_available() and dist.is_initialized())
+        if self._rank_unconfirmed and "RANK" not in os.environ:
+            self._exporter.hold()
         self._exporter.start()
         self.event(
             "start",
@@ -260,13 +264,11 @@ class Agent:
         """
         if self._closed:
             return
-        if self._rank_unconfirmed:
-            self._rank_unconfirmed = False
-            if self._rank_was_wrong():
-                return
+        if self._rank_unconfirmed and self._rank_was_wrong():
+            return
         now = time.perf_counter()
         if step is not None:
-            self._jump_to(step)
+            self._jump_to(self._number("step(step=...)", step, self._step, "the agent's own count goes on"))
         # A tensor count (tokens=attention_mask.sum()) is read back with the loss, never synced here;
         # a list or a numpy scalar becomes a number (agent/_counts.py). That conversion runs only
         # when a value is not a plain number: run on every step, it added ~6 us to agent.step() (~37).
@@ -298,11 +300,15 @@ class Agent:
     def _rank_was_wrong(self) -> bool:
         """True, said and the agent stopped, when the process group puts this process at another
         rank or world size than attach() assumed: its records would mix with another rank's (every
-        mp.spawn process took itself for rank 0 of 1), so none of them is delivered."""
+        mp.spawn process took itself for rank 0 of 1), so none of them is delivered. Else the
+        rank holds (or no process group came: one process) and delivery goes ahead."""
+        self._rank_unconfirmed = False
         if not (dist.is_available() and dist.is_initialized()):
+            self._exporter.release()
             return False
         rank, world = dist.get_rank(), dist.get_world_size()
         if (rank, world) == (self.rank, self.info.world_size):
+            self._exporter.release()
             return False
         logger.error(
             "trainvitals agent disabled on rank %d of %d: attach() ran before "
@@ -316,6 +322,16 @@ class Agent:
         self._release()
         self._exporter.abandon()
         return True
+
+    def _number(self, where: str, value: Any, default: int, instead: str) -> int:
+        """A step or generation number the job passed (`step_number`), else `default`: silently
+        for None, said once with `instead` for a value that is no step number."""
+        if value is None:
+            return default
+        if type(value) is int and value >= 0:
+            return value
+        number = step_number(where, value, instead, self._said)
+        return default if number is None else number
 
     def _jump_to(self, step: int) -> None:
         if step < self._step:
@@ -389,7 +405,7 @@ class Agent:
             event_record(
                 ts=time.time(),
                 event=kind,
-                step=self._step if step is None else step,
+                step=self._number("event(step=...)", step, self._step, "the event takes the agent's step"),
                 detail=detail,
                 domains=domains,
             )
@@ -410,8 +426,7 @@ class Agent:
         Step defaults to the last one step() was called for (the update the saved state holds,
         what `loaded(step=...)` takes back); generation to the step.
         """
-        step = self._saved_step() if step is None else step
-        gen = step if generation is None else generation
+        step, gen = self._generation_numbers("checkpoint", step, generation)
         if self._closed:
             yield CheckpointHandle()
             return
@@ -452,10 +467,13 @@ class Agent:
     ) -> None:
         """Record a save that already happened (framework callbacks see saves after the fact);
         size and checksum are computed on the background thread."""
-        step = self._saved_step() if step is None else step
-        self._checkpoints.saved(
-            step=step, generation=step if generation is None else generation, path=path, stall=stall_seconds
-        )
+        step, gen = self._generation_numbers("checkpoint_saved", step, generation)
+        self._checkpoints.saved(step=step, generation=gen, path=path, stall=stall_seconds)
+
+    def _generation_numbers(self, where: str, step: Any, generation: Any) -> tuple[int, int]:
+        """A save's step (by default `_saved_step()`) and generation (by default its step)."""
+        step = self._number(f"{where}(step=...)", step, self._saved_step(), "the save takes the last step's number")
+        return step, self._number(f"{where}(generation=...)", generation, step, "the save's step numbers it")
 
     def _saved_step(self) -> int:
         # The step whose update a save now holds: the last step() (0 before any). It was the next
@@ -467,11 +485,13 @@ class Agent:
     @guarded()
     def loaded(self, *, step: int, path: StrPath | None = None, generation: int | None = None) -> None:
         """Record a resume from a checkpoint; the next step() continues from `step` + 1."""
-        detail = f"loaded generation {step if generation is None else generation}" + (
-            f" from {path}" if path else ""
-        )
-        self.event("resume", step=step, detail=detail)
-        self._step = step + 1
+        number = step_number("loaded(step=...)", step, "the resume is not recorded", self._said)
+        if number is None:
+            return
+        gen = self._number("loaded(generation=...)", generation, number, "its step numbers it")
+        detail = f"loaded generation {gen}" + (f" from {path}" if path else "")
+        self.event("resume", step=number, detail=detail)
+        self._step = number + 1
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Deliver everything recorded so far; True when nothing is left undelivered."""
@@ -484,7 +504,7 @@ class Agent:
     def close(self, timeout: float | None = None) -> None:
         """Remove hooks, record the stop, deliver within `timeout` (default config.flush_timeout_s).
         Idempotent; whatever cannot be delivered in time stays in the spool for the next start."""
-        if self._closed:
+        if self._closed or (self._rank_unconfirmed and self._rank_was_wrong()):
             return
         with _sigterm.exit_pass():  # a SIGTERM from here on waits for the delivery (agent/_sigterm.py)
             self.event("stop", detail=f"after {self._step} steps")

@@ -1,5 +1,5 @@
 """step()'s tokens, flops and lr as the step record takes them: numbers, or tensors read back with
-the loss (never synced on the training thread).
+the loss (never synced on the training thread); and the step numbers the job passes (`step=`).
 
 A value of another kind once cost far more than itself: `lr=scheduler.get_last_lr()` (a list, one
 learning rate per parameter group) made the collector refuse every batch of the run (422,
@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from trainvitals.agent._guard import warn_once
+from trainvitals.wire.v1 import MAX_STEP
 
 PLAIN = frozenset({int, float, type(None)})
 """Types step() passes through as they are; anything else goes through `host_counts`."""
@@ -91,3 +92,27 @@ def host_counts(
     return _split_tensors(
         _as_count("tokens", tokens, said), _as_count("flops", flops, said), _as_count("lr", lr, said), flops_per_token
     )
+
+
+def step_number(where: str, value: Any, instead: str, said: set[tuple[str, str]]) -> int | None:
+    """A step (or generation) number the job passed, as the int the records take: an int, a numpy
+    integer, or a float or a one-element CPU tensor holding a whole number (an optimizer's
+    state['step'] is one). None for anything else, said once per entry point with `instead` (what
+    the agent does without it): a tensor or a numpy step once reached the JSON encoder and cost
+    every record of its send interval, a negative one made the collector refuse the batch. A device
+    tensor is not read: that read would wait for the device."""
+    number: Any = value
+    if isinstance(value, torch.Tensor):
+        readable = value.numel() == 1 and value.device.type == "cpu" and getattr(value, "to_local", None) is None
+        number = value.item() if readable else None
+        size = "" if value.numel() == 1 else f" of {value.numel()} elements"
+        what = f"a tensor holding {number!r}" if readable else f"a {value.device.type} tensor{size}"
+    else:
+        what = repr(value)[:40]
+    if isinstance(number, numbers.Real) and not isinstance(number, bool):
+        real = float(number)
+        if real.is_integer() and 0 <= real <= MAX_STEP:
+            return int(real)
+    warn_once(said, (where, "step number"), f"{where} got {what}, not a step number: {instead}; "
+              "pass a non-negative int (a CPU tensor or numpy integer is read as one)")  # fmt: skip
+    return None

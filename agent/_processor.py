@@ -198,6 +198,7 @@ class BatchProcessor:
         self._lock = threading.Lock()  # serialises passes between the worker, flush and shutdown
         self._closed = False
         self._abandoned = False
+        self._held = False
         self._in_forked_child = False
         self.stats = ExporterStats()
         self._reported_drops = dict(self.stats.dropped)  # what the last 'dropped' event said
@@ -258,6 +259,14 @@ class BatchProcessor:
             self.stats.dropped[reason] = self.stats.dropped.get(reason, 0) + n
         self._delivery.exit_report(dict(self.stats.dropped))
 
+    def hold(self) -> None:
+        """Deliver nothing until release() or abandon(): the process's rank is not known yet
+        (Agent: attach() before init_process_group, no RANK in the environment)."""
+        self._held = True
+
+    def release(self) -> None:
+        self._held = False
+
     def abandon(self) -> None:
         """Stop without delivering or spooling what is queued: records that name a rank this
         process is not (Agent.step, attach() before init_process_group). Idempotent."""
@@ -284,6 +293,8 @@ class BatchProcessor:
             self._wake.clear()
             if self._stopping.is_set():
                 break
+            if self._held:
+                continue
             self.run_once(deadline=time.monotonic() + self.send_interval_s + self._cfg.http_timeout_s)
         if self._abandoned:
             return

@@ -17,14 +17,16 @@ import trainvitals.agent as tv
 from trainvitals.wire import Batch
 
 
-def _train(agent: object, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> list[float]:
+def _train(
+    agent: object, model: nn.Module, opt: torch.optim.Optimizer, steps: int, step: object = None
+) -> list[float]:
     losses = []
     for _ in range(steps):
         loss = model(torch.randn(4, 8)).pow(2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
-        agent.step(loss=loss, tokens=32)  # type: ignore[attr-defined]
+        agent.step(loss=loss, tokens=32, step=step)  # type: ignore[attr-defined]
         losses.append(loss.item())
     return losses
 
@@ -201,6 +203,53 @@ def test_a_tensor_of_many_elements_is_left_out_and_said_once(
         "trainvitals agent: step(tokens=...) got a tensor of 64 elements, not one: left out of the step "
         "records; pass a count (attention_mask.sum() or input_ids.numel())",
     ]
+
+
+def test_step_numbers_as_tensors_numpy_or_floats_arrive_and_no_step_number_is_said(
+    collector, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """step=optimizer.state[p]['step'] (a CPU tensor) or a numpy step reached the JSON encoder: every
+    record of its send interval was lost, and checkpoint()/loaded() did the same with theirs; a
+    negative step made the collector refuse the batch. Each is read as the int it holds, and what
+    holds none is said once per entry point, the agent's own numbering standing in."""
+    model, opt = _model()
+    record = tmp_path / "rec-{rank}.jsonl"
+    config = tv.AgentConfig(collector=collector.url, spill_dir=str(tmp_path / "spool"), record_file=str(record))
+    agent = tv.attach(model, opt, run="step-kinds", config=config)
+    with caplog.at_level(logging.WARNING, logger="trainvitals.agent"):
+        for given in (torch.tensor(100.0), np.int64(101), 102.0, -5, "7", torch.tensor([1, 2])):
+            _train(agent, model, opt, 1, step=given)
+        with agent.checkpoint(step=torch.tensor(105), path=str(tmp_path / "ck")):
+            pass
+        agent.checkpoint_saved(step=np.int32(105), generation=2.5, path=str(tmp_path / "ck2"))
+        agent.event("note", step=-1, detail="before the resume")
+        agent.loaded(step=np.int64(50))
+        agent.loaded(step=torch.tensor(1.5))
+        _train(agent, model, opt, 1)
+    agent.close()
+    assert agent.stats()["errors"] == 0 and agent.stats()["rejected_batches"] == 0
+    lines = (tmp_path / "rec-0.jsonl").read_bytes().splitlines()
+    records = [r for line in lines[1:] for r in Batch.model_validate_json(line).records]
+    assert [r.step for r in records if r.kind == "step"] == [100, 101, 102, 103, 104, 105, 51]
+    saves = [(r.step, r.generation, r.path) for r in records if r.kind == "checkpoint" and r.status == "persisted"]
+    assert saves == [(105, 105, str(tmp_path / "ck")), (105, 105, str(tmp_path / "ck2"))]
+    events = [(r.event, r.step) for r in records if r.kind == "event" and r.event in ("note", "resume")]
+    assert events == [("note", 106), ("resume", 50)]
+    said = sorted(r.getMessage() for r in caplog.records if "not a step number" in r.getMessage())
+    assert said == [
+        "trainvitals agent: checkpoint_saved(generation=...) got 2.5, not a step number: the save's step "
+        "numbers it; pass a non-negative int (a CPU tensor or numpy integer is read as one)",
+        "trainvitals agent: event(step=...) got -1, not a step number: the event takes the agent's step; "
+        "pass a non-negative int (a CPU tensor or numpy integer is read as one)",
+        "trainvitals agent: loaded(step=...) got a tensor holding 1.5, not a step number: the resume is not "
+        "recorded; pass a non-negative int (a CPU tensor or numpy integer is read as one)",
+        "trainvitals agent: step(step=...) got -5, not a step number: the agent's own count goes on; pass a "
+        "non-negative int (a CPU tensor or numpy integer is read as one)",
+    ]
+    with collector.app.state.sessionmaker() as session:
+        from trainvitals.service.store import queries
+
+        assert queries.count_step_rows(session, run_id="step-kinds") == 7
 
 
 def _module_hooks(model: nn.Module) -> int:

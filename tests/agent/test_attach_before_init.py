@@ -28,7 +28,7 @@ def _spawn(when: str, out: Path) -> subprocess.CompletedProcess[str]:
         [sys.executable, str(SCRIPT), when, str(out), _free_port()],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=180,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]

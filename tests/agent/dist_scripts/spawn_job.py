@@ -5,6 +5,7 @@ to a file; each process writes what its agent counted, to show training went on 
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ def work(rank: int, world: int, when: str, out_dir: str, port: str) -> None:
     config = tv.AgentConfig(collector="", record_file=f"{out_dir}/rec-{{rank}}.jsonl", spill_dir=f"{out_dir}/spool")
     if when == "before":
         agent = tv.attach(model, opt, run="spawned", config=config)
+        time.sleep(2.5)  # a slow rendezvous: longer than the agent's 2 s send interval
     dist.init_process_group("gloo", rank=rank, world_size=world)
     if when == "after":
         agent = tv.attach(model, opt, run="spawned", config=config)
@@ -36,6 +38,9 @@ def work(rank: int, world: int, when: str, out_dir: str, port: str) -> None:
     agent.close()
     with open(f"{out_dir}/trained-{rank}.json", "w") as fh:
         json.dump(stats, fh)
+    # DDP's reducer goes before the process group: freed after it (on return), gloo's worker thread
+    # and this one could deadlock over the GIL at exit, with the agent attached or not.
+    del ddp
     dist.destroy_process_group()
 
 
