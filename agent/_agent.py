@@ -104,7 +104,7 @@ class Agent:
         self._timer = StepTimer(model, time_collectives=config.time_collectives)
         self._fp8 = self._make_fp8_monitors(model, registration.get("fp8", {}))
         self._checkpoints = CheckpointRecorder(
-            self._exporter.emit, checksum=config.checksum, on_error=self._errors.record
+            self._exporter.emit, checksum=config.checksum, on_error=self._errors.record, said=self._said
         )
         self._step = 0
         self._last_step_end = time.perf_counter()

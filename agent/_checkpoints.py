@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainvitals.agent._guard import warn_once
 from trainvitals.wire import checkpoint_record
 from trainvitals.wire.builders import JsonObject
 from trainvitals.wire.conventions import CheckpointStatus
@@ -77,10 +78,12 @@ class CheckpointRecorder:
         *,
         checksum: str,
         on_error: Callable[[str, BaseException], None],
+        said: set[tuple[str, str]] | None = None,
     ) -> None:
         self._emit = emit
         self._checksum = checksum
         self._on_error = on_error
+        self._said: set[tuple[str, str]] = set() if said is None else said  # the agent's: said once
         self._pool: ThreadPoolExecutor | None = None
         self._pending: set[Future[None]] = set()
 
@@ -145,6 +148,13 @@ class CheckpointRecorder:
     def _finish(self, gen: _Generation, *, stall: float | None, persist: float | None) -> None:
         path = gen.path
         if path is None or not os.path.exists(path):
+            if path is not None and "://" not in path:  # an object store's URL is not for os.path
+                text = (
+                    f"checkpoint path {path!r} does not exist after its save: recorded as persisted without size "
+                    "or checksum, and `trainvitals query rollback` may name it; pass the path the save wrote (the "
+                    "directory, for dcp.save)"
+                )
+                warn_once(self._said, ("checkpoint path", "missing"), text)
             self._record(gen, "persisted", stall=stall, persist=persist)
             return
         if self._pool is None:

@@ -1,6 +1,7 @@
 """Checkpoint generations: started / persisted / failed, stall and persist times, size, checksum."""
 
 import hashlib
+import logging
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -136,3 +137,27 @@ def test_a_pathlib_path_is_recorded_like_its_string(tmp_path: Path) -> None:
         (3, "persisted", str(second)),
     ]  # fmt: skip
     assert rec[1].bytes == first.stat().st_size and rec[4].bytes == second.stat().st_size
+
+
+def test_a_local_path_that_is_not_there_after_the_save_is_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A path the save did not write (a typo, the file's name where dcp.save wrote a directory) was
+    recorded as persisted in silence, and the rollback query named it. It still is (the save may
+    have written it elsewhere), with one line naming the fix; an object store's URL is not checked."""
+    agent, model = _agent(tmp_path)
+    missing = tmp_path / "ckpt" / "step-4"
+    with caplog.at_level(logging.WARNING, logger="trainvitals.agent"):
+        with agent.checkpoint(step=4, path=missing):
+            torch.save(model.state_dict(), tmp_path / "elsewhere.pt")
+        agent.checkpoint_saved(step=5, path=str(missing))
+        agent.checkpoint_saved(step=6, path="s3://bucket/run/step-6")
+    agent.close()
+    rec = [(r.step, r.status, r.path, r.bytes) for r in _checkpoint_records(tmp_path) if r.status == "persisted"]
+    assert rec == [(4, "persisted", str(missing), None), (5, "persisted", str(missing), None),
+                   (6, "persisted", "s3://bucket/run/step-6", None)]  # fmt: skip
+    assert [r.getMessage() for r in caplog.records if "checkpoint path" in r.getMessage()] == [
+        f"trainvitals agent: checkpoint path {str(missing)!r} does not exist after its save: recorded as "
+        "persisted without size or checksum, and `trainvitals query rollback` may name it; pass the path "
+        "the save wrote (the directory, for dcp.save)"
+    ]
