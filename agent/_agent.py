@@ -27,7 +27,7 @@ from trainvitals.agent._dist import RankInfo, RunId, default_run_id, rank_info
 from trainvitals.agent._events import fit_event
 from trainvitals.agent._fp8_monitor import Fp8Monitor
 from trainvitals.agent._grad_norms import GradNorms, GradNormTracker
-from trainvitals.agent._guard import ErrorBudget, guarded, logger
+from trainvitals.agent._guard import ErrorBudget, guarded, logger, warn_once
 from trainvitals.agent._model_facts import derive_into
 from trainvitals.agent._optimizer import hookable_optimizer, unhookable_notice
 from trainvitals.agent._position import FLOPS_CONVENTION, Position, flops_per_token, position_of
@@ -263,6 +263,9 @@ class Agent:
         scaler's the agent cannot see); None: skipped when the watched optimizer did not step.
         """
         if self._closed:
+            # A step after close() was dropped in silence: a loop that closed the agent per epoch,
+            # or before a last phase, lost the rest of the run's records.
+            warn_once(self._said, ("step", "after close"), "step() after close(): not recorded; attach() again")
             return
         if self._rank_unconfirmed and self._rank_was_wrong():
             return
@@ -319,6 +322,7 @@ class Agent:
             self.rank,
             self.info.world_size,
         )
+        self._said.add(("step", "after close"))  # the line above says why steps go unrecorded
         self._release()
         self._exporter.abandon()
         return True

@@ -272,6 +272,20 @@ def test_hooks_are_removed_on_close_and_close_is_idempotent(tmp_path: Path) -> N
     assert agent.hooks == 0 and len(opt._optimizer_step_pre_hooks) == 0 and _module_hooks(model) == 0
 
 
+def test_a_step_after_close_is_said_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A loop that closed the agent before its last phase lost every later step in silence."""
+    model, opt = _model()
+    agent = tv.attach(model, opt, run="r1", config=tv.AgentConfig(collector="", spill_dir=str(tmp_path)))
+    _train(agent, model, opt, 2)
+    agent.close()
+    with caplog.at_level(logging.WARNING, logger="trainvitals.agent"):
+        _train(agent, model, opt, 3)
+    assert agent.stats()["steps"] == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "trainvitals agent: step() after close(): not recorded; attach() again"
+    ]
+
+
 def test_agent_errors_never_reach_the_training_loop(tmp_path: Path) -> None:
     model, opt = _model()
     agent = tv.attach(model, opt, run="r1", config=tv.AgentConfig(collector="", spill_dir=str(tmp_path)))

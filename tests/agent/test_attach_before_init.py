@@ -47,7 +47,7 @@ def test_attach_before_init_under_spawn_says_so_and_delivers_nothing(tmp_path: P
         stats = json.loads((tmp_path / f"trained-{rank}.json").read_text())
         assert stats["steps"] == 0 and stats["delivered_batches"] == 0  # training went on, unmonitored
     assert not list(tmp_path.glob("rec-*.jsonl"))  # nothing under a rank the process is not
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr and "step() after close()" not in result.stderr  # said once, why
 
 
 @pytest.mark.slow
