@@ -23,7 +23,7 @@ from trainvitals.agent._checkpoints import CheckpointHandle, CheckpointRecorder,
 from trainvitals.agent._config import AgentConfig, disabled_by_env
 from trainvitals.agent._counts import PLAIN, HostCounts, host_counts, not_one_element, step_number
 from trainvitals.agent._delivery import spooling_exporter
-from trainvitals.agent._dist import RankInfo, RunId, default_run_id, rank_info
+from trainvitals.agent._dist import RankInfo, RunId, default_run_id, process_group_exists, rank_info
 from trainvitals.agent._events import fit_event
 from trainvitals.agent._fp8_monitor import Fp8Monitor
 from trainvitals.agent._grad_norms import GradNorms, GradNormTracker
@@ -112,7 +112,7 @@ class Agent:
         # attach() before init_process_group read the rank from the environment, or took 0 of 1 where
         # the launcher sets none (mp.spawn): the first step() (or close()) holds it against the process
         # group. Without RANK nothing is delivered until then, as no rank is known yet.
-        self._rank_unconfirmed = not (dist.is_available() and dist.is_initialized())
+        self._rank_unconfirmed = not process_group_exists()
         if self._rank_unconfirmed and "RANK" not in os.environ:
             self._exporter.hold()
         self._exporter.start()
@@ -267,7 +267,7 @@ class Agent:
             # or before a last phase, lost the rest of the run's records.
             warn_once(self._said, ("step", "after close"), "step() after close(): not recorded; attach() again")
             return
-        if self._rank_unconfirmed and self._rank_was_wrong():
+        if self._rank_unconfirmed and self._stop_if_wrong_rank():
             return
         now = time.perf_counter()
         if step is not None:
@@ -300,13 +300,13 @@ class Agent:
             # off-cadence steps cost the FP8 monitor nothing, not even hook dispatch.
             fp8.observing = self._step % fp8.every == 0
 
-    def _rank_was_wrong(self) -> bool:
-        """True, said and the agent stopped, when the process group puts this process at another
+    def _stop_if_wrong_rank(self) -> bool:
+        """Stop the agent, say why and return True when the process group puts this process at another
         rank or world size than attach() assumed: its records would mix with another rank's (every
         mp.spawn process took itself for rank 0 of 1), so none of them is delivered. Else the
         rank holds (or no process group came: one process) and delivery goes ahead."""
         self._rank_unconfirmed = False
-        if not (dist.is_available() and dist.is_initialized()):
+        if not process_group_exists():
             self._exporter.release()
             return False
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -508,7 +508,7 @@ class Agent:
     def close(self, timeout: float | None = None) -> None:
         """Remove hooks, record the stop, deliver within `timeout` (default config.flush_timeout_s).
         Idempotent; whatever cannot be delivered in time stays in the spool for the next start."""
-        if self._closed or (self._rank_unconfirmed and self._rank_was_wrong()):
+        if self._closed or (self._rank_unconfirmed and self._stop_if_wrong_rank()):
             return
         with _sigterm.exit_pass():  # a SIGTERM from here on waits for the delivery (agent/_sigterm.py)
             self.event("stop", detail=f"after {self._step} steps")

@@ -21,8 +21,13 @@ class RankInfo:
     restart_count: int
 
 
+def process_group_exists() -> bool:
+    """init_process_group has run (a local read: no collective)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def rank_info() -> RankInfo:
-    if dist.is_available() and dist.is_initialized():
+    if process_group_exists():
         rank, world = dist.get_rank(), dist.get_world_size()
     else:
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainvitals.agent._dist import process_group_exists
 from trainvitals.wire import GLOBAL_GROUP, clean_name, grad_record, layer_of
 from trainvitals.wire.builders import JsonObject
 
@@ -47,7 +48,7 @@ def _owned(param: torch.Tensor, model: nn.Module, mode: str) -> bool:
         if coord is None:  # this rank is not in the mesh
             return False
         return all(c == 0 for c, p in zip(coord, placements, strict=True) if p.is_replicate())
-    if not _group_exists():
+    if not process_group_exists():
         return True
     if mode == "auto":
         fsdp1 = getattr(getattr(dist, "fsdp", None), "FullyShardedDataParallel", None)
@@ -56,10 +57,6 @@ def _owned(param: torch.Tensor, model: nn.Module, mode: str) -> bool:
         group = getattr(model, "process_group", None)  # DDP keeps its group here
         return dist.get_rank(group) == 0
     return dist.get_rank() == 0  # 'replicated': over the whole world
-
-
-def _group_exists() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 _F32_MAX = torch.finfo(torch.float32).max
@@ -104,7 +101,7 @@ class GradNormTracker:
         index = {g: i for i, g in enumerate(self.group_names)}
         self._model, self._ownership = model, ownership
         self._owned = [_owned(p, model, ownership) for p in self._params]
-        self._owned_without_group = not _group_exists()  # decided again once the group exists
+        self._owned_without_group = not process_group_exists()  # decided again once the group exists
         self._group_index = [index[n] for n in names]
         self._decoders: dict[tuple[int, ...], Decoder] = {}
         self._clip_key: tuple[int, ...] = ()
@@ -149,7 +146,7 @@ class GradNormTracker:
         device = norms[0].device
         if any(n.device != device for n in norms):  # e.g. CPU-offloaded parameters
             norms = [n.to(device, non_blocking=True) for n in norms]
-        if self._owned_without_group and _group_exists():
+        if self._owned_without_group and process_group_exists():
             self._owned_without_group = False
             self._owned = [_owned(p, self._model, self._ownership) for p in self._params]
             self._decoders = {}
