@@ -80,9 +80,11 @@ class Agent:
             transport=transport,
             errors=self._errors,
         )
+        # Without an optimizer too: agent.clip_grad_norm_() and grads_ready() measure through it
+        # (until 2026-11-29 attach(model) alone measured no gradient norm, in silence).
         self._grads = (
             GradNormTracker(model, groups=config.grad_groups, ownership=config.grad_ownership)
-            if model is not None and optimizer is not None
+            if model is not None
             else None
         )
         self._pending_grads: GradNorms | None = None
@@ -93,7 +95,7 @@ class Agent:
         # as a divergence. None: no optimizer watched, nothing is said.
         self._optimizer_stepped: bool | None = None
         hooked = hookable_optimizer(optimizer)  # under accelerate's or DeepSpeed's wrapper, too
-        if optimizer is not None and hooked is None:
+        if model is not None and hooked is None:
             logger.warning("trainvitals agent: %s", unhookable_notice(optimizer))
         if hooked is not None and self._grads is not None:
             self._hooks.append(hooked.register_step_pre_hook(self._before_optimizer_step))

@@ -31,11 +31,15 @@ def hookable_optimizer(optimizer: Any) -> Any | None:
 
 
 def unhookable_notice(optimizer: Any) -> str:
-    """The line that tells the user what a passed optimizer without step hooks costs, and the fix."""
-    name = type(optimizer).__name__
+    """The line that tells the user what an optimizer without step hooks, or none, costs, and the fix."""
+    what = (
+        "attach() got no optimizer"
+        if optimizer is None
+        else f"the optimizer passed to attach() ({type(optimizer).__name__}) takes no step hooks and holds "
+        "no torch optimizer as .optimizer"
+    )
     return (
-        f"the optimizer passed to attach() ({name}) takes no step hooks and holds no torch optimizer "
-        "as .optimizer: gradient norms are measured only by agent.clip_grad_norm_() or "
-        "agent.grads_ready(), and no step is reported as skipped; pass the torch.optim.Optimizer "
-        "that steps"
+        f"{what}: gradient norms are measured only by agent.clip_grad_norm_() or agent.grads_ready(), "
+        "and no step is reported as skipped; pass the torch.optim.Optimizer that steps: "
+        "attach(model, optimizer)"
     )

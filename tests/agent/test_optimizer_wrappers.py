@@ -104,17 +104,21 @@ class HandWrittenSGD:
             p.grad = None
 
 
+@pytest.mark.parametrize("passed", ["hand-written", "none"])
 def test_an_optimizer_without_step_hooks_keeps_the_agent_and_says_what_is_lost(
-    collector, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    passed: str, collector, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """attach(model) with no optimizer at all measured no gradient norm, clip_grad_norm_() through
+    the agent included, and said nothing (until 2026-11-29); now as a hand-written optimizer."""
     model, _ = _model()
     opt = HandWrittenSGD(list(model.parameters()), lr=0.01)
     with caplog.at_level(logging.WARNING, logger="trainvitals.agent"):
-        agent = _attach(model, opt, "hand-written", collector.url, tmp_path)
+        agent = _attach(model, opt if passed == "hand-written" else None, passed, collector.url, tmp_path)
     assert isinstance(agent, tv.Agent)
     (line,) = [r.getMessage() for r in caplog.records if r.name == "trainvitals.agent"]
-    assert "HandWrittenSGD" in line and "agent.clip_grad_norm_()" in line
-    assert "pass the torch.optim.Optimizer that steps" in line
+    assert ("HandWrittenSGD" if passed == "hand-written" else "attach() got no optimizer") in line
+    assert "agent.clip_grad_norm_()" in line
+    assert "pass the torch.optim.Optimizer that steps: attach(model, optimizer)" in line
     for _ in range(4):
         loss = model(torch.randn(4, 8)).pow(2).mean()
         loss.backward()
