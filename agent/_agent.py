@@ -6,7 +6,6 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
-import os
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
@@ -113,9 +112,9 @@ class Agent:
         self._closed = False
         # attach() before init_process_group read the rank from the environment, or took 0 of 1 where
         # the launcher sets none (mp.spawn): the first step() (or close()) holds it against the process
-        # group. Without RANK nothing is delivered until then, as no rank is known yet.
-        self._rank_unconfirmed = not process_group_exists()
-        if self._rank_unconfirmed and "RANK" not in os.environ:
+        # group. A rank taken that way delivers nothing until then, as no rank is known yet.
+        self._rank_unconfirmed = info.source != "process group"
+        if info.source == "assumed":
             self._exporter.hold()
         self._exporter.start()
         self.event(

@@ -9,8 +9,12 @@ import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch.distributed as dist
+
+RankSource = Literal["process group", "environment", "assumed"]
+"""Where a rank came from: init_process_group, torchrun's RANK, or nowhere (0 of 1 taken)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +23,7 @@ class RankInfo:
     world_size: int
     hostname: str
     restart_count: int
+    source: RankSource = "assumed"
 
 
 def process_group_exists() -> bool:
@@ -27,15 +32,18 @@ def process_group_exists() -> bool:
 
 
 def rank_info() -> RankInfo:
+    source: RankSource
     if process_group_exists():
-        rank, world = dist.get_rank(), dist.get_world_size()
+        rank, world, source = dist.get_rank(), dist.get_world_size(), "process group"
     else:
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        source = "environment" if "RANK" in os.environ else "assumed"
     return RankInfo(
         rank=rank,
         world_size=world,
         hostname=socket.gethostname(),
         restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        source=source,
     )
 
 

@@ -31,6 +31,12 @@ def _train(
     return losses
 
 
+def _recorded(tmp_path: Path) -> list:
+    """Every record rank 0 sent, from its record_file (the first line is the registration)."""
+    lines = (tmp_path / "rec-0.jsonl").read_bytes().splitlines()
+    return [r for line in lines[1:] for r in Batch.model_validate_json(line).records]
+
+
 def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -50,8 +56,7 @@ def test_records_follow_the_wire_format_and_reach_the_collector(collector, tmp_p
     )
     losses = _train(agent, model, opt, 5)
     agent.close()
-    lines = (tmp_path / "rec-0.jsonl").read_bytes().splitlines()
-    records = [r for line in lines[1:] for r in Batch.model_validate_json(line).records]
+    records = _recorded(tmp_path)
     steps = [r for r in records if r.kind == "step"]
     assert [s.step for s in steps] == [0, 1, 2, 3, 4]
     assert [s.loss for s in steps] == pytest.approx(losses)
@@ -86,8 +91,7 @@ def test_a_loss_tensor_the_job_reuses_in_place_is_reported_per_step(collector, t
     loss_slot.fill_(-1.0)  # after the last step, before the exporter has shipped it
     norm_slot.fill_(-1.0)
     agent.close()
-    lines = (tmp_path / "rec-0.jsonl").read_bytes().splitlines()
-    steps = [r for line in lines[1:] for r in Batch.model_validate_json(line).records if r.kind == "step"]
+    steps = [r for r in _recorded(tmp_path) if r.kind == "step"]
     assert [s.loss for s in steps] == [loss for loss, _ in expected]  # exact: 0.5, 1.5, ... in float32
     assert [s.grad_norm for s in steps] == pytest.approx([norm for _, norm in expected])
 
@@ -110,8 +114,7 @@ def test_counts_passed_as_tensors_arrive_as_numbers(collector, tmp_path: Path) -
     agent.step(loss=1.0, tokens=torch.tensor(7), flops=torch.tensor(1e12))  # flops passed wins
     agent.close()
     assert agent.stats()["errors"] == 0
-    lines = (tmp_path / "rec-0.jsonl").read_bytes().splitlines()
-    steps = [r for line in lines[1:] for r in Batch.model_validate_json(line).records if r.kind == "step"]
+    steps = [r for r in _recorded(tmp_path) if r.kind == "step"]
     assert [s.tokens for s in steps] == [16, 20, 24, 28, 7]
     per_token = 6 * 100 + 12 * 2 * 8 * 4  # 6N + 12LHQT: the agent's own FLOPs per token
     expected = [16 * per_token, 20 * per_token, 24 * per_token, 28 * per_token, 1e12]
@@ -149,8 +152,7 @@ def test_a_schedulers_lr_list_and_numpy_counts_arrive_as_numbers(
         agent.step(loss=1.0, tokens=8, lr="3e-4")  # type: ignore[arg-type]
     agent.close()
     assert agent.stats()["errors"] == 0 and agent.stats()["rejected_batches"] == 0
-    lines = (tmp_path / "rec-0.jsonl").read_bytes().splitlines()
-    steps = [r for line in lines[1:] for r in Batch.model_validate_json(line).records if r.kind == "step"]
+    steps = [r for r in _recorded(tmp_path) if r.kind == "step"]
     assert [s.lr for s in steps] == [*lrs, None, None]  # the first group's, as HF logs it
     assert [s.tokens for s in steps] == [32, 33, 34, 35, 8, 8]
     assert [s.flops for s in steps[:4]] == [1e9] * 4
@@ -187,8 +189,7 @@ def test_a_tensor_of_many_elements_is_left_out_and_said_once(
         agent.step(loss=torch.empty(0), tokens=mask.sum(), lr=torch.tensor([0.1, 0.2]))
     agent.close()
     assert agent.stats()["errors"] == 0 and agent.stats()["rejected_batches"] == 0
-    lines = (tmp_path / "rec-0.jsonl").read_bytes().splitlines()
-    steps = [r for line in lines[1:] for r in Batch.model_validate_json(line).records if r.kind == "step"]
+    steps = [r for r in _recorded(tmp_path) if r.kind == "step"]
     assert [(s.loss, s.tokens, s.grad_norm, s.lr) for s in steps] == [(None, None, None, 0.1)] * 3 + [
         (None, 64, None, None)
     ]
@@ -228,8 +229,7 @@ def test_step_numbers_as_tensors_numpy_or_floats_arrive_and_no_step_number_is_sa
         _train(agent, model, opt, 1)
     agent.close()
     assert agent.stats()["errors"] == 0 and agent.stats()["rejected_batches"] == 0
-    lines = (tmp_path / "rec-0.jsonl").read_bytes().splitlines()
-    records = [r for line in lines[1:] for r in Batch.model_validate_json(line).records]
+    records = _recorded(tmp_path)
     assert [r.step for r in records if r.kind == "step"] == [100, 101, 102, 103, 104, 105, 51]
     saves = [(r.step, r.generation, r.path) for r in records if r.kind == "checkpoint" and r.status == "persisted"]
     assert saves == [(105, 105, str(tmp_path / "ck")), (105, 105, str(tmp_path / "ck2"))]
