@@ -24,6 +24,7 @@ from trainvitals.agent._counts import PLAIN, HostCounts, host_counts, not_one_el
 from trainvitals.agent._delivery import spooling_exporter
 from trainvitals.agent._dist import RankInfo, RunId, default_run_id, process_group_exists, rank_info
 from trainvitals.agent._events import fit_event
+from trainvitals.agent._fp8_cadence import Fp8Cadence
 from trainvitals.agent._fp8_monitor import Fp8Monitor
 from trainvitals.agent._grad_norms import GradNorms, GradNormTracker
 from trainvitals.agent._guard import ErrorBudget, guarded, logger, warn_once
@@ -104,6 +105,11 @@ class Agent:
         self._flops_per_token = flops_per_token(registration.get("model", {}))
         self._timer = StepTimer(model, time_collectives=config.time_collectives)
         self._fp8 = self._make_fp8_monitors(model, registration.get("fp8", {}))
+        # The shadow monitor (hooks on sampled steps only) and how often it samples.
+        self._fp8_shadow = next((m for m in self._fp8 if m.shadow), None)
+        self._fp8_cadence = (
+            Fp8Cadence(self._fp8_shadow.every, config.fp8_cost_budget) if self._fp8_shadow is not None else None
+        )
         self._checkpoints = CheckpointRecorder(
             self._exporter.emit, checksum=config.checksum, on_error=self._errors.record, said=self._said
         )
@@ -296,10 +302,22 @@ class Agent:
         self._stack_monitors(stack)
         self._exporter.emit(stack.sample(fields))
         self._step += 1
+        if self._fp8_cadence is not None and not self._fp8_cadence.decided:
+            self._decide_fp8_cadence(fields["step_seconds"])
         for fp8 in self._fp8:
             # Registers the monitor's module hooks for a sampled step, removes them for the others:
             # off-cadence steps cost the FP8 monitor nothing, not even hook dispatch.
             fp8.observing = self._step % fp8.every == 0
+
+    def _decide_fp8_cadence(self, step_seconds: float) -> None:
+        shadow, cadence = self._fp8_shadow, self._fp8_cadence
+        assert shadow is not None and cadence is not None
+        base = shadow.every
+        every = cadence.note(step_seconds, shadow.observing, shadow.spent)
+        shadow.spent = 0.0
+        if every is not None:
+            shadow.set_every(every)
+            logger.warning("trainvitals agent: %s", cadence.notice(base))
 
     def _stop_if_wrong_rank(self) -> bool:
         """Stop the agent, say why and return True when the process group puts this process at another
@@ -536,7 +554,7 @@ class Agent:
     def stats(self) -> dict[str, int]:
         """Counters: agent errors, steps, records emitted / delivered (acknowledged by the
         collector) / dropped (lost for good: in all, and `dropped_<reason>` by reason), batches
-        delivered / rejected (set aside), failed delivery attempts."""
+        delivered / rejected (set aside), failed delivery attempts; the shadow FP8 cadence in steps."""
         s = self._exporter.stats
         return {
             "errors": self._errors.errors,
@@ -548,6 +566,7 @@ class Agent:
             "delivered_records": s.delivered_records,
             "failed_attempts": s.failed_attempts,
             "rejected_batches": s.rejected_batches,
+            **({"fp8_every_steps": self._fp8_shadow.every} if self._fp8_shadow is not None else {}),
         }
 
     @property

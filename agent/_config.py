@@ -102,7 +102,14 @@ class AgentConfig:
     of every monitored input, weight and grad_output (fp8.md tier 1), ~2.6% of a step on the
     example model on this CPU (4.3 ms of 161 ms) and ~2% of a large GEMM on an H100; every 20th
     step keeps the whole agent inside the 0.5% budget there (docs/performance-agent.md). The
-    shadow history then keeps L / N samples spanning the recipe's L steps. 1: every step."""
+    shadow history then keeps L / N samples spanning the recipe's L steps. 1: every step. The
+    agent may widen it to 2N or 4N once, early in the run: see fp8_cost_budget."""
+    fp8_cost_budget: float = 0.0025
+    """The share of the step time the shadow samples may take, amortised. After 5 samples at
+    fp8_every_steps, the agent compares a sample's cost with the median step; over budget, it
+    samples every 2x or 4x fp8_every_steps for the rest of the run, and says so once. A host with
+    slow memory pays 3x a fast one's for the same reads (docs/performance-agent.md); on a GPU the
+    reads run on the device and the cadence stays. 0: always fp8_every_steps."""
     fp8_expensive_every_steps: int = 200
     """Expensive tier (saturation, underflow, crest, non-finite) every N steps; 0 disables it.
     Several more reads of every monitored tensor (such a step costs the example model 11 ms on this
@@ -136,6 +143,8 @@ class AgentConfig:
             raise ValueError("fp8_ranks must be 'dp0' or 'all'")
         if self.fp8_every_steps < 1 or self.fp8_expensive_every_steps < 0:
             raise ValueError("fp8_every_steps must be >= 1 and fp8_expensive_every_steps >= 0")
+        if not 0 <= self.fp8_cost_budget < 1:
+            raise ValueError("fp8_cost_budget must be a share of the step time in [0, 1): 0.0025 is 0.25%")
         if self.checksum not in ("sha256", "none"):
             raise ValueError("checksum must be 'sha256' or 'none'")
         if self.grad_ownership not in ("auto", "replicated", "sharded"):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -159,7 +160,9 @@ class Fp8Monitor:
         self._hi, self._lo = self._extremes.unbind(0)
         self._hi_slots: list[torch.Tensor] = []
         self._lo_slots: list[torch.Tensor] = []
-        self.every = 1  # cheap-tier cadence in steps; set_every() changes it before the first step
+        self.every = 1  # cheap-tier cadence in steps (set_every)
+        self.spent = 0.0
+        """Seconds of the training thread in this monitor's hooks and end_step() (the cadence's input)."""
         self._observing = True  # hooks measure the current step (the agent clears it off-cadence)
         self._history = _History(history_len, n)  # in samples
         self._scale = torch.zeros(n)  # shadow: the scale a recipe would use this step (0 = none yet)
@@ -184,6 +187,7 @@ class Fp8Monitor:
         self._sample_buf = torch.empty(0)  # CPU only: the expensive tier's |x| sample (_abs_sample)
         self._expensive_now = False
         self._step_counter = 0
+        self._stamp = 0  # steps covered by the samples so far (the history's stamps)
         # Recipe tensors: the scale the recipe holds for the next step, and the one it used this
         # step (0: not known yet), read into these in place; per-module views built once.
         self._recipe_idx = torch.tensor([i for i, t in enumerate(self.tensors) if t.recipe], dtype=torch.long)
@@ -226,14 +230,14 @@ class Fp8Monitor:
 
         The shadow history then holds ceil(L / every) samples, i.e. it still spans the L steps a
         real recipe's history spans (at least one sample, so L < every degrades to 'the last
-        sample'). Call it before the first end_step(): the history starts empty.
+        sample'). Its newest samples are kept (the agent widens the cadence mid-run: _fp8_cadence).
         """
         if every < 1:
             raise ValueError("every must be >= 1")
         if every == self.every:
             return
         self.every = every
-        self._history = _History(max(1, math.ceil(self.history_len / every)), len(self.tensors), self._device)
+        self._history = self._history.resized(max(1, math.ceil(self.history_len / every)))
 
     @property
     def observing(self) -> bool:
@@ -296,10 +300,12 @@ class Fp8Monitor:
     def _guard(self, fn: Callable[..., None]) -> Callable[..., None]:
         # Hooks run inside forward and autograd: an exception here would surface in the job.
         def inner(*args: Any) -> None:
+            t0 = time.perf_counter()
             try:
                 fn(*args)
             except Exception as exc:  # noqa: BLE001
                 self._errors.record("fp8 hook", exc)
+            self.spent += time.perf_counter() - t0
             return None
 
         # torch.compile traces module hooks into the job's graph, and inductor cannot compile these
@@ -433,11 +439,24 @@ class Fp8Monitor:
     # ------------------------------------------------------------------ step end
 
     @property
+    def shadow(self) -> bool:
+        """Whether this monitor hooks any tensor itself (the shadow mode's sampled reads)."""
+        return self._has_shadow
+
+    @property
     def expensive_next(self) -> bool:
         return self._expensive_now
 
     def end_step(self) -> tuple[torch.Tensor | None, bool]:
-        """Vectorised headroom math over all tensors; returns (device vector, had expensive stats).
+        """Vectorised headroom math over all tensors; returns (device vector, had expensive stats)."""
+        t0 = time.perf_counter()
+        try:
+            return self._end_step()
+        finally:
+            self.spent += time.perf_counter() - t0
+
+    def _end_step(self) -> tuple[torch.Tensor | None, bool]:
+        """end_step() itself.
 
         Written row by row into the fresh output vector, about 25 small ops whatever the tensor
         count (and half of them only on sampled shadow steps): on CPU each op costs 5-20 us of
@@ -469,8 +488,9 @@ class Fp8Monitor:
                 headroom.add_(self.margin)
             ratios.masked_fill_(a_prev <= 0, math.nan)
             if self.amax_algo == "max":
-                # Row of the history maximum -> samples since it was written (ring buffer) -> steps.
-                staleness.copy_((hist.pos - 1 - hist.argmax).remainder_(hist.rows).mul_(self.every))
+                # Steps from the sample that holds the history maximum to the newest one (the stamps
+                # count steps, so a cadence changed mid-run keeps them exact).
+                torch.sub(hist.newest_stamp(), hist.stamps.index_select(0, hist.argmax), out=staleness)
             else:
                 staleness.zero_()
         else:
@@ -517,7 +537,8 @@ class Fp8Monitor:
 
     def _push_history(self, amax: torch.Tensor) -> None:
         hist = self._history
-        hist.push(amax, with_max=self.amax_algo == "max")
+        self._stamp += self.every  # in steps: this sample's distance from the one before
+        hist.push(amax, self._stamp, with_max=self.amax_algo == "max")
         if self._has_shadow:
             # The shadow recipe's next scale: s = (fp8_max / A) / 2**margin; A == 0 or non-finite
             # (A is >= 0 or NaN, so 0 < A < inf is exactly that) keeps the old one.
@@ -661,27 +682,34 @@ def _with_modules(
 class _History:
     """Ring buffer of per-tensor amax samples (the shadow recipe's amax history), with the
     per-tensor maximum and the row it sits in, both from one reduction per push (argmax beside
-    amax was 5x the time of max(dim=0) on CPU, which returns both)."""
+    amax was 5x the time of max(dim=0) on CPU, which returns both), and each row's step stamp."""
 
     buf: torch.Tensor  # [rows, n], set by to()
+    stamps: torch.Tensor  # [rows]: the step count at each row's sample (float32: exact to 2**24)
 
     def __init__(self, rows: int, n: int, device: torch.device | None = None) -> None:
         self.rows = rows
         self.pos = 0  # the row the next sample goes to
         self.filled = 0
-        self.to(device, torch.zeros(rows, n))
+        self.to(device, torch.zeros(rows, n), torch.zeros(rows))
 
-    def to(self, device: torch.device | None, buf: torch.Tensor | None = None) -> None:
+    def to(
+        self, device: torch.device | None, buf: torch.Tensor | None = None, stamps: torch.Tensor | None = None
+    ) -> None:
         buf = self.buf if buf is None else buf
+        stamps = self.stamps if stamps is None else stamps
         self.buf = buf if device is None else buf.to(device)
+        self.stamps = stamps if device is None else stamps.to(device)
         self._row_views = self.buf.unbind(0)  # written in place: no indexing per push
+        self._stamp_views = self.stamps.unbind(0)
         self.max = torch.zeros(self.buf.shape[1], device=self.buf.device)
         self.argmax = torch.zeros(self.buf.shape[1], dtype=torch.long, device=self.buf.device)
         if self.filled:
             torch.max(self.buf, dim=0, out=(self.max, self.argmax))
 
-    def push(self, sample: torch.Tensor, *, with_max: bool) -> None:
+    def push(self, sample: torch.Tensor, stamp: int, *, with_max: bool) -> None:
         self._row_views[self.pos].copy_(sample)
+        self._stamp_views[self.pos].fill_(stamp)
         self.pos = (self.pos + 1) % self.rows
         self.filled = min(self.rows, self.filled + 1)
         if with_max:
@@ -689,3 +717,19 @@ class _History:
 
     def newest(self) -> torch.Tensor:
         return self._row_views[(self.pos - 1) % self.rows]
+
+    def newest_stamp(self) -> torch.Tensor:
+        return self._stamp_views[(self.pos - 1) % self.rows]
+
+    def resized(self, rows: int) -> _History:
+        """A history of `rows` rows holding this one's newest samples, oldest first."""
+        out = _History(rows, self.buf.shape[1], self.buf.device)
+        keep = min(self.filled, rows)
+        order = [(self.pos - keep + k) % self.rows for k in range(keep)]
+        if keep:
+            index = torch.tensor(order, device=self.buf.device)
+            out.buf[:keep] = self.buf.index_select(0, index)
+            out.stamps[:keep] = self.stamps.index_select(0, index)
+        out.pos, out.filled = keep % rows, keep
+        out.to(None)  # the maximum over the kept rows
+        return out

@@ -584,7 +584,8 @@ def memory_run(job: Job, args: argparse.Namespace, url: str, spill: str) -> list
         Cost(
             "trainvitals agent, default config",
             "per step: loss, grad norm, per-group gradient norms, step/compute/wait times, tokens, FLOPs; "
-            "every 20th: exact FP8 amax of every Linear input/weight/grad_output + headroom/lag/staleness; "
+            f"every {_nth(stats.get('fp8_every_steps', 20))}: exact FP8 amax of every Linear input/weight/grad_output "
+            "+ headroom/lag/staleness; "
             "every 200th: saturation, underflow, crest, non-finite; shipped to the collector and analysed",
             run_cpu - base_step_cpu,
             amortised_cpu,
@@ -606,6 +607,10 @@ def memory_run(job: Job, args: argparse.Namespace, url: str, spill: str) -> list
     lines.append(
         f"  clipping beyond torch's as the difference of the two runs' means: {(agent_clip - base_clip) * 1e3:+.3f} ms "
         f"(CPU {(agent_clip_cpu - base_clip_cpu) * 1e3:+.3f} ms; noisier than the paired steps, shown for comparison)"
+    )
+    lines.append(
+        f"  FP8 shadow samples every {stats.get('fp8_every_steps', '-')} steps (AgentConfig.fp8_every_steps=20, "
+        "widened once by the agent when a sample costs over fp8_cost_budget of the step: agent/_fp8_cadence.py)"
     )
     lines.append(
         "  agent entry points per step, by kind: "
@@ -800,6 +805,10 @@ class WandbWatchPeer(Peer):
     def stop(self) -> None:
         self.run.unwatch(self.job.model)
         self.run.finish()
+
+
+def _nth(n: int) -> str:
+    return f"{n}th" if n % 10 not in (1, 2, 3) or n % 100 in (11, 12, 13) else f"{n}{'st nd rd'.split()[n % 10 - 1]}"
 
 
 @dataclass(slots=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, cast
 
 import torch
@@ -15,7 +16,7 @@ from torch.utils.hooks import RemovableHandle
 
 from trainvitals.agent._agent import attach
 from trainvitals.agent._config import AgentConfig
-from trainvitals.agent._guard import ErrorBudget, guarded
+from trainvitals.agent._guard import ErrorBudget, guarded, warn_once
 from trainvitals.agent._protocol import TrainingAgent
 
 # `lightning.pytorch.Callback` and `pytorch_lightning.Callback` are distinct classes (the same code
@@ -71,6 +72,49 @@ class _GradsReadyHooks:
         return getattr(self.optimizer, name)
 
 
+class _RecordedCheckpointIO:
+    """Stands in for the strategy's CheckpointIO while the agent is attached: each checkpoint file
+    Lightning writes through it (ModelCheckpoint, `trainer.save_checkpoint`; on DDP, global rank 0
+    writes) becomes a checkpoint generation (started, then persisted or failed, with the stall, the
+    size and a checksum), which `trainvitals query rollback` and the cadence advisor read.
+    Everything else goes to the real one.
+
+    Why not on_save_checkpoint: Lightning calls it while building the checkpoint dict, on every
+    rank, before anything is written and without the path; the write is here.
+    """
+
+    def __init__(self, inner: Any, agent: TrainingAgent) -> None:
+        self.inner = inner
+        self.agent = agent
+        self.writes = 0
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        self.writes += 1
+        # The state holds `global_step` optimizer steps, numbered from 0 as the step records are:
+        # the last of them is the step a resume continues after (on_train_start's loaded()).
+        step = max(int(checkpoint.get("global_step", 0)) - 1, 0)
+        with self.agent.checkpoint(step=step, path=path) as handle:
+            self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            handle.track(_async_write_done(self.inner))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _async_write_done(io: Any) -> Future[None] | None:
+    """For Lightning's AsyncCheckpointIO (its one worker thread writes in order): a future that
+    completes after the write just queued, failing as it failed. None: the write is done."""
+    executor = getattr(io, "_executor", None)
+    if not isinstance(executor, ThreadPoolExecutor) or not hasattr(io, "_error"):
+        return None
+
+    def written() -> None:
+        if io._error is not None:
+            raise io._error
+
+    return executor.submit(written)
+
+
 def _loss_tensor(outputs: Any) -> torch.Tensor | None:
     """The loss in what training_step returned: a tensor, or a mapping with a 'loss' key."""
     if isinstance(outputs, torch.Tensor):
@@ -120,8 +164,13 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
     stepped: a loss scaler (fp16's GradScaler) skips optimizer.step() on inf/NaN gradients while
     Lightning still counts the step, and such a step is sent as skipped, not as a divergence.
 
-    Also: a `resume` event when fit() starts from a checkpoint, a `note` event per checkpoint
-    save, a `failure` event when fit() raises, and close() (flush, hooks removed) when fit() ends.
+    Checkpoints: each file Lightning writes through its CheckpointIO (ModelCheckpoint,
+    `trainer.save_checkpoint`, with any CheckpointIO plugin, AsyncCheckpointIO included) is a
+    checkpoint generation numbered by the last step it holds; strategies that write their own
+    files (FSDP's sharded state dict, DeepSpeed) are said once, not recorded.
+
+    Also: a `resume` event when fit() starts from a checkpoint, a `failure` event when fit()
+    raises, and close() (flush, hooks removed) when fit() ends.
     """
 
     def __init__(
@@ -153,6 +202,10 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         self._loss: torch.Tensor | None = None
         self._tokens = 0
         self._lr: float | None = None
+        self._strategy: Any = None
+        self._recorded_io: _RecordedCheckpointIO | None = None
+        self._writes_at_save: int | None = None  # the recorded writes when a save began (global rank 0)
+        self._said: set[tuple[str, str]] = set()
 
     # ------------------------------------------------------------------ attach / close
 
@@ -171,10 +224,40 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
                 out[key] = value
         return out
 
+    def _record_checkpoint_writes(self, trainer: pl.Trainer) -> None:
+        assert self.agent is not None
+        strategy = trainer.strategy
+        io = strategy.checkpoint_io  # resolved by the strategy (its default, or the job's plugin)
+        if isinstance(io, _RecordedCheckpointIO):  # left by an earlier fit that did not end cleanly
+            io = io.inner
+        self._strategy, self._recorded_io = strategy, _RecordedCheckpointIO(io, self.agent)
+        strategy.checkpoint_io = cast(Any, self._recorded_io)  # duck-typed: the strategy only calls its methods
+
+    def _check_save_recorded(self) -> None:
+        """A save Lightning made without its CheckpointIO (FSDP's sharded state dict, DeepSpeed
+        write their own files) is not a recorded generation: said once, with what to do."""
+        began, self._writes_at_save = self._writes_at_save, None
+        if began is None or self._recorded_io is None or self._recorded_io.writes > began:
+            return
+        strategy = type(self._strategy).__name__
+        warn_once(
+            self._said,
+            ("lightning", "checkpoint unrecorded"),
+            f"{strategy} saved a checkpoint without Lightning's CheckpointIO: it is not recorded as a checkpoint "
+            "generation, so `trainvitals query rollback` cannot name it; record your saves with "
+            "`with callback.agent.checkpoint(step=..., path=...)` around them",
+        )
+
     def _close(self) -> None:
+        self._check_save_recorded()
         if self._attached and self.agent is not None:
             self.agent.close()
         self._attached = False
+        recorded, strategy = self._recorded_io, self._strategy
+        if recorded is not None and strategy is not None and getattr(strategy, "_checkpoint_io", None) is recorded:
+            strategy.checkpoint_io = recorded.inner  # the job's own again
+        self._strategy = None
+        self._recorded_io = None
         if self._applied_hook is not None:
             self._applied_hook.remove()
             self._applied_hook = None
@@ -200,6 +283,7 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
             registration=self._registration(trainer),
         )
         self._attached = True
+        self._record_checkpoint_writes(trainer)
         self._last_global_step = trainer.global_step
         self._loss, self._tokens, self._lr = None, 0, None
         if trainer.global_step > 0:
@@ -235,6 +319,7 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
     ) -> None:
         if not self._attached or self.agent is None:
             return
+        self._check_save_recorded()
         loss = _loss_tensor(outputs)
         if loss is not None:
             loss = loss.detach()
@@ -263,14 +348,12 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        # Lightning calls this while building the checkpoint dict; the file path is chosen by
-        # whoever saves (ModelCheckpoint, trainer.save_checkpoint), so only the step is known here.
-        if self._attached and self.agent is not None:
-            self.agent.event(
-                "note",
-                step=max(trainer.global_step - 1, 0),
-                detail=f"checkpoint saved after {trainer.global_step} optimizer steps",
-            )
+        # Lightning calls this while building the checkpoint dict, before the write: the write
+        # itself is recorded by _RecordedCheckpointIO. Global rank 0 writes (DDP): it checks, at
+        # the next hook, that the write went through the CheckpointIO.
+        self._check_save_recorded()
+        if self._attached and self._recorded_io is not None and trainer.is_global_zero:
+            self._writes_at_save = self._recorded_io.writes
 
     @guarded()
     def on_exception(

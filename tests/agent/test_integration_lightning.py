@@ -71,6 +71,8 @@ def _fit(
     save_to: Path | None = None,
     collector: str = "",
     plugins: list[Any] | None = None,
+    checkpoint: Any = None,
+    strategy: Any = "auto",
 ) -> tuple[Any, TrainvitalsLightningCallback, list[Any], RunRegistration]:
     torch.manual_seed(0)
     module = _module_class(namespace)()
@@ -85,11 +87,12 @@ def _fit(
         accumulate_grad_batches=accumulate,
         accelerator="cpu",
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=checkpoint is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[callback],
+        callbacks=[callback] if checkpoint is None else [callback, checkpoint],
         plugins=plugins,
+        strategy=strategy,
     )
     trainer.fit(module, _data(), ckpt_path=ckpt_path)
     if save_to is not None:
@@ -228,3 +231,81 @@ def test_steps_reach_a_real_collector(collector: Any, tmp_path: Path) -> None:
     with collector.app.state.sessionmaker() as session:
         assert queries.count_step_rows(session, run_id="pl-live") == 8
         assert queries.list_runs(session)[0].status == "finished"
+
+
+def _written(records: list[Any]) -> list[tuple[int, str, str]]:
+    return [(r.step, r.status, Path(r.path).name) for r in records if r.kind == "checkpoint"]
+
+
+def test_each_checkpoint_lightning_writes_is_a_generation_rollback_can_name(collector: Any, tmp_path: Path) -> None:
+    """ModelCheckpoint's files were recorded only as notes (from every rank, before the write, without
+    the path): no generation, so `query rollback` answered "none" for every Lightning run and the
+    cadence advisor had no write time. Now each write is a generation, numbered by the last step
+    the file holds (what the resume's loaded() continues after)."""
+    import hashlib
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from trainvitals.service.store import queries
+
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    module, _, records, _ = _fit(tmp_path, name="saves", max_steps=12, checkpoint=saver, collector=collector.url)
+    names = ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt", "epoch=0-step=12.ckpt"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == sorted(names)
+    steps = zip((3, 7, 11), names, strict=True)
+    assert _written(records) == [(step, status, name) for step, name in steps for status in ("started", "persisted")]
+    assert not any(r.kind == "event" and r.event == "note" for r in records)
+    for r in (r for r in records if r.kind == "checkpoint" and r.status == "persisted"):
+        data = Path(r.path).read_bytes()
+        assert r.bytes == len(data) and r.checksum == "sha256:" + hashlib.sha256(data).hexdigest()
+        assert r.stall_seconds is not None and r.stall_seconds > 0
+    # The job's own CheckpointIO is back on the strategy once fit() has ended.
+    assert type(module.trainer.strategy.checkpoint_io).__name__ == "TorchCheckpointIO"
+
+    with collector.app.state.sessionmaker() as session:
+        answer = queries.rollback_target(session, run_id="pl-saves")
+        gens = queries.checkpoint_generations(session, run_id="pl-saves")
+    assert [(g["step"], g["status"]) for g in gens] == [(3, "verified"), (7, "verified"), (11, "verified")]
+    assert answer["target"]["path"] == str(tmp_path / "ckpt" / names[-1]) and answer["verified"]
+
+
+def test_an_async_checkpoint_io_write_is_persisted_when_its_thread_wrote_it(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1)
+    _, callback, records, _ = _fit(
+        tmp_path, name="async", max_steps=10, checkpoint=saver, plugins=[AsyncCheckpointIO()]
+    )
+    assert _written(records) == [
+        (4, "started", "epoch=0-step=5.ckpt"), (4, "persisted", "epoch=0-step=5.ckpt"),
+        (9, "started", "epoch=0-step=10.ckpt"), (9, "persisted", "epoch=0-step=10.ckpt"),
+    ]  # fmt: skip
+    for r in (r for r in records if r.kind == "checkpoint" and r.status == "persisted"):
+        assert r.bytes == Path(r.path).stat().st_size > 0
+        assert r.persist_seconds >= r.stall_seconds  # durable when the plugin's thread had written it
+    assert callback._errors.errors == 0
+
+
+def test_a_strategy_that_writes_its_own_checkpoints_is_said_once(tmp_path: Path, caplog: Any) -> None:
+    """FSDP's sharded state dict and DeepSpeed write without Lightning's CheckpointIO: nothing to
+    record there, and the user is told so instead of finding no generation at rollback time."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class WritesItself(lp.strategies.SingleDeviceStrategy):  # type: ignore[misc]
+        def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+            Path(filepath).parent.mkdir(parents=True, exist_ok=True)
+            torch.save(checkpoint, filepath)
+
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    with caplog.at_level("WARNING", logger="trainvitals"):
+        _, _, records, _ = _fit(
+            tmp_path, name="own", max_steps=9, checkpoint=saver, strategy=WritesItself(torch.device("cpu"))
+        )
+    assert len(list((tmp_path / "ckpt").iterdir())) == 3 and _written(records) == []
+    said = [r.getMessage() for r in caplog.records if "CheckpointIO" in r.getMessage()]
+    assert said == [
+        "trainvitals agent: WritesItself saved a checkpoint without Lightning's CheckpointIO: it is not recorded "
+        "as a checkpoint generation, so `trainvitals query rollback` cannot name it; record your saves with "
+        "`with callback.agent.checkpoint(step=..., path=...)` around them"
+    ]
