@@ -253,9 +253,11 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         if self._attached and self.agent is not None:
             self.agent.close()
         self._attached = False
-        recorded, strategy = self._recorded_io, self._strategy
-        if recorded is not None and strategy is not None and getattr(strategy, "_checkpoint_io", None) is recorded:
-            strategy.checkpoint_io = recorded.inner  # the job's own again
+        recorded = self._recorded_io
+        if recorded is not None:
+            job_io = recorded.inner
+            if getattr(self._strategy, "_checkpoint_io", None) is recorded:
+                self._strategy.checkpoint_io = job_io  # the job's own again
         self._strategy = None
         self._recorded_io = None
         if self._applied_hook is not None:
