@@ -7,8 +7,8 @@ model: docs/performance-agent.md), 0.39% of every step at one sample in 20 befor
 the agent does. So after a short warm-up the agent compares the mean cost of a sample with the
 median step and, when sampling every `fp8_every_steps` would take more than `fp8_cost_budget` of
 the step time, samples every 2x or 4x that instead, and says so once. Decided once, not tracked:
-the tensors' series keep one spacing, and the same machine always gives the same cadence for the
-same job, loaded or not (load slows the step and the reads alike). Powers of two of the base, so
+the tensors' series keep one spacing, and load moves the step and the reads alike (that Xeon
+at half speed an hour later: 15.2 ms of a 241 ms step, the same choice). Powers of two of the base, so
 ranks that decide differently still sample common steps (every 4x step is a 2x and a 1x step).
 """
 

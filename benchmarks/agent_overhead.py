@@ -117,8 +117,9 @@ server.serve_forever()
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "default": {},
-    "full": {"fp8_every_steps": 1, "fp8_expensive_every_steps": 1},
-    "cheap-every-step": {"fp8_every_steps": 1},
+    # Fixed cadences: fp8_cost_budget=0, or the agent would widen them where a sample is dear.
+    "full": {"fp8_every_steps": 1, "fp8_expensive_every_steps": 1, "fp8_cost_budget": 0},
+    "cheap-every-step": {"fp8_every_steps": 1, "fp8_cost_budget": 0},
     "fp8-off": {"fp8": "off"},
 }
 """Agent configurations by name: AgentConfig overrides on top of the defaults. --configs also
