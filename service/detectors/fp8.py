@@ -171,12 +171,13 @@ def detect_clipping(ts: TensorSeries, run: str, quiet: np.ndarray, cfg: Fp8Confi
     if not clip.any():
         return []
     at = ts.steps[clip]
-    counts = trailing_count(at, at, cfg.clip_window_steps)
+    window = _clip_window(ts, cfg)
+    counts = trailing_count(at, at, window)
     hits = np.flatnonzero(counts >= cfg.clip_min_steps)
     if len(hits) == 0:
         return []
     fired = int(at[hits[0]])
-    onset = int(at[np.searchsorted(at, fired - cfg.clip_window_steps, side="right")])
+    onset = int(at[np.searchsorted(at, fired - window, side="right")])
     since = clip & (ts.steps >= onset)
     worst = float(np.min(h[since]))
     last = int(ts.steps[-1])
@@ -194,10 +195,21 @@ def detect_clipping(ts: TensorSeries, run: str, quiet: np.ndarray, cfg: Fp8Confi
                 f"FP8 clipping on {subject_of(ts)} ({ts.format}): {n} clipped steps since step {onset}, "
                 f"worst headroom {worst:.1f} bits"
             ),
-            active=int(at[-1]) > last - cfg.clip_window_steps,
+            active=int(at[-1]) > last - window,
             detected=fired,
         )
     ]
+
+
+def _clip_window(ts: TensorSeries, cfg: Fp8Config) -> int:
+    """clip_window_steps, or wide enough for clip_min_steps + 2 samples of a sparsely sampled shadow
+    tensor: at the default every 20 steps the rule is 3 clipped of 5 samples, and an agent that
+    samples every 40 or 80 steps where a sample is dear (agent/_fp8_cadence.py) keeps it (with
+    100 steps, 80 apart, no tensor could ever collect 3)."""
+    if len(ts.steps) < 2:
+        return cfg.clip_window_steps
+    spacing = int(np.median(np.diff(ts.steps[-32:])))
+    return max(cfg.clip_window_steps, spacing * (cfg.clip_min_steps + 2))
 
 
 def detect_jumps(ts: TensorSeries, run: str, quiet: np.ndarray, cfg: Fp8Config) -> list[Finding]:

@@ -58,6 +58,23 @@ def test_clipping(series, tensor, clip_steps: list[int], headroom: float, sat: f
         assert f.subject_kind == "tensor" and f.subject == "layers.3.fc:input" and f.magnitude == headroom
 
 
+@pytest.mark.parametrize("every", [20, 40, 80])
+def test_clipping_of_a_sampled_shadow_tensor_is_three_of_five_samples_at_any_cadence(
+    series, tensor, every: int
+) -> None:
+    """The agent samples shadow tensors every 20 steps, or every 40 or 80 where a sample is dear:
+    100 steps then held 2 samples, and 3 clipped ones could never be seen."""
+    n = 4000 // every
+    h = _h()[:n]
+    h[[30, 31, 32]] = -2.0  # three clipped samples in a row
+    t = tensor(h, shadow=True)
+    t.steps = np.arange(n, dtype=np.int64) * every
+    (f,) = [f for f in _run(series, [t]) if f.kind == "fp8_clipping"]
+    assert f.onset_step == 30 * every and f.detected_step == 32 * every
+    h[32] = 0.3  # two of five: a jump, not a regime
+    assert not [f for f in _run(series, [t]) if f.kind == "fp8_clipping"]
+
+
 def test_shadow_tensor_is_information_only(series, tensor) -> None:
     h = _h()
     h[[2000, 2010, 2020]] = -2.0
