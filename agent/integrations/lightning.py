@@ -112,7 +112,10 @@ def _async_write_done(io: Any) -> Future[None] | None:
         if io._error is not None:
             raise io._error
 
-    return executor.submit(written)
+    try:
+        return executor.submit(written)
+    except RuntimeError:  # shut down meanwhile: nothing is queued behind it, so the write is done
+        return None
 
 
 def _loss_tensor(outputs: Any) -> torch.Tensor | None:
@@ -285,7 +288,6 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
             registration=self._registration(trainer),
         )
         self._attached = True
-        self._record_checkpoint_writes(trainer)
         self._last_global_step = trainer.global_step
         self._loss, self._tokens, self._lr = None, 0, None
         if trainer.global_step > 0:
@@ -300,6 +302,7 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
                     step=trainer.global_step - 1,
                     detail=f"Lightning fit resumed from {trainer.ckpt_path}",
                 )
+        self._record_checkpoint_writes(trainer)  # last: the steps above hold whatever it meets
 
     @guarded()
     def _note_applied(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
