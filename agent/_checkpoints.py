@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -86,6 +87,7 @@ class CheckpointRecorder:
         self._said: set[tuple[str, str]] = set() if said is None else said  # the agent's: said once
         self._pool: ThreadPoolExecutor | None = None
         self._pending: set[Future[None]] = set()
+        self._saving: set[threading.Event] = set()  # async saves not yet done (set when done)
 
     def _record(
         self,
@@ -135,13 +137,20 @@ class CheckpointRecorder:
         self._finish(_Generation.of(step, generation, path), stall=stall, persist=None)
 
     def _track_async(self, future: Any, gen: _Generation, *, t0: float, stall: float) -> None:
+        finished = threading.Event()
+        self._saving.add(finished)
+
         def done(fut: Any) -> None:
-            persist = time.perf_counter() - t0
-            exc = fut.exception() if hasattr(fut, "exception") else None
-            if exc is not None:
-                self._record(gen, "failed", stall=stall, persist=persist, error=repr(exc)[:4000])
-            else:
-                self._finish(gen, stall=stall, persist=persist)
+            try:
+                persist = time.perf_counter() - t0
+                exc = fut.exception() if hasattr(fut, "exception") else None
+                if exc is not None:
+                    self._record(gen, "failed", stall=stall, persist=persist, error=repr(exc)[:4000])
+                else:
+                    self._finish(gen, stall=stall, persist=persist)
+            finally:
+                finished.set()
+                self._saving.discard(finished)
 
         future.add_done_callback(done)
 
@@ -168,13 +177,21 @@ class CheckpointRecorder:
                 size, digest = None, None
             self._record(gen, "persisted", stall=stall, persist=persist, size=size, checksum=digest)
 
-        fut: Future[None] = self._pool.submit(hash_and_record)
+        try:
+            fut: Future[None] = self._pool.submit(hash_and_record)
+        except RuntimeError:  # closed: an async save that outlived close()'s wait, recorded as it is
+            self._record(gen, "persisted", stall=stall, persist=persist)
+            return
         self._pending.add(fut)
         fut.add_done_callback(self._pending.discard)
 
     def close(self, timeout: float) -> None:
-        """Wait (bounded) for pending checksums so their records make the final flush."""
+        """Wait (bounded, `timeout` in all) for async saves still writing, then for pending
+        checksums, so that their records make the final flush."""
+        deadline = time.monotonic() + timeout
+        for finished in list(self._saving):
+            finished.wait(max(0.0, deadline - time.monotonic()))
         if self._pool is None:
             return
-        wait(list(self._pending), timeout=timeout)
+        wait(list(self._pending), timeout=max(0.0, deadline - time.monotonic()))
         self._pool.shutdown(wait=False)

@@ -70,6 +70,29 @@ def test_async_save_persists_when_its_future_completes(tmp_path: Path) -> None:
     assert rec[1].persist_seconds >= 0.05 > rec[1].stall_seconds
 
 
+def test_close_waits_for_an_async_save_still_writing(tmp_path: Path) -> None:
+    """A job that closes the agent right after its last async save (dcp.async_save, Lightning's
+    AsyncCheckpointIO) lost that generation's persisted record: close() shut the checksum pool
+    while the write went on, and the write's end raised 'cannot schedule new futures after shutdown'."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    agent, model = _agent(tmp_path)
+    path = tmp_path / "last.pt"
+
+    def write() -> None:
+        time.sleep(0.3)
+        torch.save(model.state_dict(), path)
+
+    with ThreadPoolExecutor(1) as writer:
+        with agent.checkpoint(step=9, path=path) as ck:
+            ck.track(writer.submit(write))
+        agent.close()
+    rec = _checkpoint_records(tmp_path)
+    assert [r.status for r in rec] == ["started", "persisted"]
+    assert rec[1].bytes == path.stat().st_size and rec[1].checksum is not None
+    assert rec[1].persist_seconds >= 0.3 > rec[1].stall_seconds
+
+
 def test_dcp_save_directory_checksum_and_after_the_fact_record(tmp_path: Path) -> None:
     agent, model = _agent(tmp_path)
     ckpt = tmp_path / "dcp-10"
