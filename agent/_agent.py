@@ -107,9 +107,8 @@ class Agent:
         self._fp8 = self._make_fp8_monitors(model, registration.get("fp8", {}))
         # The shadow monitor (hooks on sampled steps only) and how often it samples.
         self._fp8_shadow = next((m for m in self._fp8 if m.shadow), None)
-        self._fp8_cadence = (
-            Fp8Cadence(self._fp8_shadow.every, config.fp8_cost_budget) if self._fp8_shadow is not None else None
-        )
+        cadence = Fp8Cadence(self._fp8_shadow.every, config.fp8_cost_budget) if self._fp8_shadow is not None else None
+        self._fp8_cadence = cadence if cadence is not None and not cadence.decided else None  # None once decided
         self._checkpoints = CheckpointRecorder(
             self._exporter.emit, checksum=config.checksum, on_error=self._errors.record, said=self._said
         )
@@ -302,7 +301,7 @@ class Agent:
         self._stack_monitors(stack)
         self._exporter.emit(stack.sample(fields))
         self._step += 1
-        if self._fp8_cadence is not None and not self._fp8_cadence.decided:
+        if self._fp8_cadence is not None:
             self._decide_fp8_cadence(fields["step_seconds"])
         for fp8 in self._fp8:
             # Registers the monitor's module hooks for a sampled step, removes them for the others:
@@ -318,6 +317,8 @@ class Agent:
         if every is not None:
             shadow.set_every(every)
             logger.warning("trainvitals agent: %s", cadence.notice(base))
+        if cadence.decided:
+            self._fp8_cadence = None  # the ordinary step tests one attribute from here on
 
     def _stop_if_wrong_rank(self) -> bool:
         """Stop the agent, say why and return True when the process group puts this process at another

@@ -33,6 +33,7 @@ class Fp8Cadence:
         self.every = every
         self.budget = budget
         self.decided = budget <= 0  # a budget of 0 keeps the configured cadence
+        self.sample_cost = self.step_seconds = math.nan  # what the decision saw (set by choose)
         self._samples = 0
         self._costs: list[float] = []
         self._steps: list[float] = []
