@@ -6,6 +6,11 @@ element of the global gradient exactly once: shards summed once, replicas counte
 collector takes sqrt(sum over ranks of owned_sq); replicas' local_sq must agree, which makes
 silent corruption of one replica visible.
 
+Every parameter of the model is watched, frozen ones too: a job that unfreezes layers as it
+trains (a frozen backbone, Lightning's BaseFinetuning) has their gradients counted from the first
+step they hold one. A group is reported at a step only when one of its parameters has a gradient
+there: "no gradient" is not a norm of 0.
+
 Ownership, per parameter, decided once the process group exists (at attach, or at the first step
 with gradients when attach() ran before init_process_group: until then every parameter looked
 owned, and each DDP replica would have counted the whole gradient):
@@ -89,7 +94,9 @@ class GradNormTracker:
     """
 
     def __init__(self, model: nn.Module, *, groups: str = "block", ownership: str = "auto") -> None:
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        # Frozen parameters too (their grad is None, skipped per step): until 2026-11-29 only those
+        # trainable at attach were watched, and layers unfrozen later were left out of every norm.
+        named = list(model.named_parameters())
         self._params = [p for _, p in named]
         if groups == "param":
             names = [clean_name(n) for n, _ in named]
@@ -106,6 +113,7 @@ class GradNormTracker:
         self._decoders: dict[tuple[int, ...], Decoder] = {}
         self._clip_key: tuple[int, ...] = ()
         self._clip_ok = False
+        self._not_clipped: list[torch.Tensor] = []  # the tracker's parameters outside the clipped list
         self._sparse = False  # the model has sparse gradients: _norms() takes them apart
 
     def compute_with_total(self, params: list[torch.Tensor]) -> tuple[GradNorms, torch.Tensor] | None:
@@ -120,10 +128,13 @@ class GradNormTracker:
         key = tuple(map(id, params))
         if key != self._clip_key:  # decided once per parameter list (the same list every step)
             plain = all(getattr(p, "placements", None) is None for p in params)
-            trainable = {id(p) for p in params if p.requires_grad}
-            self._clip_ok = plain and trainable == {id(p) for p in self._params}
+            self._clip_ok = plain and set(key) <= {id(p) for p in self._params}
+            clipped = set(key)
+            self._not_clipped = [p for p in self._params if id(p) not in clipped]
             self._clip_key = key
-        if not self._clip_ok:
+        # A list of the parameters trainable when it was built (filter(requires_grad)) holds the same
+        # gradients as long as the ones it leaves out have none: not after they are unfrozen.
+        if not self._clip_ok or any(p.grad is not None for p in self._not_clipped):
             return None
         grads = self.compute()
         if grads is None:
@@ -177,7 +188,8 @@ class GradNormTracker:
 
     def records(self, groups: list[int], owned: list[float], step: int, norms: Sequence[float]) -> list[JsonObject]:
         """Wire-format grad records from one step's copied-back per-parameter norms (the exporter
-        thread; `compute()` binds groups and owned, per parameter with a gradient).
+        thread; `compute()` binds groups and owned, per parameter with a gradient). A group none of
+        whose parameters has a gradient (frozen, or unused this step) gets no record.
 
         Python floats, within float32's range as the device's float32 sums were: a square or sum
         past it is inf, so a parameter whose squared norm overflows counts as non-finite. As before,
@@ -191,16 +203,14 @@ class GradNormTracker:
                 local[k] += sq
                 owned_sq[k] += sq * own
                 nonfinite[k] += bad
-        out: list[JsonObject] = []
         single = n == 1 and self.group_names[0] == GLOBAL_GROUP
-        names = [*([] if single else self.group_names), GLOBAL_GROUP]
-        for k, name in zip([*([] if single else range(n)), n], names, strict=True):
-            out.append(
-                grad_record(
-                    step=step, group=name, owned_sq=_f32(owned_sq[k]), local_sq=_f32(local[k]), nonfinite=nonfinite[k]
-                )
-            )
-        return out
+        shown = [] if single else sorted(set(groups))  # groups with no gradient this step are not a 0
+        names = [*(self.group_names[k] for k in shown), GLOBAL_GROUP]
+        return [
+            grad_record(step=step, group=name, owned_sq=_f32(owned_sq[k]), local_sq=_f32(local[k]),
+                        nonfinite=nonfinite[k])  # fmt: skip
+            for k, name in zip([*shown, n], names, strict=True)
+        ]
 
 
 def _f32(x: float) -> float:

@@ -92,8 +92,41 @@ def test_missing_gradients_are_skipped() -> None:
     grads = GradNormTracker(model).compute()
     assert grads is not None and grads.norms.numel() == 1  # the head's weight (no bias)
     records = {r["group"]: r for r in grads.decode(0, grads.norms.tolist())}
-    assert records["layers.0"]["local_sq"] == 0.0
-    assert records["head"]["local_sq"] > 0
+    assert set(records) == {"head", GLOBAL_GROUP}  # no gradient is not a norm of 0: no record
+    assert records["head"]["local_sq"] == records[GLOBAL_GROUP]["local_sq"] > 0
+
+
+def _step_records(tracker: GradNormTracker, model: nn.Module, step: int) -> dict[str, dict]:
+    model.zero_grad(set_to_none=True)
+    model(torch.randint(0, 10, (4, 5))).pow(2).mean().backward()
+    grads = tracker.compute()
+    assert grads is not None
+    return {r["group"]: r for r in grads.decode(step, grads.norms.tolist())}
+
+
+def test_layers_unfrozen_after_attach_count_from_their_first_gradient() -> None:
+    """A frozen backbone unfrozen later (Lightning's BaseFinetuning, a fine-tune's warm-up): until
+    2026-11-29 the tracker watched only the parameters trainable when it was made, so after the
+    unfreeze the global norm left the backbone out and read below clip_grad_norm_'s."""
+    torch.manual_seed(0)
+    model = Tiny()
+    for frozen in (model.emb, model.layers[0]):
+        frozen.requires_grad_(False)
+    tracker = GradNormTracker(model, groups="block")
+
+    frozen_step = _step_records(tracker, model, 0)
+    assert set(frozen_step) == {"layers.1", "layers.2", "head", GLOBAL_GROUP}
+    expected = nn.utils.clip_grad_norm_(model.parameters(), max_norm=float("inf")).item()
+    assert math.sqrt(frozen_step[GLOBAL_GROUP]["owned_sq"]) == pytest.approx(expected, rel=1e-5)
+
+    for unfrozen in (model.emb, model.layers[0]):
+        unfrozen.requires_grad_(True)
+    unfrozen_step = _step_records(tracker, model, 1)
+    assert set(unfrozen_step) == {"emb", "layers.0", "layers.1", "layers.2", "head", GLOBAL_GROUP}
+    expected = nn.utils.clip_grad_norm_(model.parameters(), max_norm=float("inf")).item()
+    assert math.sqrt(unfrozen_step[GLOBAL_GROUP]["owned_sq"]) == pytest.approx(expected, rel=1e-5)
+    emb = model.emb.weight.grad.pow(2).sum().item()
+    assert unfrozen_step["emb"]["owned_sq"] == pytest.approx(emb, rel=1e-5)
 
 
 # --------------------------------------------------------------------------- Agent.clip_grad_norm_
@@ -195,6 +228,42 @@ def test_agent_clip_falls_back_to_torch_where_one_pass_cannot_answer(tmp_path, c
     # measured before clipping (grads_ready), so the global norm is the unclipped L2 total
     ours_grads = _recorded_grads(record)[0]
     assert ours_grads[GLOBAL_GROUP]["owned_sq"] > 0.01**2
+
+
+def test_agent_clip_after_an_unfreeze_clips_the_jobs_list_and_measures_every_gradient(tmp_path) -> None:
+    """The job clips the list of parameters trainable when it built it, then unfreezes a layer: its
+    clip must stay torch's over that list, and the measured global norm must count the unfrozen
+    layer's gradient too (the list's one pass no longer gives both, so the agent measures apart)."""
+    agent, opt, ours, theirs, x, record = _attached_twins(tmp_path)
+    for model in (ours, theirs):
+        model.layers[0].requires_grad_(False)
+    ours_list = [p for p in ours.parameters() if p.requires_grad]
+    theirs_list = [p for p in theirs.parameters() if p.requires_grad]
+    totals, expected, every = [], [], []
+    try:
+        for step in range(2):
+            if step == 1:
+                for model in (ours, theirs):
+                    model.layers[0].requires_grad_(True)
+            for model in (ours, theirs):
+                model.zero_grad(set_to_none=True)
+                model(x).pow(2).mean().backward()
+            every.append(nn.utils.clip_grad_norm_(theirs.parameters(), float("inf")).item())
+            totals.append(agent.clip_grad_norm_(ours_list, max_norm=0.05).item())
+            expected.append(nn.utils.clip_grad_norm_(theirs_list, max_norm=0.05).item())
+            opt.step()
+            agent.step(loss=0.0)
+            with torch.no_grad():  # the twins stay equal: theirs takes the same update
+                for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+                    q.copy_(p)
+    finally:
+        agent.close()
+    assert totals == pytest.approx(expected, rel=1e-6)
+    recorded = _recorded_grads(record)
+    assert "layers.0" not in recorded[0] and "layers.0" in recorded[1]
+    measured = [math.sqrt(recorded[s][GLOBAL_GROUP]["owned_sq"]) for s in (0, 1)]
+    assert measured == pytest.approx(every, rel=1e-5)
+    assert measured[1] > expected[1] * (1 + 1e-4)  # the unfrozen layer's gradient is in it, not in the list
 
 
 def test_noop_agent_clips_like_torch(monkeypatch) -> None:

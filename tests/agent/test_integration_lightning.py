@@ -73,6 +73,7 @@ def _fit(
     plugins: list[Any] | None = None,
     checkpoint: Any = None,
     strategy: Any = "auto",
+    extra: list[Any] | None = None,
 ) -> tuple[Any, TrainvitalsLightningCallback, list[Any], RunRegistration]:
     torch.manual_seed(0)
     module = _module_class(namespace)()
@@ -90,7 +91,7 @@ def _fit(
         enable_checkpointing=checkpoint is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[callback] if checkpoint is None else [callback, checkpoint],
+        callbacks=[callback, *([] if checkpoint is None else [checkpoint]), *(extra or [])],
         plugins=plugins,
         strategy=strategy,
     )
@@ -267,6 +268,27 @@ def test_each_checkpoint_lightning_writes_is_a_generation_rollback_can_name(coll
         gens = queries.checkpoint_generations(session, run_id="pl-saves")
     assert [(g["step"], g["status"]) for g in gens] == [(3, "verified"), (7, "verified"), (11, "verified")]
     assert answer["target"]["path"] == str(tmp_path / "ckpt" / names[-1]) and answer["verified"]
+
+
+def test_layers_unfrozen_during_fit_count_in_the_gradient_norm(tmp_path: Path) -> None:
+    """A backbone frozen before fit and unfrozen at step 6 (what BaseFinetuning does, with an
+    optimizer over every parameter): until 2026-11-29 the agent watched only the parameters that
+    were trainable when it attached, and from step 6 on its global norm left the layers out."""
+
+    class UnfreezeAtStep6(lp.Callback):  # type: ignore[misc]
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            pl_module.layers.requires_grad_(False)
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if trainer.global_step == 6:
+                pl_module.layers.requires_grad_(True)
+
+    module, _, records, _ = _fit(tmp_path, name="unfreeze", extra=[UnfreezeAtStep6()])
+    grads = [r for r in records if r.kind == "grad" and r.group == "__global__"]
+    assert [g.step for g in grads] == list(range(12))
+    assert [math.sqrt(g.owned_sq) for g in grads] == pytest.approx(module.grad_norms, rel=1e-5)
+    layer_steps = sorted({r.step for r in records if r.kind == "grad" and r.group.startswith("layers.")})
+    assert layer_steps == list(range(6, 12))  # no gradient before the unfreeze: no record, not a 0
 
 
 def test_an_async_checkpoint_io_write_is_persisted_when_its_thread_wrote_it(tmp_path: Path) -> None:
