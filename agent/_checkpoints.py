@@ -1,6 +1,11 @@
 """Checkpoint generations: one line around a save records started / persisted / failed, the stall
 (training blocked), the time to durability, the size and a content checksum. Hashing runs on a
-background thread, never on the training thread."""
+background thread, never on the training thread.
+
+A generation whose files are gone later is recorded once more, as deleted: a job's retention
+(HF `save_total_limit`, Lightning `save_top_k`, a `keep_last` of its own) removes old saves, and a
+save to a fixed path overwrites the one before. `trainvitals query rollback` must not name those.
+Local paths only (an object store's URL is not for os.path), checked after each save and at close."""
 
 from __future__ import annotations
 
@@ -88,6 +93,9 @@ class CheckpointRecorder:
         self._pool: ThreadPoolExecutor | None = None
         self._pending: set[Future[None]] = set()
         self._saving: set[threading.Event] = set()  # async saves not yet done (set when done)
+        # Local path -> the generation whose content it holds, for the generations still on disk.
+        # Touched on the checksum thread only (one worker), so it needs no lock.
+        self._on_disk: dict[str, _Generation] = {}
 
     def _record(
         self,
@@ -166,8 +174,6 @@ class CheckpointRecorder:
                 warn_once(self._said, ("checkpoint path", "missing"), text)
             self._record(gen, "persisted", stall=stall, persist=persist)
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainvitals-checksum")
 
         def hash_and_record() -> None:
             try:
@@ -176,14 +182,49 @@ class CheckpointRecorder:
                 self._on_error("checksum", exc)
                 size, digest = None, None
             self._record(gen, "persisted", stall=stall, persist=persist, size=size, checksum=digest)
+            self._keep(gen, path)
 
+        self._submit(hash_and_record, or_else=lambda: self._record(gen, "persisted", stall=stall, persist=persist))
+
+    def _submit(self, work: Callable[[], None], *, or_else: Callable[[], None] | None = None) -> None:
+        """Run `work` on the checksum thread; `or_else` here when the pool is closed already (an
+        async save that outlived close()'s wait is recorded as it is)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainvitals-checksum")
         try:
-            fut: Future[None] = self._pool.submit(hash_and_record)
-        except RuntimeError:  # closed: an async save that outlived close()'s wait, recorded as it is
-            self._record(gen, "persisted", stall=stall, persist=persist)
+            fut: Future[None] = self._pool.submit(work)
+        except RuntimeError:
+            if or_else is not None:
+                or_else()
             return
         self._pending.add(fut)
         fut.add_done_callback(self._pending.discard)
+
+    def _keep(self, gen: _Generation, path: str) -> None:
+        """Note that `path` now holds `gen` (taking it from the generation it held before), then
+        record every generation left with no file on disk as deleted (the checksum thread)."""
+        lost: dict[int, tuple[_Generation, str]] = {}
+        before = self._on_disk.get(path)
+        if before is not None and before.generation != gen.generation:
+            lost[before.generation] = (before, f"overwritten at the same path by generation {gen.generation} "
+                                               f"(step {gen.step})")  # fmt: skip
+        self._on_disk[path] = gen
+        self._sweep(lost)
+
+    def _sweep(self, lost: dict[int, tuple[_Generation, str]] | None = None) -> None:
+        """Record as deleted each generation none of whose paths is on disk any more."""
+        lost = {} if lost is None else lost
+        for path, gen in list(self._on_disk.items()):
+            if not os.path.exists(path):
+                del self._on_disk[path]
+                lost[gen.generation] = (
+                    _Generation(gen.step, gen.generation, path),
+                    "removed after its save (the job's retention: save_total_limit, save_top_k, keep_last)",
+                )
+        still = {g.generation for g in self._on_disk.values()}
+        for number, (gen, why) in sorted(lost.items()):
+            if number not in still:
+                self._record(gen, "deleted", error=f"{gen.path} {why}")
 
     def close(self, timeout: float) -> None:
         """Wait (bounded, `timeout` in all) for async saves still writing, then for pending
@@ -193,5 +234,7 @@ class CheckpointRecorder:
             finished.wait(max(0.0, deadline - time.monotonic()))
         if self._pool is None:
             return
+        if self._on_disk:
+            self._submit(self._sweep)  # saves the job removed after its last one
         wait(list(self._pending), timeout=max(0.0, deadline - time.monotonic()))
         self._pool.shutdown(wait=False)

@@ -498,7 +498,7 @@ def _checkpoint_families(snaps: list[snapshot.RunSnapshot], now: float) -> Itera
     )
     records = _gauge(
         "trainvitals_checkpoint_records",
-        "Checkpoint records by status (started, persisted, failed ...)",
+        "Checkpoint records by status (started, persisted, verified, failed; deleted: its files gone since)",
         ["run", "status"],
     )
     for sn in snaps:

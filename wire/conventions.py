@@ -52,7 +52,7 @@ DEFAULT_DETECTOR_WARMUP_STEPS: Final = 300
 loss drop), unless the run registers its own `detector_warmup_steps` or the collector is set
 otherwise (TRAINVITALS_DETECTOR_WARMUP_STEPS)."""
 
-CheckpointStatus = Literal["started", "persisted", "failed", "verified"]
+CheckpointStatus = Literal["started", "persisted", "failed", "verified", "deleted"]
 EventKind = Literal[
     "start", "restart", "resume", "failure", "node_replaced", "phase_change", "rollback", "stop", "note", "dropped"
 ]

@@ -240,7 +240,10 @@ class CheckpointRecord(_Strict):
     kind: Literal["checkpoint"] = "checkpoint"
     step: _Step
     generation: _Count32
-    status: CheckpointStatus
+    status: CheckpointStatus = Field(
+        description="started, then persisted (or failed); verified: persisted with a checksum; deleted: its files "
+        "are gone after the save (the job's retention, or a later save to the same path), so it is no rollback target"
+    )
     ts: _Finite
     path: str | None = Field(None, max_length=4096)
     bytes: _Count | None = None

@@ -110,8 +110,9 @@ class TrainvitalsCallback(TrainerCallback):
     2026-11-29. Both paths see what HF sees, including its `logging_nan_inf_filter` (on by
     default), which replaces non-finite losses before logging.
 
-    Also: a `resume` event when training starts from a checkpoint, a `note` event per checkpoint
-    save, and close() (flush, hooks removed) at the end of training.
+    Also: a `resume` event when training starts from a checkpoint, a checkpoint generation per
+    `checkpoint-N` directory the Trainer saves (recorded deleted once `save_total_limit` removes
+    it), and close() (flush, hooks removed) at the end of training.
     """
 
     def __init__(

@@ -194,9 +194,10 @@ class CheckpointGenerationPublic(_Public):
     path: str | None
     ts: float
     errors: list[str]
-    status: Literal["failed", "verified", "persisted", "started"]
-    """failed if any rank failed; persisted when every involved rank persisted; verified when also
-    checksummed by each (or reported verified)."""
+    status: Literal["failed", "verified", "persisted", "started", "deleted"]
+    """failed if any rank failed; deleted when a rank's files of it are gone since (the job's
+    retention, or a later save to the same path); persisted when every involved rank persisted;
+    verified when also checksummed by each (or reported verified)."""
     ranks: int
     """Ranks that reported anything for it."""
 

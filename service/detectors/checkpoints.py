@@ -75,8 +75,12 @@ def _by_generation(events: Sequence[CheckpointEvent]) -> list[tuple[int, list[Ch
 
 
 def rollback_target(series: RunSeries, before_step: int, cfg: CheckpointConfig) -> CheckpointEvent | None:
-    """The newest good generation saved strictly before `before_step`, or None."""
-    good = [ev for ev in series.checkpoints if _good(ev, cfg) and ev.step < before_step]
+    """The newest good generation saved strictly before `before_step` whose files are still there
+    (no rank recorded it deleted since: the job's retention), or None."""
+    deleted = {ev.generation for ev in series.checkpoints if ev.status == "deleted"}
+    good = [
+        ev for ev in series.checkpoints if _good(ev, cfg) and ev.step < before_step and ev.generation not in deleted
+    ]
     return max(good, key=lambda e: (e.step, e.ts)) if good else None
 
 
@@ -171,6 +175,15 @@ def detect_no_rollback_target(
     if onsets:
         earliest = min(onsets, key=lambda f: f.onset_step)
         if rollback_target(series, earliest.onset_step, cfg) is None:
+            retired = {ev.generation for ev in series.checkpoints
+                       if ev.status == "deleted" and ev.step < earliest.onset_step}  # fmt: skip
+            deleted = (
+                f"; the {len(retired)} saved before it were deleted since (the job's retention, or a later save "
+                "to the same path); a retention of more generations (save_total_limit, save_top_k, keep_last) "
+                "keeps one from before an onset until it is paged"
+                if retired
+                else ""
+            )
             return [
                 Finding(
                     kind="no_rollback_target",
@@ -184,7 +197,7 @@ def detect_no_rollback_target(
                     summary=(
                         f"no good checkpoint saved before step {earliest.onset_step}, where "
                         f"{earliest.kind} began: rolling back means restarting from scratch or from a "
-                        "generation that already carries the problem"
+                        f"generation that already carries the problem{deleted}"
                     ),
                     active=True,
                     detected_step=earliest.detected_step or last,

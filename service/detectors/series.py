@@ -98,7 +98,7 @@ class CheckpointEvent:
     generation: int
     step: int
     status: str
-    """started | persisted | failed | verified."""
+    """started | persisted | failed | verified | deleted (its files gone since the save)."""
     ts: float
     stall_seconds: float | None = None
     persist_seconds: float | None = None

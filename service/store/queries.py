@@ -471,8 +471,9 @@ def findings(session: Session, *, run_id: str, active_only: bool = False) -> lis
 
 def checkpoint_generations(session: Session, *, run_id: str) -> list[dict[str, Any]]:
     """One entry per generation (and incarnation), across ranks: failed if any rank failed;
-    persisted when every rank that started it persisted; verified when persisted with a checksum
-    from every such rank (or an explicit 'verified' record).
+    deleted if any rank's files of it are gone since its save (a generation missing a rank's part
+    cannot be restored); persisted when every rank that started it persisted; verified when
+    persisted with a checksum from every such rank (or an explicit 'verified' record).
 
     Aggregated in SQL per (generation, incarnation, status): the cost is generations x statuses,
     not ranks x generations (16,384 ranks each record every save)."""
@@ -488,10 +489,14 @@ def checkpoint_generations(session: Session, *, run_id: str) -> list[dict[str, A
     for gen, inc, status, ranks, step, size, stall, persist, checksummed, ts, path, error in rows:
         g = gens.setdefault((gen, inc), {"generation": gen, "step": step, "incarnation": inc, "counts": {},
                                          "checksummed": 0, "bytes": None, "stall_seconds": None,
-                                         "persist_seconds": None, "path": path, "ts": ts, "errors": []})
+                                         "persist_seconds": None, "path": None, "ts": None, "errors": []})
         g["counts"][status] = ranks
         g["step"] = min(g["step"], step)
-        g["ts"] = max(g["ts"], ts)
+        if status == "deleted":  # the save's time and path, not the deletion's (unless that is all)
+            g["deleted"] = (ts, path)
+        else:
+            g["ts"] = ts if g["ts"] is None else max(g["ts"], ts)
+            g["path"] = path if g["path"] is None else min(g["path"], path or g["path"])
         if stall is not None:
             g["stall_seconds"] = max(g["stall_seconds"] or 0.0, stall)
         if status in ("persisted", "verified"):
@@ -504,11 +509,16 @@ def checkpoint_generations(session: Session, *, run_id: str) -> list[dict[str, A
     for g in sorted(gens.values(), key=lambda g: (g["step"], g["incarnation"])):
         n = g.pop("counts")
         checksummed = g.pop("checksummed")
+        deleted_ts, deleted_path = g.pop("deleted", (None, None))
+        if g["ts"] is None:  # only the deletion is stored (its save's records were not delivered)
+            g["ts"], g["path"] = deleted_ts, deleted_path
         done = n.get("persisted", 0) + n.get("verified", 0)
         # Ranks that reported anything for it (an after-the-fact save has no 'started' record).
         involved = max(n.get("started", 0), done + n.get("failed", 0))
         if n.get("failed"):
             status = "failed"
+        elif n.get("deleted"):
+            status = "deleted"
         elif n.get("verified") or (done >= involved and checksummed >= involved and involved):
             status = "verified"
         elif done >= involved and involved:
@@ -535,16 +545,16 @@ def rollback_target(session: Session, *, run_id: str, before_step: int | None = 
             subject = first[2] or "the run"
             reason = f"before the onset of the first finding ({first[1]} on {subject}) at step {first[0]}"
     gens = checkpoint_generations(session, run_id=run_id)
-    candidates = [
-        g
-        for g in gens
-        if g["status"] in ("verified", "persisted") and (before_step is None or g["step"] < before_step)
-    ]
+    earlier = [g for g in gens if before_step is None or g["step"] < before_step]
+    candidates = [g for g in earlier if g["status"] in ("verified", "persisted")]
     verified = [g for g in candidates if g["status"] == "verified"]
     pick = (verified or candidates)[-1] if candidates else None
     reason = reason or "newest usable generation"
     if pick is None:
         reason += f": none, {_why_no_target(gens, before_step)}"
+    elif gone := [g for g in earlier if g["status"] == "deleted" and g["step"] > pick["step"]]:
+        why = f": {gone[-1]['errors'][-1]}" if gone[-1]["errors"] else ""
+        reason += f"; {len(gone)} newer generation(s) before it deleted since their save (step {gone[-1]['step']}{why})"
     return {
         "run": run_keys.run_id_of(run_id),
         "before_step": before_step,
@@ -561,12 +571,16 @@ def _why_no_target(gens: list[dict[str, Any]], before_step: int | None) -> str:
         return "no checkpoint save was recorded for this run (agent.checkpoint(...) or agent.save(...) records one)"
     earlier = [g["status"] for g in gens if before_step is None or g["step"] < before_step]
     parts = [f"{earlier.count('failed')} failed"] if "failed" in earlier else []
+    if "deleted" in earlier:
+        parts.append(f"{earlier.count('deleted')} deleted since their save (the job's retention, or a later save "
+                     "to the same path)")  # fmt: skip
     if "started" in earlier:
         parts.append(f"{earlier.count('started')} started and never persisted")
     if len(earlier) < len(gens):
         parts.append(f"{len(gens) - len(earlier)} at or after step {before_step}")
     where = "" if before_step is None else f" before step {before_step}"
-    return f"of {len(gens)} recorded generation(s) none was persisted{where} ({', '.join(parts)})"
+    usable = "was persisted and is still on disk" if "deleted" in earlier else "was persisted"
+    return f"of {len(gens)} recorded generation(s) none {usable}{where} ({', '.join(parts)})"
 
 
 def _step_range(q: Any, col: Any, start: int | None, end: int | None) -> Any:
@@ -594,7 +608,7 @@ def observed_cadence_inputs(
     saves = [
         {"stall_s": g["stall_seconds"], "persist_s": g["persist_seconds"], "size_bytes": g["bytes"], "status": "ok"}
         for g in checkpoint_generations(session, run_id=run_id)
-        if g["status"] in ("persisted", "verified") and g["stall_seconds"]
+        if g["status"] in ("persisted", "verified", "deleted") and g["stall_seconds"]  # deleted: saved, then retired
     ]
     failures = [
         {"timestamp": e.ts, "ranks": [e.rank], "domains": e.domains or {}, "cause": e.detail or e.event}

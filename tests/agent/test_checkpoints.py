@@ -101,7 +101,7 @@ def test_dcp_save_directory_checksum_and_after_the_fact_record(tmp_path: Path) -
     agent.close()
     rec = _checkpoint_records(tmp_path)
     size, digest = content_digest(ckpt)
-    assert [(r.step, r.status) for r in rec] == [(10, "started"), (10, "persisted"), (20, "persisted")]
+    assert [(r.step, r.status) for r in rec] == [(10, "started"), (10, "persisted"), (20, "persisted"), (10, "deleted")]
     assert rec[1].bytes == size and rec[1].checksum == digest and size > 0
 
 
@@ -157,9 +157,56 @@ def test_a_pathlib_path_is_recorded_like_its_string(tmp_path: Path) -> None:
     assert [(r.step, r.status, r.path) for r in rec] == [
         (1, "started", str(first)), (1, "persisted", str(first)),
         (2, "started", str(second)), (2, "persisted", str(second)),
+        (2, "deleted", str(second)),  # the same path holds generation 3 now
         (3, "persisted", str(second)),
     ]  # fmt: skip
-    assert rec[1].bytes == first.stat().st_size and rec[4].bytes == second.stat().st_size
+    assert rec[1].bytes == first.stat().st_size and rec[5].bytes == second.stat().st_size
+
+
+def _deleted(tmp_path: Path) -> dict[int, str]:
+    return {r.generation: r.error for r in _checkpoint_records(tmp_path) if r.status == "deleted"}
+
+
+def test_saves_the_jobs_retention_removes_are_recorded_deleted_once(tmp_path: Path) -> None:
+    """HF's save_total_limit, Lightning's save_top_k and a keep_last of the job's own remove old
+    saves after newer ones: the rollback query named such a generation, whose files were gone. Each
+    is recorded once more, as deleted, at the next save or at close(). A generation recorded at two
+    paths (Lightning's last.ckpt beside its step file) is gone when both are: last.ckpt is
+    overwritten by the next save, the step file removed by the retention."""
+    agent, model = _agent(tmp_path)
+    last = tmp_path / "last.pt"
+    kept: list[Path] = []
+    for step in (10, 20, 30, 40):
+        path = tmp_path / f"step-{step}.pt"
+        agent.save(model.state_dict(), path, step=step)
+        torch.save(model.state_dict(), last)
+        agent.checkpoint_saved(step=step, path=last)
+        kept.append(path)
+        if len(kept) > 2:  # keep_last=2, as HF rotates: after the newer one is written
+            kept.pop(0).unlink()
+    agent.close()
+    deleted = _deleted(tmp_path)
+    assert sorted(deleted) == [10, 20]
+    # Named by the path it lost last: which one that is depends on how far the checksum thread lags.
+    retention = "removed after its save (the job's retention: save_total_limit, save_top_k, keep_last)"
+    for gen, why in deleted.items():
+        assert why in (
+            f"{tmp_path / f'step-{gen}.pt'} {retention}",
+            f"{last} overwritten at the same path by generation {gen + 10} (step {gen + 10})",
+        )
+    assert agent.stats()["errors"] == 0
+
+
+def test_a_save_to_the_same_path_retires_the_one_before(tmp_path: Path) -> None:
+    agent, model = _agent(tmp_path)
+    path = tmp_path / "model.pt"
+    for step in (5, 10, 15):
+        agent.save(model.state_dict(), path, step=step)
+    agent.close()
+    assert _deleted(tmp_path) == {
+        5: f"{path} overwritten at the same path by generation 10 (step 10)",
+        10: f"{path} overwritten at the same path by generation 15 (step 15)",
+    }
 
 
 def test_a_local_path_that_is_not_there_after_the_save_is_said_once(

@@ -56,6 +56,7 @@ def _run(
     resume_from: str | None = None,
     bind_trainer: bool = False,
     collector: str = "",
+    save_total_limit: int | None = None,
 ) -> tuple[Trainer, TrainvitalsCallback, list[Any], RunRegistration]:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
@@ -65,6 +66,7 @@ def _run(
         per_device_train_batch_size=BATCH,
         logging_steps=logging_steps,
         save_steps=save_steps,
+        save_total_limit=save_total_limit,
         report_to=[],
         use_cpu=True,
         disable_tqdm=True,
@@ -238,3 +240,26 @@ def test_steps_reach_a_real_collector(collector: Any, tmp_path: Path) -> None:
     with collector.app.state.sessionmaker() as session:
         assert queries.count_step_rows(session, run_id="hf-live") == 8
         assert queries.list_runs(session)[0].status == "finished"
+
+
+def test_checkpoints_save_total_limit_removed_are_no_rollback_target(collector: Any, tmp_path: Path) -> None:
+    """HF deletes the oldest checkpoint-N directories past save_total_limit. The rollback query
+    named them all the same: asked for a generation before a late divergence, it answered with a
+    directory that no longer existed. Now each is recorded as deleted and the answer says so."""
+    from trainvitals.service.store import queries
+
+    _run(tmp_path, name="rotated", max_steps=8, save_steps=2, save_total_limit=2, collector=collector.url)
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-6", "checkpoint-8"]
+    with collector.app.state.sessionmaker() as session:
+        gens = queries.checkpoint_generations(session, run_id="hf-rotated")
+        before_7 = queries.rollback_target(session, run_id="hf-rotated", before_step=7)
+        before_5 = queries.rollback_target(session, run_id="hf-rotated", before_step=5)
+    statuses = [(g["step"], g["status"]) for g in gens]
+    assert statuses == [(2, "deleted"), (4, "deleted"), (6, "verified"), (8, "verified")]
+    assert before_7["target"]["path"] == str(out / "checkpoint-6")
+    assert before_5["target"] is None
+    assert before_5["reason"] == (
+        "before step 5: none, of 4 recorded generation(s) none was persisted and is still on disk before step 5 "
+        "(2 deleted since their save (the job's retention, or a later save to the same path), 2 at or after step 5)"
+    )

@@ -246,3 +246,23 @@ def test_a_rollback_without_a_target_says_why(client: TestClient) -> None:
         "and never persisted, 1 at or after step 4)"
     )
     assert client.get("/v1/runs/r1/rollback").json()["target"]["generation"] == 5
+
+
+def test_a_generation_deleted_since_its_save_is_no_rollback_target(client: TestClient) -> None:
+    """A generation the job's retention removed (recorded deleted by the agent's sweep) was still
+    named: the answer is the newest one whose files remain, and it says what was passed over."""
+    client.post("/v1/runs", json={"run": "r1"})
+    why = "/ck/checkpoint-4 removed after its save (the job's retention: save_total_limit, save_top_k, keep_last)"
+    saves = [
+        {"kind": "checkpoint", "step": s, "generation": s, "status": "persisted", "ts": float(s),
+         "path": f"/ck/checkpoint-{s}"}
+        for s in (2, 4, 6)
+    ] + [{"kind": "checkpoint", "step": 4, "generation": 4, "status": "deleted", "ts": 7.0, "path": "/ck/checkpoint-4",
+          "error": why}]  # fmt: skip
+    client.post("/v1/batches", json={**_batch(), "records": saves})
+    answer = client.get("/v1/runs/r1/rollback", params={"before_step": 5}).json()
+    assert answer["target"]["generation"] == 2 and answer["target"]["path"] == "/ck/checkpoint-2"
+    passed_over = f"; 1 newer generation(s) before it deleted since their save (step 4: {why})"
+    assert answer["reason"] == "before step 5" + passed_over
+    deleted = [g for g in client.get("/v1/runs/r1/checkpoints").json() if g["generation"] == 4]
+    assert deleted[0]["status"] == "deleted" and deleted[0]["path"] == "/ck/checkpoint-4" and deleted[0]["ts"] == 4.0

@@ -86,3 +86,23 @@ def test_rollback_target_and_no_target(series) -> None:
     (t,) = detect_no_rollback_target(empty, CFG)
     assert t.severity == "ticket" and t.onset_step == 5000
     assert detect_no_rollback_target(series(3000), CFG) == []
+
+
+def test_a_generation_deleted_since_its_save_is_no_target_and_the_page_says_so(series) -> None:
+    """The job's retention removed the saves from before a late divergence: the page that there is
+    no rollback target fires, and says they were saved and then deleted, and what keeps them."""
+    saves = [_ck(g, g * 1000, "started", "persisted") for g in (1, 2, 3, 4)]
+    s = series(5000, checkpoints=[ev for gen in saves for ev in gen])
+    page = Finding(kind="loss_divergence", severity="page", run="t", subject_kind="run", subject="",
+                   onset_step=2500, last_step=4999, magnitude=2.0, summary="", detected_step=4600)
+    assert rollback_target(s, 2500, CFG).step == 2000
+    assert detect_no_rollback_target(s, CFG, open_pages=[page]) == []
+    s.checkpoints += _ck(1, 1000, "deleted") + _ck(2, 2000, "deleted")  # keep_last=2 after the saves at 3000, 4000
+    assert rollback_target(s, 2500, CFG) is None and rollback_target(s, 5000, CFG).step == 4000
+    (f,) = detect_no_rollback_target(s, CFG, open_pages=[page])
+    assert f.severity == "page" and f.onset_step == 2500
+    assert f.summary.endswith(
+        "; the 2 saved before it were deleted since (the job's retention, or a later save to the same path); a "
+        "retention of more generations (save_total_limit, save_top_k, keep_last) keeps one from before an onset "
+        "until it is paged"
+    )
