@@ -110,7 +110,11 @@ class Agent:
         cadence = Fp8Cadence(self._fp8_shadow.every, config.fp8_cost_budget) if self._fp8_shadow is not None else None
         self._fp8_cadence = cadence if cadence is not None and not cadence.decided else None  # None once decided
         self._checkpoints = CheckpointRecorder(
-            self._exporter.emit, checksum=config.checksum, on_error=self._errors.record, said=self._said
+            self._exporter.emit,
+            checksum=config.checksum,
+            on_error=self._errors.record,
+            said=self._said,
+            watch_files=info.rank == 0,  # deleted generations: rank 0 checks (agent/_checkpoints.py)
         )
         self._step = 0
         self._last_step_end = time.perf_counter()

@@ -5,7 +5,10 @@ background thread, never on the training thread.
 A generation whose files are gone later is recorded once more, as deleted: a job's retention
 (HF `save_total_limit`, Lightning `save_top_k`, a `keep_last` of its own) removes old saves, and a
 save to a fixed path overwrites the one before. `trainvitals query rollback` must not name those.
-Local paths only (an object store's URL is not for os.path), checked after each save and at close."""
+Local paths only (an object store's URL is not for os.path), checked after each save and at close,
+on rank 0 only: a check is a stat of each path still on disk, and on every rank of a 16k-rank job
+without retention that is world size x generations metadata reads of a shared file system at each
+save. The collector takes a generation as deleted when any rank says so."""
 
 from __future__ import annotations
 
@@ -85,6 +88,7 @@ class CheckpointRecorder:
         checksum: str,
         on_error: Callable[[str, BaseException], None],
         said: set[tuple[str, str]] | None = None,
+        watch_files: bool = True,
     ) -> None:
         self._emit = emit
         self._checksum = checksum
@@ -93,9 +97,10 @@ class CheckpointRecorder:
         self._pool: ThreadPoolExecutor | None = None
         self._pending: set[Future[None]] = set()
         self._saving: set[threading.Event] = set()  # async saves not yet done (set when done)
-        # Local path -> the generation whose content it holds, for the generations still on disk.
-        # Touched on the checksum thread only (one worker), so it needs no lock.
+        # Local path -> the generation whose content it holds, for the generations still on disk
+        # (rank 0: `watch_files`). Touched on the checksum thread only (one worker): no lock.
         self._on_disk: dict[str, _Generation] = {}
+        self._watch_files = watch_files
 
     def _record(
         self,
@@ -178,6 +183,8 @@ class CheckpointRecorder:
         def hash_and_record() -> None:
             try:
                 size, digest = content_digest(path, self._checksum)
+            except FileNotFoundError:  # removed before its turn here (a retention quicker than hashing)
+                size, digest = None, None
             except OSError as exc:
                 self._on_error("checksum", exc)
                 size, digest = None, None
@@ -203,6 +210,8 @@ class CheckpointRecorder:
     def _keep(self, gen: _Generation, path: str) -> None:
         """Note that `path` now holds `gen` (taking it from the generation it held before), then
         record every generation left with no file on disk as deleted (the checksum thread)."""
+        if not self._watch_files:
+            return
         lost: dict[int, tuple[_Generation, str]] = {}
         before = self._on_disk.get(path)
         if before is not None and before.generation != gen.generation:

@@ -231,3 +231,26 @@ def test_a_local_path_that_is_not_there_after_the_save_is_said_once(
         "persisted without size or checksum, and `trainvitals query rollback` may name it; pass the path "
         "the save wrote (the directory, for dcp.save)"
     ]
+
+
+def test_only_rank_0_checks_for_deleted_generations(tmp_path: Path) -> None:
+    """A stat of every path still on disk at each save, on every rank of a large job, would load a
+    shared file system with world size x generations metadata reads: other ranks record their
+    saves and leave the check to rank 0."""
+    from trainvitals.agent._checkpoints import CheckpointRecorder
+
+    emitted: dict[bool, list[dict]] = {}
+    for rank_0 in (True, False):
+        records: list[dict] = []
+        recorder = CheckpointRecorder(records.append, checksum="sha256", on_error=lambda *_: None,
+                                      watch_files=rank_0)  # fmt: skip
+        path = tmp_path / f"model-{rank_0}.pt"
+        for step in (1, 2):
+            with recorder.saving(step=step, generation=step, path=path):
+                torch.save({"step": step}, path)
+        recorder.close(timeout=10)
+        emitted[rank_0] = records
+    assert [(r["generation"], r["status"]) for r in emitted[True] if r["status"] == "deleted"] == [(1, "deleted")]
+    assert sorted((r["generation"], r["status"]) for r in emitted[False]) == [
+        (1, "persisted"), (1, "started"), (2, "persisted"), (2, "started")
+    ]  # fmt: skip
