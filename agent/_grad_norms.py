@@ -122,19 +122,20 @@ class GradNormTracker:
         The total is what torch.nn.utils.clip_grad_norm_(params) computes (the same per-parameter
         norms, stacked, and torch's own vector_norm of them), so a job clipping through
         Agent.clip_grad_norm_ pays one norm pass for both. None when that identity does not hold:
-        not the tracker's parameters, or sharded (DTensor) gradients, whose total needs the job's
-        own collective.
+        not the tracker's parameters, parameters left out of `params` that have a gradient (a layer
+        unfrozen after the job built its list), or sharded (DTensor) gradients, whose total needs
+        the job's own collective.
         """
         key = tuple(map(id, params))
         if key != self._clip_key:  # decided once per parameter list (the same list every step)
             plain = all(getattr(p, "placements", None) is None for p in params)
-            self._clip_ok = plain and set(key) <= {id(p) for p in self._params}
             clipped = set(key)
+            self._clip_ok = plain and clipped <= {id(p) for p in self._params}
             self._not_clipped = [p for p in self._params if id(p) not in clipped]
             self._clip_key = key
         # A list of the parameters trainable when it was built (filter(requires_grad)) holds the same
         # gradients as long as the ones it leaves out have none: not after they are unfrozen.
-        if not self._clip_ok or any(p.grad is not None for p in self._not_clipped):
+        if not self._clip_ok or (self._not_clipped and any(p.grad is not None for p in self._not_clipped)):
             return None
         grads = self.compute()
         if grads is None:
