@@ -74,8 +74,13 @@ class _Generation:
     @classmethod
     def of(cls, step: int, generation: int, path: StrPath | None) -> _Generation:
         # The path as text: a pathlib.Path (what `ckpt_dir / "model.pt"` gives) cannot be
-        # JSON-encoded, and each record of the generation was lost with an agent error.
-        return cls(step, generation, None if path is None else os.fspath(path))
+        # JSON-encoded, and each record of the generation was lost with an agent error. A local
+        # path made absolute: the rollback query names it to someone not in the job's directory
+        # (HF's default output_dir is relative: "out/checkpoint-8" until 2026-11-29).
+        if path is None:
+            return cls(step, generation, None)
+        text = os.fspath(path)
+        return cls(step, generation, text if "://" in text else os.path.abspath(text))
 
 
 class CheckpointRecorder:
@@ -226,10 +231,8 @@ class CheckpointRecorder:
         for path, gen in list(self._on_disk.items()):
             if not os.path.exists(path):
                 del self._on_disk[path]
-                lost[gen.generation] = (
-                    _Generation(gen.step, gen.generation, path),
-                    "removed after its save (the job's retention: save_total_limit, save_top_k, keep_last)",
-                )
+                lost[gen.generation] = (gen, "removed after its save (the job's retention: save_total_limit, "
+                                             "save_top_k, keep_last)")  # fmt: skip
         still = {g.generation for g in self._on_disk.values()}
         for number, (gen, why) in sorted(lost.items()):
             if number not in still:

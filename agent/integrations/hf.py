@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -111,7 +112,8 @@ class TrainvitalsCallback(TrainerCallback):
     default), which replaces non-finite losses before logging.
 
     Also: a `resume` event when training starts from a checkpoint, a checkpoint generation per
-    `checkpoint-N` directory the Trainer saves (recorded deleted once `save_total_limit` removes
+    `checkpoint-N` directory the Trainer saves (its stall: from the Trainer's last callback before
+    the save, an evaluation excluded, to on_save; recorded deleted once `save_total_limit` removes
     it), and close() (flush, hooks removed) at the end of training.
     """
 
@@ -143,6 +145,9 @@ class TrainvitalsCallback(TrainerCallback):
         self._tokens_seen = 0
         self._last_logged_step = 0
         self._loss_mark: torch.Tensor | None = None
+        # When the Trainer's last callback before a save ended (on_step_end, on_log, on_evaluate):
+        # on_save comes right after the save, so the difference is the save's stall.
+        self._before_save: float | None = None
 
     # ------------------------------------------------------------------ attach / close
 
@@ -247,6 +252,7 @@ class TrainvitalsCallback(TrainerCallback):
         # log (loss, grad_norm) follows right away in on_log, before any eval or save.
         if not control.should_log:
             self._emit()
+        self._before_save = time.perf_counter()
 
     @guarded()
     def on_log(
@@ -269,6 +275,13 @@ class TrainvitalsCallback(TrainerCallback):
             self._last_logged_step = state.global_step
             self._loss_mark = None
         self._emit()
+        self._before_save = time.perf_counter()
+
+    @guarded()
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._before_save = time.perf_counter()  # an evaluation before the save is not its stall
 
     @guarded()
     def on_save(
@@ -278,8 +291,13 @@ class TrainvitalsCallback(TrainerCallback):
         if not self._attached or self.agent is None:
             return
         path = os.path.join(args.output_dir or ".", f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        stall = None if self._before_save is None else time.perf_counter() - self._before_save
+        self._before_save = None
         record = getattr(self.agent, "checkpoint_saved", None)
-        if record is not None and _accepts(record, "path", "step"):
+        if record is not None and _accepts(record, "path", "step", "stall_seconds"):
+            # The stall lets the cadence advisor weigh this run's saves (until 2026-11-29 it had none).
+            record(path=path, step=state.global_step, stall_seconds=stall)
+        elif record is not None and _accepts(record, "path", "step"):
             record(path=path, step=state.global_step)
         else:
             self.agent.event("note", step=state.global_step, detail=f"checkpoint saved: {path}")

@@ -163,6 +163,17 @@ def test_a_pathlib_path_is_recorded_like_its_string(tmp_path: Path) -> None:
     assert rec[1].bytes == first.stat().st_size and rec[5].bytes == second.stat().st_size
 
 
+def test_a_relative_path_is_recorded_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF's default output_dir is relative: the rollback query named "out/checkpoint-8", which
+    says nothing to someone outside the job's working directory."""
+    agent, model = _agent(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    agent.save(model.state_dict(), "rel.pt", step=1)
+    agent.checkpoint_saved(step=2, path="s3://bucket/run/step-2")
+    agent.close()
+    assert {r.path for r in _checkpoint_records(tmp_path)} == {str(tmp_path / "rel.pt"), "s3://bucket/run/step-2"}
+
+
 def _deleted(tmp_path: Path) -> dict[int, str]:
     return {r.generation: r.error for r in _checkpoint_records(tmp_path) if r.status == "deleted"}
 

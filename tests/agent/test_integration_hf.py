@@ -255,8 +255,12 @@ def test_checkpoints_save_total_limit_removed_are_no_rollback_target(collector: 
         gens = queries.checkpoint_generations(session, run_id="hf-rotated")
         before_7 = queries.rollback_target(session, run_id="hf-rotated", before_step=7)
         before_5 = queries.rollback_target(session, run_id="hf-rotated", before_step=5)
+        saves, _, _ = queries.observed_cadence_inputs(session, run_id="hf-rotated")
     statuses = [(g["step"], g["status"]) for g in gens]
     assert statuses == [(2, "deleted"), (4, "deleted"), (6, "verified"), (8, "verified")]
+    # Each save's stall (until 2026-11-29 none: the cadence advisor had no write time from HF runs),
+    # the deleted ones' too: they were written like the others.
+    assert all(0 < g["stall_seconds"] < 60 for g in gens) and len(saves) == 4
     assert before_7["target"]["path"] == str(out / "checkpoint-6")
     assert before_5["target"] is None
     assert before_5["reason"] == (
