@@ -194,7 +194,7 @@ class CheckpointRecorder:
                 self._on_error("checksum", exc)
                 size, digest = None, None
             self._record(gen, "persisted", stall=stall, persist=persist, size=size, checksum=digest)
-            self._keep(gen, path)
+            self._keep(gen)
 
         self._submit(hash_and_record, or_else=lambda: self._record(gen, "persisted", stall=stall, persist=persist))
 
@@ -212,10 +212,11 @@ class CheckpointRecorder:
         self._pending.add(fut)
         fut.add_done_callback(self._pending.discard)
 
-    def _keep(self, gen: _Generation, path: str) -> None:
-        """Note that `path` now holds `gen` (taking it from the generation it held before), then
+    def _keep(self, gen: _Generation) -> None:
+        """Note that `gen.path` now holds `gen` (taking it from the generation it held before), then
         record every generation left with no file on disk as deleted (the checksum thread)."""
-        if not self._watch_files:
+        path = gen.path
+        if not self._watch_files or path is None:
             return
         lost: dict[int, tuple[_Generation, str]] = {}
         before = self._on_disk.get(path)

@@ -34,6 +34,7 @@ from pydantic import (
 from trainvitals.service.advisors.cadence import MAX_TIERS, CadenceInputs, TierSpec
 from trainvitals.service.advisors.failure_log import RADIUS_LEVELS
 from trainvitals.service.advisors.model_config import HARDWARE_ALIASES, MODEL_ALIASES, PARALLELISM_ALIASES
+from trainvitals.wire.conventions import CheckpointStatus
 
 
 class _Public(BaseModel):
@@ -194,7 +195,7 @@ class CheckpointGenerationPublic(_Public):
     path: str | None
     ts: float
     errors: list[str]
-    status: Literal["failed", "verified", "persisted", "started", "deleted"]
+    status: CheckpointStatus  # the wire's statuses: a generation takes the one its ranks' records give
     """failed if any rank failed; deleted when a rank's files of it are gone since (the job's
     retention, or a later save to the same path); persisted when every involved rank persisted;
     verified when also checksummed by each (or reported verified)."""
