@@ -18,6 +18,7 @@ from torch import nn
 
 from trainvitals.agent import _attached, _sigterm
 from trainvitals.agent._arguments import AttachError, check_arguments, check_run_id, one_line
+from trainvitals.agent._checkpoint_ledger import CheckpointLedger, ledger_path
 from trainvitals.agent._checkpoints import CheckpointHandle, CheckpointRecorder, StrPath
 from trainvitals.agent._config import AgentConfig, disabled_by_env
 from trainvitals.agent._counts import PLAIN, HostCounts, host_counts, not_one_element, step_number
@@ -115,6 +116,8 @@ class Agent:
             on_error=self._errors.record,
             said=self._said,
             watch_files=info.rank == 0,  # deleted generations: rank 0 checks (agent/_checkpoints.py)
+            incarnation=self.incarnation,
+            ledger=CheckpointLedger(ledger_path(str(config.spill_dir), run)),
         )
         self._step = 0
         self._last_step_end = time.perf_counter()

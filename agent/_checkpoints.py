@@ -8,7 +8,10 @@ save to a fixed path overwrites the one before. `trainvitals query rollback` mus
 Local paths only (an object store's URL is not for os.path), checked after each save and at close,
 on rank 0 only: a check is a stat of each path still on disk, and on every rank of a 16k-rank job
 without retention that is world size x generations metadata reads of a shared file system at each
-save. The collector takes a generation as deleted when any rank says so."""
+save. The collector takes a generation as deleted when any rank says so. Rank 0 keeps the list of
+the generations it watches in a ledger beside the spool (agent/_checkpoint_ledger.py), so that a
+restarted job goes on watching its previous process's saves; their deleted records carry that
+process's incarnation."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainvitals.agent._checkpoint_ledger import CheckpointLedger, Saved
 from trainvitals.agent._guard import warn_once
 from trainvitals.wire import checkpoint_record
 from trainvitals.wire.builders import JsonObject
@@ -70,6 +74,8 @@ class _Generation:
     step: int
     generation: int
     path: str | None
+    saved_by: int | None = None
+    """The earlier incarnation that saved it (from the ledger); None: this process."""
 
     @classmethod
     def of(cls, step: int, generation: int, path: StrPath | None) -> _Generation:
@@ -94,6 +100,8 @@ class CheckpointRecorder:
         on_error: Callable[[str, BaseException], None],
         said: set[tuple[str, str]] | None = None,
         watch_files: bool = True,
+        incarnation: int = 0,
+        ledger: CheckpointLedger | None = None,
     ) -> None:
         self._emit = emit
         self._checksum = checksum
@@ -106,6 +114,17 @@ class CheckpointRecorder:
         # (rank 0: `watch_files`). Touched on the checksum thread only (one worker): no lock.
         self._on_disk: dict[str, _Generation] = {}
         self._watch_files = watch_files
+        self._incarnation = incarnation
+        self._ledger = ledger if watch_files else None
+        if self._ledger is not None:
+            try:
+                for saved in self._ledger.earlier():
+                    self._on_disk[saved.path] = _Generation(saved.step, saved.generation, saved.path, saved.incarnation)
+            except OSError as exc:
+                on_error("checkpoint ledger", exc)
+                self._ledger = None
+            if self._on_disk:
+                self._submit(self._sweep)  # what went while the job was down
 
     def _record(
         self,
@@ -130,6 +149,7 @@ class CheckpointRecorder:
                 persist_seconds=persist,
                 checksum=checksum,
                 error=error,
+                saved_by_incarnation=gen.saved_by,
             )
         )
 
@@ -212,32 +232,53 @@ class CheckpointRecorder:
         self._pending.add(fut)
         fut.add_done_callback(self._pending.discard)
 
+    def _key(self, gen: _Generation) -> tuple[int, int]:
+        return (self._incarnation if gen.saved_by is None else gen.saved_by, gen.generation)
+
     def _keep(self, gen: _Generation) -> None:
         """Note that `gen.path` now holds `gen` (taking it from the generation it held before), then
         record every generation left with no file on disk as deleted (the checksum thread)."""
         path = gen.path
         if not self._watch_files or path is None:
             return
-        lost: dict[int, tuple[_Generation, str]] = {}
+        lost: dict[tuple[int, int], tuple[_Generation, str]] = {}
         before = self._on_disk.get(path)
-        if before is not None and before.generation != gen.generation:
-            lost[before.generation] = (before, f"overwritten at the same path by generation {gen.generation} "
+        if before is None or self._key(before) != self._key(gen):
+            self._note("kept", gen)
+        if before is not None and self._key(before) != self._key(gen):
+            self._note("gone", before)
+            lost[self._key(before)] = (before, f"overwritten at the same path by generation {gen.generation} "
                                                f"(step {gen.step})")  # fmt: skip
         self._on_disk[path] = gen
         self._sweep(lost)
 
-    def _sweep(self, lost: dict[int, tuple[_Generation, str]] | None = None) -> None:
+    def _sweep(self, lost: dict[tuple[int, int], tuple[_Generation, str]] | None = None) -> None:
         """Record as deleted each generation none of whose paths is on disk any more."""
         lost = {} if lost is None else lost
         for path, gen in list(self._on_disk.items()):
             if not os.path.exists(path):
                 del self._on_disk[path]
-                lost[gen.generation] = (gen, "removed after its save (the job's retention: save_total_limit, "
+                self._note("gone", gen)
+                lost[self._key(gen)] = (gen, "removed after its save (the job's retention: save_total_limit, "
                                              "save_top_k, keep_last)")  # fmt: skip
-        still = {g.generation for g in self._on_disk.values()}
-        for number, (gen, why) in sorted(lost.items()):
-            if number not in still:
-                self._record(gen, "deleted", error=f"{gen.path} {why}")
+        still = {self._key(g) for g in self._on_disk.values()}
+        for key, (gen, why) in sorted(lost.items()):
+            if key not in still:
+                before_restart = "" if gen.saved_by is None else " (saved by this rank's process before a restart)"
+                self._record(gen, "deleted", error=f"{gen.path} {why}{before_restart}")
+
+    def _note(self, change: str, gen: _Generation) -> None:
+        """The ledger's line for `gen`'s path (the checksum thread); its errors are the agent's, counted."""
+        if self._ledger is None or gen.path is None:
+            return
+        saved = Saved(self._key(gen)[0], gen.generation, gen.step, gen.path)
+        try:
+            if change == "kept":
+                self._ledger.kept(saved)
+            else:
+                self._ledger.gone(saved)
+        except OSError as exc:
+            self._on_error("checkpoint ledger", exc)
 
     def close(self, timeout: float) -> None:
         """Wait (bounded, `timeout` in all) for async saves still writing, then for pending

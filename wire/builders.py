@@ -147,6 +147,7 @@ def checkpoint_record(
     persist_seconds: float | None = None,
     checksum: str | None = None,
     error: str | None = None,
+    saved_by_incarnation: int | None = None,
 ) -> JsonObject:
     """A `CheckpointRecord`: one state change of one checkpoint generation."""
     rec: JsonObject = {"kind": "checkpoint", "step": step, "generation": generation, "status": status, "ts": ts}
@@ -162,6 +163,8 @@ def checkpoint_record(
         rec["checksum"] = checksum
     if error is not None:
         rec["error"] = error
+    if saved_by_incarnation is not None:
+        rec["saved_by_incarnation"] = saved_by_incarnation
     return rec
 
 

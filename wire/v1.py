@@ -251,6 +251,11 @@ class CheckpointRecord(_Strict):
     persist_seconds: _NonNeg | None = Field(None, description="until durable (async saves)")
     checksum: str | None = Field(None, max_length=128)
     error: str | None = Field(None, max_length=4096)
+    saved_by_incarnation: _Count | None = Field(
+        None,
+        description="the incarnation of this rank that saved the generation, when it is not the sender's: a "
+        "restarted rank's deleted record about its previous process's save (stored under that incarnation)",
+    )
 
 
 class EventRecord(_Strict):

@@ -539,6 +539,7 @@ class DetectorInputs:
                 ts=c.ts,
                 stall_seconds=c.stall_seconds,
                 persist_seconds=c.persist_seconds,
+                incarnation=c.incarnation,
             )
             for c in detector_reads.checkpoints(session, run_id=rid)
         ]

@@ -77,9 +77,11 @@ def _by_generation(events: Sequence[CheckpointEvent]) -> list[tuple[int, list[Ch
 def rollback_target(series: RunSeries, before_step: int, cfg: CheckpointConfig) -> CheckpointEvent | None:
     """The newest good generation saved strictly before `before_step` whose files are still there
     (no rank recorded it deleted since: the job's retention), or None."""
-    deleted = {ev.generation for ev in series.checkpoints if ev.status == "deleted"}
+    deleted = {(ev.generation, ev.incarnation) for ev in series.checkpoints if ev.status == "deleted"}
     good = [
-        ev for ev in series.checkpoints if _good(ev, cfg) and ev.step < before_step and ev.generation not in deleted
+        ev
+        for ev in series.checkpoints
+        if _good(ev, cfg) and ev.step < before_step and (ev.generation, ev.incarnation) not in deleted
     ]
     return max(good, key=lambda e: (e.step, e.ts)) if good else None
 
@@ -175,7 +177,7 @@ def detect_no_rollback_target(
     if onsets:
         earliest = min(onsets, key=lambda f: f.onset_step)
         if rollback_target(series, earliest.onset_step, cfg) is None:
-            retired = {ev.generation for ev in series.checkpoints
+            retired = {(ev.generation, ev.incarnation) for ev in series.checkpoints
                        if ev.status == "deleted" and ev.step < earliest.onset_step}  # fmt: skip
             deleted = (
                 f"; the {len(retired)} saved before it were deleted since (the job's retention, or a later save "

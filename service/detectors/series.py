@@ -102,6 +102,8 @@ class CheckpointEvent:
     ts: float
     stall_seconds: float | None = None
     persist_seconds: float | None = None
+    incarnation: int = 0
+    """The process that saved it: a restart may save the same generation number again."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -492,9 +492,7 @@ def checkpoint_generations(session: Session, *, run_id: str) -> list[dict[str, A
                                          "persist_seconds": None, "path": None, "ts": None, "errors": []})
         g["counts"][status] = ranks
         g["step"] = min(g["step"], step)
-        if status == "deleted":  # the save's time and path, not the deletion's (unless that is all)
-            g["deleted"] = (ts, path)
-        else:
+        if status != "deleted":  # the save's time and path, not the deletion's
             g["ts"] = ts if g["ts"] is None else max(g["ts"], ts)
             g["path"] = path if g["path"] is None else min(g["path"], path or g["path"])
         if stall is not None:
@@ -509,9 +507,10 @@ def checkpoint_generations(session: Session, *, run_id: str) -> list[dict[str, A
     for g in sorted(gens.values(), key=lambda g: (g["step"], g["incarnation"])):
         n = g.pop("counts")
         checksummed = g.pop("checksummed")
-        deleted_ts, deleted_path = g.pop("deleted", (None, None))
-        if g["ts"] is None:  # only the deletion is stored (its save's records were not delivered)
-            g["ts"], g["path"] = deleted_ts, deleted_path
+        if g["ts"] is None:
+            # Only a deletion is stored: nothing restorable is known of it. A restarted rank's
+            # ledger (agent/_checkpoint_ledger.py) may name an earlier run's save under this id.
+            continue
         done = n.get("persisted", 0) + n.get("verified", 0)
         # Ranks that reported anything for it (an after-the-fact save has no 'started' record).
         involved = max(n.get("started", 0), done + n.get("failed", 0))

@@ -265,3 +265,70 @@ def test_only_rank_0_checks_for_deleted_generations(tmp_path: Path) -> None:
     assert sorted((r["generation"], r["status"]) for r in emitted[False]) == [
         (1, "persisted"), (1, "started"), (2, "persisted"), (2, "started")
     ]  # fmt: skip
+
+
+def test_a_restart_goes_on_watching_the_previous_processs_saves(tmp_path: Path) -> None:
+    """A restarted job's retention removes the previous process's saves too (HF sorts every
+    checkpoint-* of the output directory), and a resume from an earlier generation saves over
+    them: rank 0's ledger beside the spool carries them to the next process, whose deleted
+    records name the incarnation that saved them."""
+
+    def attach(name: str) -> tuple[tv.Agent, nn.Module]:
+        model = nn.Linear(4, 4)
+        config = tv.AgentConfig(collector="", spill_dir=str(tmp_path / "spool"), record_file=str(tmp_path / name))
+        agent = tv.attach(model, None, run="ck", config=config)
+        assert isinstance(agent, tv.Agent)
+        return agent, model
+
+    first, model = attach("first.jsonl")
+    for step in (10, 20, 30):
+        first.save(model.state_dict(), tmp_path / f"step-{step}.pt", step=step)
+    first.close()
+    (tmp_path / "step-10.pt").unlink()  # the retention, while the job was down
+    time.sleep(0.002)  # incarnations are milliseconds
+    second, model = attach("second.jsonl")
+    second.loaded(step=10)
+    second.save(model.state_dict(), tmp_path / "step-20.pt", step=20)  # the redo saves over the old 20
+    second.close()
+    assert second.stats()["errors"] == 0
+
+    records = [
+        r for line in (tmp_path / "second.jsonl").read_bytes().splitlines()[1:]
+        for r in Batch.model_validate_json(line).records if r.kind == "checkpoint"
+    ]  # fmt: skip
+    deleted = {(r.generation, r.saved_by_incarnation): r.error for r in records if r.status == "deleted"}
+    assert deleted == {
+        (10, first.incarnation): f"{tmp_path / 'step-10.pt'} removed after its save (the job's retention: "
+        "save_total_limit, save_top_k, keep_last) (saved by this rank's process before a restart)",
+        (20, first.incarnation): f"{tmp_path / 'step-20.pt'} overwritten at the same path by generation 20 "
+        "(step 20) (saved by this rank's process before a restart)",
+    }
+    assert all(r.saved_by_incarnation is None for r in records if r.status != "deleted")
+    # What a third process would watch: the first's 30 and the second's 20.
+    from trainvitals.agent._checkpoint_ledger import CheckpointLedger, ledger_path
+
+    left = CheckpointLedger(ledger_path(str(tmp_path / "spool"), "ck")).earlier()
+    assert [(s.incarnation, s.generation) for s in left] == [(first.incarnation, 30), (second.incarnation, 20)]
+
+
+def test_a_torn_or_unwritable_ledger_costs_the_watch_not_the_job(tmp_path: Path) -> None:
+    """A line torn by a crash is skipped; a ledger that cannot be written is an agent error, counted."""
+    from trainvitals.agent._checkpoint_ledger import ledger_path
+
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    ledger_path(str(spool), "ck").write_text('{"incarnation": 1, "generation": 3, "step": 3, "path": "/nowhere/3"}\n'
+                                             '{"incarnation": 1, "generation": 4, "st')  # fmt: skip
+    agent, model = _agent(tmp_path)
+    agent.close()
+    assert [(r.generation, r.saved_by_incarnation, r.status) for r in _checkpoint_records(tmp_path)] == [
+        (3, 1, "deleted")
+    ]
+    ledger_path(str(spool), "ck").unlink()
+    ledger_path(str(spool), "ck").mkdir()  # a directory: neither readable nor writable as a file
+    (tmp_path / "rec.jsonl").unlink()
+    agent, model = _agent(tmp_path)
+    agent.save(model.state_dict(), tmp_path / "step-5.pt", step=5)
+    agent.close()
+    assert agent.stats()["errors"] >= 1
+    assert [r.status for r in _checkpoint_records(tmp_path) if r.generation == 5][-1] == "persisted"

@@ -267,3 +267,33 @@ def test_checkpoints_save_total_limit_removed_are_no_rollback_target(collector: 
         "before step 5: none, of 4 recorded generation(s) none was persisted and is still on disk before step 5 "
         "(2 deleted since their save (the job's retention, or a later save to the same path), 2 at or after step 5)"
     )
+
+
+def test_a_restarted_trainer_retires_the_previous_processs_rotated_checkpoints(collector: Any, tmp_path: Path) -> None:
+    """A job restarted from checkpoint-6: HF's rotation then removes the first process's
+    checkpoint-6, and the relaunch's save at step 8 overwrites the first one's. Until 2026-11-29 the
+    relaunch never looked at the first process's saves, and the rollback query named checkpoint-6
+    (gone) for a divergence before step 8. Rank 0's ledger beside the spool carries them over."""
+    from trainvitals.service.store import queries
+
+    _run(tmp_path, name="rotated", max_steps=8, save_steps=2, save_total_limit=2, collector=collector.url)
+    out = tmp_path / "out"
+    _, callback, _, _ = _run(tmp_path, name="rotated", max_steps=12, save_steps=2, save_total_limit=2,
+                             collector=collector.url, resume_from=str(out / "checkpoint-6"))  # fmt: skip
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == [
+        "checkpoint-10", "checkpoint-12"
+    ]  # fmt: skip
+    assert callback._errors.errors == 0
+    with collector.app.state.sessionmaker() as session:
+        gens = queries.checkpoint_generations(session, run_id="hf-rotated")
+        before_7 = queries.rollback_target(session, run_id="hf-rotated", before_step=7)
+        before_11 = queries.rollback_target(session, run_id="hf-rotated", before_step=11)
+    first, relaunch = sorted({g["incarnation"] for g in gens})
+    assert [(g["step"], g["incarnation"] == relaunch, g["status"]) for g in gens] == [
+        (2, False, "deleted"), (4, False, "deleted"), (6, False, "deleted"), (8, False, "deleted"),
+        (8, True, "deleted"), (10, True, "verified"), (12, True, "verified"),
+    ]  # fmt: skip
+    overwritten = next(g for g in gens if g["step"] == 8 and g["incarnation"] == first)
+    assert any("overwritten at the same path by generation 8" in e for e in overwritten["errors"])
+    assert before_7["target"] is None
+    assert (before_11["target"]["step"], before_11["target"]["path"]) == (10, str(out / "checkpoint-10"))

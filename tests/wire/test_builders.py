@@ -59,6 +59,7 @@ EVERY_FIELD: dict[type[BaseModel], dict[str, Any]] = {
     CheckpointRecord: {
         "step": 3, "generation": 3, "status": "persisted", "ts": 2.0, "path": "/ck/3", "bytes": 10,
         "stall_seconds": 0.5, "persist_seconds": 1.0, "checksum": "sha256:00", "error": "none",
+        "saved_by_incarnation": 1,
     },
     EventRecord: {"ts": 1.0, "step": 3, "event": "failure", "detail": "gpu 3", "domains": {"rack": "r7"}},
     Batch: {"run": "r1", "rank": 2, "incarnation": 7, "seq": 0, "sent_at": 5.0},

@@ -266,3 +266,33 @@ def test_a_generation_deleted_since_its_save_is_no_rollback_target(client: TestC
     assert answer["reason"] == "before step 5" + passed_over
     deleted = [g for g in client.get("/v1/runs/r1/checkpoints").json() if g["generation"] == 4]
     assert deleted[0]["status"] == "deleted" and deleted[0]["path"] == "/ck/checkpoint-4" and deleted[0]["ts"] == 4.0
+
+
+def test_a_restarted_ranks_deletion_lands_on_the_save_of_the_incarnation_it_names(client: TestClient) -> None:
+    """After a restart the agent's deleted records about its previous process's saves carry that
+    process's incarnation: stored under it, they retire that save and not the relaunch's own save of
+    the same generation number (a resume from an earlier generation saves over the old ones). A
+    deletion of a save the collector never stored (a ledger left by an earlier job under the run id)
+    is not listed."""
+    client.post("/v1/runs", json={"run": "r1"})
+    first = [
+        {"kind": "checkpoint", "step": s, "generation": s, "status": "verified", "ts": float(s),
+         "path": f"/ck/step-{s}"}
+        for s in (10, 20)
+    ]  # fmt: skip
+    client.post("/v1/batches", json={**_batch(), "records": first})
+    over = "/ck/step-20 overwritten at the same path by generation 20 (step 20)"
+    relaunch = [
+        {"kind": "checkpoint", "step": 20, "generation": 20, "status": "verified", "ts": 30.0, "path": "/ck/step-20"},
+        {"kind": "checkpoint", "step": 20, "generation": 20, "status": "deleted", "ts": 31.0, "path": "/ck/step-20",
+         "error": over, "saved_by_incarnation": 1},
+        {"kind": "checkpoint", "step": 7, "generation": 7, "status": "deleted", "ts": 31.0, "path": "/old/step-7",
+         "error": "gone", "saved_by_incarnation": 0},
+    ]  # fmt: skip
+    assert client.post("/v1/batches", json={**_batch(), "incarnation": 2, "records": relaunch}).status_code == 200
+    gens = client.get("/v1/runs/r1/checkpoints").json()
+    assert [(g["generation"], g["incarnation"], g["status"]) for g in gens] == [
+        (10, 1, "verified"), (20, 1, "deleted"), (20, 2, "verified")
+    ]  # fmt: skip
+    target = client.get("/v1/runs/r1/rollback", params={"before_step": 25}).json()["target"]
+    assert (target["generation"], target["incarnation"]) == (20, 2)

@@ -106,3 +106,15 @@ def test_a_generation_deleted_since_its_save_is_no_target_and_the_page_says_so(s
         "retention of more generations (save_total_limit, save_top_k, keep_last) keeps one from before an onset "
         "until it is paged"
     )
+
+
+def test_a_generation_saved_again_after_a_restart_is_a_target_though_the_old_save_is_deleted(series) -> None:
+    """A relaunch that resumed from generation 1 saved generation 2 again, over the first launch's:
+    that one is deleted, the relaunch's is the target (the generation number alone named both)."""
+    first = _ck(1, 1000, "started", "persisted") + _ck(2, 2000, "started", "persisted")
+    relaunch = _ck(2, 2000, "started", "persisted")
+    for ev in relaunch:
+        ev.incarnation, ev.ts = 2, ev.ts + 5000
+    s = series(3000, checkpoints=first + relaunch + _ck(2, 2000, "deleted"))
+    target = rollback_target(s, 2500, CFG)
+    assert target is not None and (target.generation, target.incarnation) == (2, 2)
