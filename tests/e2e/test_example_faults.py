@@ -101,16 +101,23 @@ def test_crash_and_relaunch_resumes_from_the_last_checkpoint(tmp_path: Path, unu
         assert second.returncode == 0, second.stderr[-3000:]
         gens = col.wait_for("/v1/runs/crash/checkpoints", lambda g: len(g) == 5)
         rollback = _get(col.url + "/v1/runs/crash/rollback?before_step=18")
+        early = _get(col.url + "/v1/runs/crash/rollback?before_step=12")
         matrix = _get(col.url + "/v1/runs/crash/ranks/step-times?start=0&end=29")
     finally:
         col.stop()
-    # Generations 5 and 10 from the first launch, 15, 20, 25 from the relaunch; all verified.
+    # Generations 5 and 10 from the first launch, 15, 20, 25 from the relaunch; all verified, but
+    # the example keeps 3 files: the relaunch's saves at 20 and 25 pruned the first launch's, and
+    # rank 0's ledger (agent/_checkpoint_ledger.py) carried them over so they are recorded deleted
+    # (until 2026-11-29 they stayed verified, and `query rollback --before-step 12` named a file
+    # that was gone).
     # Rarely, torchrun's SIGTERM reaches ranks 0 and 2 in the training loop before the collective's
     # error does (exit status 143): the agent, a local of main(), was then freed before its atexit
     # close, and generations 5 and 10 were lost (tests/agent/test_sigterm.py holds that case).
-    assert [(g["step"], g["status"]) for g in gens] == [(s, "verified") for s in (5, 10, 15, 20, 25)], (  # type: ignore[union-attr]
+    statuses = [(g["step"], g["status"]) for g in gens]  # type: ignore[union-attr]
+    assert statuses == [(5, "deleted"), (10, "deleted"), (15, "verified"), (20, "verified"), (25, "verified")], (
         f"first launch's stderr (tail):\n{first.stderr[-6000:]}"
     )
+    assert early["target"] is None  # type: ignore[index]
     assert len({g["incarnation"] for g in gens}) == 2  # type: ignore[union-attr]
     assert rollback["target"]["step"] == 15  # type: ignore[index]
     # Every step of every rank is there once (the relaunch replayed 11..14; the newest wins).
