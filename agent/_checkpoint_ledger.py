@@ -41,7 +41,7 @@ class CheckpointLedger:
         """The generations earlier processes kept and did not see gone, oldest first; the file is
         rewritten to hold only those (a run without retention adds one line a save)."""
         try:
-            text = self.path.read_text(encoding="utf-8")
+            text = self.path.read_bytes().decode("utf-8", errors="replace")  # garbage: lines skipped below
         except FileNotFoundError:
             return []
         kept: dict[tuple[int, int, str], Saved] = {}

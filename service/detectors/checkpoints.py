@@ -177,8 +177,10 @@ def detect_no_rollback_target(
     if onsets:
         earliest = min(onsets, key=lambda f: f.onset_step)
         if rollback_target(series, earliest.onset_step, cfg) is None:
+            # Saves recorded deleted since (a deletion alone, of a save never stored, is not counted).
+            saved = {(ev.generation, ev.incarnation) for ev in series.checkpoints if ev.status in GOOD_STATUSES}
             retired = {(ev.generation, ev.incarnation) for ev in series.checkpoints
-                       if ev.status == "deleted" and ev.step < earliest.onset_step}  # fmt: skip
+                       if ev.status == "deleted" and ev.step < earliest.onset_step} & saved  # fmt: skip
             deleted = (
                 f"; the {len(retired)} saved before it were deleted since (the job's retention, or a later save "
                 "to the same path); a retention of more generations (save_total_limit, save_top_k, keep_last) "

@@ -312,13 +312,15 @@ def test_a_restart_goes_on_watching_the_previous_processs_saves(tmp_path: Path) 
 
 
 def test_a_torn_or_unwritable_ledger_costs_the_watch_not_the_job(tmp_path: Path) -> None:
-    """A line torn by a crash is skipped; a ledger that cannot be written is an agent error, counted."""
+    """A line torn by a crash, or not text at all, is skipped; a ledger that cannot be written is an
+    agent error, counted."""
     from trainvitals.agent._checkpoint_ledger import ledger_path
 
     spool = tmp_path / "spool"
     spool.mkdir()
-    ledger_path(str(spool), "ck").write_text('{"incarnation": 1, "generation": 3, "step": 3, "path": "/nowhere/3"}\n'
-                                             '{"incarnation": 1, "generation": 4, "st')  # fmt: skip
+    ledger_path(str(spool), "ck").write_bytes(b'\xff\xfe\x00garbage\n[1, 2]\n{"path": 7}\n'
+                                              b'{"incarnation": 1, "generation": 3, "step": 3, "path": "/nowhere/3"}\n'
+                                              b'{"incarnation": 1, "generation": 4, "st')  # fmt: skip
     agent, model = _agent(tmp_path)
     agent.close()
     assert [(r.generation, r.saved_by_incarnation, r.status) for r in _checkpoint_records(tmp_path)] == [

@@ -98,6 +98,8 @@ def test_a_generation_deleted_since_its_save_is_no_target_and_the_page_says_so(s
     assert rollback_target(s, 2500, CFG).step == 2000
     assert detect_no_rollback_target(s, CFG, open_pages=[page]) == []
     s.checkpoints += _ck(1, 1000, "deleted") + _ck(2, 2000, "deleted")  # keep_last=2 after the saves at 3000, 4000
+    never_saved_here = CheckpointEvent(generation=9, step=900, status="deleted", ts=T0 + 1, incarnation=7)
+    s.checkpoints.append(never_saved_here)  # not counted among the saves deleted since
     assert rollback_target(s, 2500, CFG) is None and rollback_target(s, 5000, CFG).step == 4000
     (f,) = detect_no_rollback_target(s, CFG, open_pages=[page])
     assert f.severity == "page" and f.onset_step == 2500
