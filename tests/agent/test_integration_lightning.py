@@ -74,6 +74,7 @@ def _fit(
     checkpoint: Any = None,
     strategy: Any = "auto",
     extra: list[Any] | None = None,
+    run: str | None = None,
 ) -> tuple[Any, TrainvitalsLightningCallback, list[Any], RunRegistration]:
     torch.manual_seed(0)
     module = _module_class(namespace)()
@@ -81,7 +82,7 @@ def _fit(
         collector=collector, record_file=str(tmp / f"{name}-{{rank}}.jsonl"), spill_dir=str(tmp / "spool")
     )
     callback = TrainvitalsLightningCallback(
-        run=f"pl-{name}", config=config, count_tokens=lambda b: b[0].numel()
+        run=run or f"pl-{name}", config=config, count_tokens=lambda b: b[0].numel()
     )
     trainer = namespace.Trainer(
         max_steps=max_steps,
@@ -268,6 +269,39 @@ def test_each_checkpoint_lightning_writes_is_a_generation_rollback_can_name(coll
         gens = queries.checkpoint_generations(session, run_id="pl-saves")
     assert [(g["step"], g["status"]) for g in gens] == [(3, "verified"), (7, "verified"), (11, "verified")]
     assert answer["target"]["path"] == str(tmp_path / "ckpt" / names[-1]) and answer["verified"]
+
+
+def test_a_resumed_fit_retires_the_first_fits_files_save_top_k_removed(collector: Any, tmp_path: Path) -> None:
+    """ModelCheckpoint's state comes back with the resume, and its save_top_k then removes the first
+    fit's files: until 2026-11-29 only the resumed fit's own saves were checked, and the rollback
+    query named the first fit's removed files. Rank 0's ledger beside the spool carries them over.
+    (Lightning keeps the file a fit resumed from: step 6 stays.)"""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from trainvitals.service.store import queries
+
+    def saver() -> Any:
+        return ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=2, monitor="step",
+                               mode="max")  # fmt: skip
+
+    _fit(tmp_path, name="first", run="pl-resumed", max_steps=6, checkpoint=saver(), collector=collector.url)
+    resume_from = str(tmp_path / "ckpt" / "epoch=0-step=6.ckpt")
+    _, callback, records, _ = _fit(tmp_path, name="second", run="pl-resumed", max_steps=12, checkpoint=saver(),
+                                   collector=collector.url, ckpt_path=resume_from)  # fmt: skip
+    kept = ["epoch=0-step=10.ckpt", "epoch=0-step=12.ckpt", "epoch=0-step=6.ckpt"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == kept
+    assert sorted((r.generation, r.saved_by_incarnation is not None) for r in records
+                  if r.kind == "checkpoint" and r.status == "deleted") == [(3, True), (7, False)]  # fmt: skip
+    with collector.app.state.sessionmaker() as session:
+        gens = queries.checkpoint_generations(session, run_id="pl-resumed")
+        before_5 = queries.rollback_target(session, run_id="pl-resumed", before_step=5)
+        before_9 = queries.rollback_target(session, run_id="pl-resumed", before_step=9)
+    assert [(g["step"], g["status"]) for g in gens] == [
+        (1, "deleted"), (3, "deleted"), (5, "verified"), (7, "deleted"), (9, "verified"), (11, "verified")
+    ]  # fmt: skip
+    assert before_5["target"] is None
+    assert before_9["target"]["path"] == str(tmp_path / "ckpt" / "epoch=0-step=6.ckpt")
+    assert callback.agent is None or callback.agent.stats()["errors"] == 0
 
 
 def test_layers_unfrozen_during_fit_count_in_the_gradient_norm(tmp_path: Path) -> None:
