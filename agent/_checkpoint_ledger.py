@@ -27,8 +27,10 @@ class Saved(NamedTuple):
 
 
 def ledger_path(spill_dir: str, run: str) -> Path:
+    """Not a .jsonl: `trainvitals replay <spill_dir>/*.jsonl` (README) takes the spool's batches, and
+    this file holds none."""
     safe_run = re.sub(r"[^A-Za-z0-9._-]", "_", run)  # as the spool's name (agent/_spool.py)
-    return Path(spill_dir) / f"{safe_run}.checkpoints.jsonl"
+    return Path(spill_dir) / f"{safe_run}.checkpoint-ledger"
 
 
 class CheckpointLedger:

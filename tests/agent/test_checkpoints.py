@@ -309,6 +309,8 @@ def test_a_restart_goes_on_watching_the_previous_processs_saves(tmp_path: Path) 
 
     left = CheckpointLedger(ledger_path(str(tmp_path / "spool"), "ck")).earlier()
     assert [(s.incarnation, s.generation) for s in left] == [(first.incarnation, 30), (second.incarnation, 20)]
+    # Not among the files the README's `trainvitals replay <spill_dir>/*.jsonl` takes (no batch in it).
+    assert ledger_path(str(tmp_path / "spool"), "ck") not in set((tmp_path / "spool").glob("*.jsonl"))
 
 
 def test_a_torn_or_unwritable_ledger_costs_the_watch_not_the_job(tmp_path: Path) -> None:
