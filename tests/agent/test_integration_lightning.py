@@ -304,7 +304,7 @@ def test_a_resumed_fit_retires_the_first_fits_files_save_top_k_removed(collector
     ]  # fmt: skip
     assert before_5["target"] is None
     assert before_9["target"]["path"] == str(tmp_path / "ckpt" / "epoch=0-step=6.ckpt")
-    assert callback.agent is None or callback.agent.stats()["errors"] == 0
+    assert callback._errors.errors == 0
 
 
 def test_layers_unfrozen_during_fit_count_in_the_gradient_norm(tmp_path: Path) -> None:
