@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import NamedTuple
+
+from trainvitals.agent._spool import safe_run_name
 
 
 class Saved(NamedTuple):
@@ -29,8 +30,7 @@ class Saved(NamedTuple):
 def ledger_path(spill_dir: str, run: str) -> Path:
     """Not a .jsonl: `trainvitals replay <spill_dir>/*.jsonl` (README) takes the spool's batches, and
     this file holds none."""
-    safe_run = re.sub(r"[^A-Za-z0-9._-]", "_", run)  # as the spool's name (agent/_spool.py)
-    return Path(spill_dir) / f"{safe_run}.checkpoint-ledger"
+    return Path(spill_dir) / f"{safe_run_name(run)}.checkpoint-ledger"
 
 
 class CheckpointLedger:
@@ -67,16 +67,11 @@ class CheckpointLedger:
         os.replace(tmp, self.path)
         return live
 
-    def kept(self, saved: Saved) -> None:
-        self._append(_line(saved, gone=False))
-
-    def gone(self, saved: Saved) -> None:
-        self._append(_line(saved, gone=True))
-
-    def _append(self, line: str) -> None:
+    def note(self, saved: Saved, *, gone: bool) -> None:
+        """Append that `saved.path` holds `saved` now, or (gone) holds it no longer."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write(line)
+            f.write(_line(saved, gone=gone))
 
 
 def _line(saved: Saved, *, gone: bool) -> str:

@@ -243,10 +243,11 @@ class CheckpointRecorder:
             return
         lost: dict[tuple[int, int], tuple[_Generation, str]] = {}
         before = self._on_disk.get(path)
-        if before is None or self._key(before) != self._key(gen):
-            self._note("kept", gen)
-        if before is not None and self._key(before) != self._key(gen):
-            self._note("gone", before)
+        replaced = before is not None and self._key(before) != self._key(gen)
+        if before is None or replaced:
+            self._note(gen, gone=False)
+        if before is not None and replaced:
+            self._note(before, gone=True)
             lost[self._key(before)] = (before, f"overwritten at the same path by generation {gen.generation} "
                                                f"(step {gen.step})")  # fmt: skip
         self._on_disk[path] = gen
@@ -258,7 +259,7 @@ class CheckpointRecorder:
         for path, gen in list(self._on_disk.items()):
             if not os.path.exists(path):
                 del self._on_disk[path]
-                self._note("gone", gen)
+                self._note(gen, gone=True)
                 lost[self._key(gen)] = (gen, "removed after its save (the job's retention: save_total_limit, "
                                              "save_top_k, keep_last)")  # fmt: skip
         still = {self._key(g) for g in self._on_disk.values()}
@@ -267,16 +268,12 @@ class CheckpointRecorder:
                 before_restart = "" if gen.saved_by is None else " (saved by this rank's process before a restart)"
                 self._record(gen, "deleted", error=f"{gen.path} {why}{before_restart}")
 
-    def _note(self, change: str, gen: _Generation) -> None:
+    def _note(self, gen: _Generation, *, gone: bool) -> None:
         """The ledger's line for `gen`'s path (the checksum thread); its errors are the agent's, counted."""
         if self._ledger is None or gen.path is None:
             return
-        saved = Saved(self._key(gen)[0], gen.generation, gen.step, gen.path)
         try:
-            if change == "kept":
-                self._ledger.kept(saved)
-            else:
-                self._ledger.gone(saved)
+            self._ledger.note(Saved(self._key(gen)[0], gen.generation, gen.step, gen.path), gone=gone)
         except OSError as exc:
             self._on_error("checkpoint ledger", exc)
 

@@ -26,9 +26,13 @@ _DISK_FULL = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
 _TAIL_CHUNK = 64 * 1024  # read back from the end at a time when looking for a torn line's start
 
 
+def safe_run_name(run: str) -> str:
+    """The run id as it names the files of a run in the spill directory."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", run)
+
+
 def spool_path(spill_dir: str, run: str, rank: int) -> Path:
-    safe_run = re.sub(r"[^A-Za-z0-9._-]", "_", run)
-    return Path(spill_dir) / f"{safe_run}.rank{rank}.jsonl"
+    return Path(spill_dir) / f"{safe_run_name(run)}.rank{rank}.jsonl"
 
 
 def disk_full(exc: OSError) -> bool:
