@@ -1,5 +1,6 @@
-"""Gradient norms under DDP and FSDP2 (fully_shard) in real torchrun jobs on CPU/gloo: the sum over
-ranks of owned sums of squares equals clip_grad_norm_'s total norm, with no extra collective."""
+"""Gradient norms under DDP, FSDP2 (fully_shard) and FSDP1 (FullyShardedDataParallel, flat or original
+parameters) in real torchrun jobs on CPU/gloo: the sum over ranks of owned sums of squares equals the
+job's own total norm (clip_grad_norm_'s; FSDP1's own method), with no extra collective."""
 
 import json
 import math
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from trainvitals.wire import Batch
+from trainvitals.wire.conventions import GLOBAL_GROUP
 
 SCRIPT = Path(__file__).parent / "dist_scripts" / "grad_norm_job.py"
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -26,8 +28,18 @@ def _global_sq_by_step(out: Path, ranks: int) -> dict[int, float]:
     return total
 
 
+def _groups(out: Path, ranks: int) -> set[str]:
+    return {
+        rec.group
+        for rank in range(ranks)
+        for line in (out / f"rec-{rank}.jsonl").read_bytes().splitlines()[1:]
+        for rec in Batch.model_validate_json(line).records
+        if rec.kind == "grad"
+    }
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2", "ddp-attach-first"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2", "fsdp1", "fsdp1-orig", "ddp-attach-first"])
 def test_global_norm_matches_clip_grad_norm(mode: str, tmp_path: Path) -> None:
     ranks = 2
     result = subprocess.run(
@@ -44,3 +56,10 @@ def test_global_norm_matches_clip_grad_norm(mode: str, tmp_path: Path) -> None:
     assert sorted(ours) == list(range(len(expected)))
     for step, total in enumerate(expected):
         assert math.sqrt(ours[step]) == pytest.approx(total, rel=1e-5), step
+    # Per-layer groups by the model's own names, whatever the wrapper (FSDP1's flat parameters:
+    # a wrapped layer's is that layer's; the root's, holding emb and head, has only its own name).
+    groups = _groups(tmp_path, ranks)
+    assert {"layers.0", "layers.1", "layers.2"} <= groups, groups
+    assert groups - {"layers.0", "layers.1", "layers.2", GLOBAL_GROUP} == (
+        {"_flat_param"} if mode == "fsdp1" else {"emb", "head"}
+    ), groups

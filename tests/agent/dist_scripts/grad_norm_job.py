@@ -1,5 +1,6 @@
-"""Run under torchrun: a tiny model under DDP or FSDP2 (fully_shard) on CPU/gloo with the agent
-recording to a file; every rank also writes clip_grad_norm_'s total norm per step for comparison."""
+"""Run under torchrun: a tiny model under DDP, FSDP2 (fully_shard) or FSDP1 (FullyShardedDataParallel)
+on CPU/gloo with the agent recording to a file; every rank also writes the job's own total gradient
+norm per step (clip_grad_norm_'s, FSDP1's own method under FSDP1) for comparison."""
 
 import json
 import sys
@@ -28,8 +29,9 @@ class Tiny(nn.Module):
 
 
 def main() -> None:
-    # mode: ddp, fsdp2, or ddp-attach-first (attach() to the bare model before init_process_group,
-    # as a script may: the gradient ownership must be decided against the process group anyway).
+    # mode: ddp, fsdp2, fsdp1 (flat parameters), fsdp1-orig (use_orig_params=True), or ddp-attach-first
+    # (attach() to the bare model before init_process_group, as a script may: the gradient ownership
+    # must be decided against the process group anyway).
     mode, out_dir = sys.argv[1], sys.argv[2]
     config = tv.AgentConfig(
         fp8=sys.argv[3] if len(sys.argv) > 3 else "auto",
@@ -52,6 +54,12 @@ def main() -> None:
             for layer in model.layers:
                 fully_shard(layer)
             wrapped = fully_shard(model)
+        elif mode.startswith("fsdp1"):
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+            wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}),
+                           use_orig_params=mode == "fsdp1-orig", device_id=torch.device("cpu"))  # fmt: skip
         else:
             wrapped = nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
@@ -63,7 +71,10 @@ def main() -> None:
         x = torch.randint(0, 32, (4, 6), generator=gen)
         loss = wrapped(x).logsumexp(-1).mean() * (1 + step)
         loss.backward()
-        total = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), float("inf"))
+        if mode.startswith("fsdp1"):  # torch's function would see this rank's shard only
+            total = wrapped.clip_grad_norm_(float("inf"))
+        else:
+            total = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), float("inf"))
         if hasattr(total, "full_tensor"):
             total = total.full_tensor()
         totals.append(total.item())
