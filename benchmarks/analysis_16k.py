@@ -40,6 +40,7 @@ from sqlalchemy import Engine, text
 
 from trainvitals.service.analysis import detector_inputs, pipeline
 from trainvitals.service.analysis.detector_inputs import DetectorInputs
+from trainvitals.service.analysis.memory_pages import small_pages_for_numpy
 from trainvitals.service.detectors.run_all import DetectorConfig
 from trainvitals.service.detectors.suppression import SuppressionConfig
 from trainvitals.service.store import db, queries
@@ -237,6 +238,8 @@ def main() -> None:
     args = parser.parse_args()
     modes = [m for m in ("kept", "restart", "fresh") if m in args.modes.split(",")]
     print("$ python benchmarks/analysis_16k.py " + " ".join(sys.argv[1:]))
+    # This process stands for `trainvitals analyse`, so it takes that process's memory settings.
+    print(f"numpy huge pages: {small_pages_for_numpy()} (as trainvitals analyse; NUMPY_MADVISE_HUGEPAGE=1 compares)")
     config = pipeline.PipelineConfig(settle_seconds=30.0)
     now = time.time()
     last = args.summary_steps - 1

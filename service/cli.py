@@ -211,6 +211,7 @@ def _analyse(args: argparse.Namespace) -> int:
     import time
 
     from trainvitals.service import logs
+    from trainvitals.service.analysis.memory_pages import small_pages_for_numpy
     from trainvitals.service.analysis.worker import AnalysisWorker
     from trainvitals.service.gc_policy import serving_gc
     from trainvitals.service.settings import Settings
@@ -219,9 +220,10 @@ def _analyse(args: argparse.Namespace) -> int:
 
     settings = Settings(db=args.db)  # the rest from TRAINVITALS_* (serve hands its settings over so)
     logs.configure(settings.log_level)
+    huge_pages = small_pages_for_numpy()
     logs.log_event(
         logging.getLogger("trainvitals.analyse"), "analyse", db=db_url.describe(settings.db),
-        interval_s=settings.analysis_interval_seconds,
+        interval_s=settings.analysis_interval_seconds, numpy_huge_pages=huge_pages,
     )  # fmt: skip
     if settings.migrate_on_start:
         db.upgrade(settings.db)

@@ -110,3 +110,19 @@ def test_an_analysis_child_stops_once_its_collector_is_gone(tmp_path: Path) -> N
         if child.poll() is None:
             child.kill()
     assert child.returncode == 0, out
+    # Huge pages off unless the operator asks for them: a restart's first touch of ~2 GB of arrays
+    # stalled for seconds on a VM with them (docs/performance.md).
+    assert "numpy_huge_pages=off" in out, out
+
+
+def test_the_operator_can_turn_numpy_huge_pages_back_on_for_the_analysis(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    env = {**os.environ, "TRAINVITALS_ANALYSE_PARENT_PID": "1", "NUMPY_MADVISE_HUGEPAGE": "1"}
+    out = subprocess.run(
+        [str(BIN / "trainvitals"), "analyse", "--db", f"sqlite:///{tmp_path / 'tv.db'}"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "numpy_huge_pages=on" in out.stdout + out.stderr
