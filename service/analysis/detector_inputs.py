@@ -20,12 +20,10 @@ project's data; while it names none, that is logged once and the run is judged a
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from trainvitals.service.analysis import expectations
@@ -257,43 +255,6 @@ def _distinct(ranks: np.ndarray) -> np.ndarray:
     return np.unique(ranks)
 
 
-class _BlockLoads:
-    """Stored blocks asked for ahead of the rows read beside them (`ask` returns the blocks' getter).
-
-    On PostgreSQL each load runs in a thread on a connection of its own. A restart's first cycle
-    at 16,384 ranks loads ~640 MB of blocks: read one after the other on the cycle's connection, the
-    server's sending and Python's copying took turns on the 2 cores (1.4 + 1.7 s of a 5.2 s detector
-    input, beside 0.9 s of gradient-group rows; docs/performance.md). A block is only deleted by the
-    reduction, which committed before the build, so the other connections see what this one does.
-    On SQLite, or a session bound to one connection, each loads on the session's when its getter is called.
-    """
-
-    def __init__(self, session: Session, rid: str) -> None:
-        self._session, self._rid = session, rid
-        bind = session.get_bind()
-        apart = isinstance(bind, Engine) and bind.dialect.name == "postgresql"
-        self._engine = bind if apart else None
-        self._pool: ThreadPoolExecutor | None = None
-
-    def ask(self, source: str, first: int, last: int) -> Callable[[], list[dict[str, np.ndarray]]]:
-        if self._engine is None:
-            return lambda: detector_blocks.load(self._session, run_id=self._rid, source=source, first=first, last=last)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=len(BLOCK_STEPS), thread_name_prefix="detector-blocks")
-        return self._pool.submit(self._load_apart, source, first, last).result
-
-    def _load_apart(self, source: str, first: int, last: int) -> list[dict[str, np.ndarray]]:
-        with Session(self._engine) as session:
-            return detector_blocks.load(session, run_id=self._rid, source=source, first=first, last=last)
-
-    def __enter__(self) -> _BlockLoads:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._pool is not None:  # a load not collected (the read raised) finishes first
-            self._pool.shutdown(wait=True, cancel_futures=True)
-
-
 class DetectorInputs:
     """Usage::
 
@@ -487,38 +448,34 @@ class DetectorInputs:
     def _read(self, session: Session, rid: str, *, after: int, upto: int, rank_after: int) -> None:
         if upto <= after and upto <= rank_after:
             return
-        tensor_spans = self._spans(_TENSORS, after=after, upto=upto)
-        timing_spans = self._spans(_TIMING, after=rank_after, upto=upto)
-        with _BlockLoads(session, rid) as loads:
-            # Asked for first: they load while this session reads the rows.
-            tensor_blocks = [loads.ask(_TENSORS, a + 1 - BLOCK_STEPS[_TENSORS], b) for a, b, blk in tensor_spans if blk]
-            timing_blocks = [loads.ask(_TIMING, a + 1 - BLOCK_STEPS[_TIMING], b) for a, b, blk in timing_spans if blk]
-            self._steps.append(detector_reads.step_columns(session, run_id=rid, after=after, upto=upto))
+        self._steps.append(detector_reads.step_columns(session, run_id=rid, after=after, upto=upto))
 
-            gsteps, names, norms = detector_reads.group_norm_columns(session, run_id=rid, after=after, upto=upto)
-            code = self._group_code
-            for name in sorted(set(names) - code.keys()):
-                code[name] = len(self._group_names)
-                self._group_names.append(name)
-            self._groups.append([gsteps, np.array([code[n] for n in names], dtype=np.int32), norms])
+        gsteps, names, norms = detector_reads.group_norm_columns(session, run_id=rid, after=after, upto=upto)
+        code = self._group_code
+        for name in sorted(set(names) - code.keys()):
+            code[name] = len(self._group_names)
+            self._group_names.append(name)
+        self._groups.append([gsteps, np.array([code[n] for n in names], dtype=np.int32), norms])
 
-            for a, b, from_blocks in tensor_spans:
-                if from_blocks:
-                    self._append_tensor_blocks(tensor_blocks.pop(0)(), after=a)
-                else:
-                    self._read_tensors(session, rid, after=a, upto=b)
+        for a, b, from_blocks in self._spans(_TENSORS, after=after, upto=upto):
+            if from_blocks:
+                self._load_tensor_blocks(session, rid, after=a, upto=b)
+            else:
+                self._read_tensors(session, rid, after=a, upto=b)
 
-            for a, b, from_blocks in timing_spans:
-                if from_blocks:
-                    self._ranks.append_blocks(timing_blocks.pop(0)(), after=a)
-                else:
-                    self._ranks.append(detector_reads.rank_timing_columns(session, run_id=rid, after=a, upto=b))
+        for a, b, from_blocks in self._spans(_TIMING, after=rank_after, upto=upto):
+            if from_blocks:
+                blocks = detector_blocks.load(session, run_id=rid, source=_TIMING, first=a + 1 - BLOCK_STEPS[_TIMING],
+                                              last=b)  # fmt: skip
+                self._ranks.append_blocks(blocks, after=a)
+            else:
+                self._ranks.append(detector_reads.rank_timing_columns(session, run_id=rid, after=a, upto=b))
 
-    def _append_tensor_blocks(self, blocks: list[dict[str, np.ndarray]], *, after: int) -> None:
-        """Stored tensor blocks (ascending), their rows above `after` (the first block may start at
-        or below it), each tensor's rows appended at once."""
+    def _load_tensor_blocks(self, session: Session, rid: str, *, after: int, upto: int) -> None:
+        """Stored tensor blocks of (after, upto], each tensor's rows appended at once."""
         pieces: dict[tuple[str, str], list[list[np.ndarray]]] = {}
-        for b in blocks:
+        first = after + 1 - BLOCK_STEPS[_TENSORS]  # the first block may start at or below after
+        for b in detector_blocks.load(session, run_id=rid, source=_TENSORS, first=first, last=upto):
             ends = np.cumsum(b["count"])
             cols = [b[f"c{i}"] for i in range(len(TENSOR_DTYPES))]
             for i, key in enumerate(zip(b["tensor"].tolist(), b["role"].tolist(), strict=True)):
