@@ -14,8 +14,9 @@ def small_pages_for_numpy() -> str:
     NUMPY_MADVISE_HUGEPAGE (numpy reads it at import); returns 'on', 'off' or 'unknown' for the log.
 
     numpy advises transparent huge pages for large arrays; on a virtual machine a new process's
-    first touch of huge pages can stall: 700 MB took 2.4 s against 0.4 s on 4 KiB pages, and a
-    16,384-rank restart's first analysis cycle allocates ~2 GB (docs/performance.md). The switch
+    first touch of them can stall: writing 2 GB of fresh arrays took 1.8-6.3 s with them and
+    1.1-1.2 s without, three processes each, and a 16,384-rank restart's first analysis cycle
+    allocates ~2 GB (docs/performance.md). The switch
     is numpy's private one (numpy >= 1.20; `trainvitals`'s parser imports numpy before a command
     runs, too late for the variable), so it is looked up, not assumed."""
     multiarray = getattr(getattr(np, "_core", None), "multiarray", None)

@@ -110,8 +110,8 @@ def test_an_analysis_child_stops_once_its_collector_is_gone(tmp_path: Path) -> N
         if child.poll() is None:
             child.kill()
     assert child.returncode == 0, out
-    # Huge pages off unless the operator asks for them: a restart's first touch of ~2 GB of arrays
-    # stalled for seconds on a VM with them (docs/performance.md).
+    # numpy's huge pages off unless the operator asks for them: a fresh process's first touch of
+    # 2 GB of arrays stalled for up to 6 s with them on a VM (service/analysis/memory_pages.py).
     assert "numpy_huge_pages=off" in out, out
 
 
