@@ -7,35 +7,30 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from trainvitals.wire import Batch
+from trainvitals.wire import Batch, GradRecord
 from trainvitals.wire.conventions import GLOBAL_GROUP
 
 SCRIPT = Path(__file__).parent / "dist_scripts" / "grad_norm_job.py"
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 
 
-def _global_sq_by_step(out: Path, ranks: int) -> dict[int, float]:
-    total: dict[int, float] = {}
+def _grad_records(out: Path, ranks: int) -> Iterator[GradRecord]:
     for rank in range(ranks):
         for line in (out / f"rec-{rank}.jsonl").read_bytes().splitlines()[1:]:
-            for rec in Batch.model_validate_json(line).records:
-                if rec.kind == "grad" and rec.group == "__global__":
-                    total[rec.step] = total.get(rec.step, 0.0) + rec.owned_sq
+            yield from (rec for rec in Batch.model_validate_json(line).records if rec.kind == "grad")
+
+
+def _global_sq_by_step(out: Path, ranks: int) -> dict[int, float]:
+    total: dict[int, float] = {}
+    for rec in _grad_records(out, ranks):
+        if rec.group == GLOBAL_GROUP:
+            total[rec.step] = total.get(rec.step, 0.0) + rec.owned_sq
     return total
-
-
-def _groups(out: Path, ranks: int) -> set[str]:
-    return {
-        rec.group
-        for rank in range(ranks)
-        for line in (out / f"rec-{rank}.jsonl").read_bytes().splitlines()[1:]
-        for rec in Batch.model_validate_json(line).records
-        if rec.kind == "grad"
-    }
 
 
 @pytest.mark.slow
@@ -58,7 +53,7 @@ def test_global_norm_matches_clip_grad_norm(mode: str, tmp_path: Path) -> None:
         assert math.sqrt(ours[step]) == pytest.approx(total, rel=1e-5), step
     # Per-layer groups by the model's own names, whatever the wrapper (FSDP1's flat parameters:
     # a wrapped layer's is that layer's; the root's, holding emb and head, has only its own name).
-    groups = _groups(tmp_path, ranks)
+    groups = {rec.group for rec in _grad_records(tmp_path, ranks)}
     assert {"layers.0", "layers.1", "layers.2"} <= groups, groups
     assert groups - {"layers.0", "layers.1", "layers.2", GLOBAL_GROUP} == (
         {"_flat_param"} if mode == "fsdp1" else {"emb", "head"}
