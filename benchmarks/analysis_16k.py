@@ -181,7 +181,7 @@ def store_all_blocks(session_factory, *, now: float, config: pipeline.PipelineCo
     sizes = detector_inputs.BLOCK_STEPS
     wider = dataclasses.replace(
         config,
-        detector_lookback_steps=config.detector_lookback_steps + sizes["tensors"],
+        detector_lookback_steps=config.detector_lookback_steps + max(sizes["summaries"], sizes["tensors"]),
         straggler_lookback_steps=config.straggler_lookback_steps + sizes["timing"],
     )
     inputs = DetectorInputs(blocks=True)
@@ -193,6 +193,13 @@ def store_all_blocks(session_factory, *, now: float, config: pipeline.PipelineCo
             return sum(len(v) for v in (inputs._stored or {}).values())
     finally:
         detector_inputs._SAVES_PER_CYCLE = limit
+
+
+def block_sizes(engine: Engine) -> str:
+    """The stored blocks' payload bytes by source: what a restart's first cycle loads."""
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT source, count(*), sum(length(payload)) FROM detector_blocks GROUP BY source"))
+        return ", ".join(f"{src} {n} x {size / n / 1e6:.1f} MB = {size / 1e6:.0f} MB" for src, n, size in sorted(rows))
 
 
 def profiled(path: str, fn, *args, **kwargs):
@@ -260,7 +267,8 @@ def main() -> None:
             if mode == "restart":  # the kept worker stores every block it holds (untimed), then stops
                 t0 = time.perf_counter()
                 saved = store_all_blocks(factory, now=now, config=config)
-                print(f"stored {saved} blocks in {time.perf_counter() - t0:.0f} s (untimed)", flush=True)
+                print(f"stored {saved} blocks in {time.perf_counter() - t0:.0f} s (untimed): {block_sizes(engine)}",
+                      flush=True)  # fmt: skip
             inputs = DetectorInputs(blocks=True) if mode in ("kept", "restart") else None
             rows = []
             for _ in range(args.cycles + (mode != "fresh")):

@@ -7,9 +7,10 @@ step this cache reloads from. So a 16,384-rank run costs the rows of its new ste
 its whole lookback again (600 steps x 16,384 ranks of timing and 20,000 steps of every monitored
 tensor: tens of millions of rows, minutes per cycle). A fresh instance loads the whole lookback,
 which is what replay does, through this code. The live worker's inputs (`blocks=True`) also store
-each completed range of steps as arrays (store/detector_blocks.py: 1,000 steps of tensors, 50 of
-timing), so the first cycle after a collector start or a lease takeover loads those and reads rows
-only for the steps no block holds: seconds instead of two minutes at 16,384 ranks.
+each completed range of steps as arrays (store/detector_blocks.py: 1,000 steps of step summaries
+and gradient-group norms, 1,000 of tensors, 50 of timing), so the first cycle after a collector
+start or a lease takeover loads those and reads rows only for the steps no block holds: seconds
+instead of two minutes at 16,384 ranks.
 
 A run that names a baseline run (registration `baseline_run`) gets that run's loss and gradient
 norm over the same steps as `RunSeries.baseline` (service/detectors/baseline.py compares them),
@@ -222,10 +223,11 @@ class _RankMatrix:
 
 
 _TIMING_MATS = ("step_seconds", "compute_seconds", "wait_seconds")
-_TENSORS, _TIMING = "tensors", "timing"
-BLOCK_STEPS = {_TENSORS: 1_000, _TIMING: 50}
-"""Steps per stored block: a block is written once its steps are reduced (tensors: 384 x 1,000 x 7
-values, 21 MB at the benchmark's size; timing: 3 x 50 x 16,384 values, 20 MB)."""
+_SUMMARIES, _TENSORS, _TIMING = "summaries", "tensors", "timing"
+BLOCK_STEPS = {_SUMMARIES: 1_000, _TENSORS: 1_000, _TIMING: 50}
+"""Steps per stored block: a block is written once its steps are reduced. At the benchmark's size
+(store/detector_blocks.py packs what is mostly empty): summaries, 1,000 step rows and 33,000 group
+norms, 0.4 MB; tensors, 384 x 1,000 x 7 values, 11 MB; timing, 3 x 50 x 16,384 values, 20 MB."""
 _SAVES_PER_CYCLE = 2
 """Blocks written per source and cycle, newest first: a run first seen with a long history gets its
 blocks over a few cycles instead of adding ~700 MB of writes to one."""
@@ -325,7 +327,7 @@ class DetectorInputs:
         self._read(session, rid, after=max(since, lo), upto=latest, rank_after=max(since, rank_lo))
         self.loaded_upto = latest
         if self._blocks:
-            self._save_blocks(session, rid, after={_TENSORS: lo, _TIMING: rank_lo}, upto=latest)
+            self._save_blocks(session, rid, after={_SUMMARIES: lo, _TENSORS: lo, _TIMING: rank_lo}, upto=latest)
         series = self._series(session, run, now=now, peak_flops_total=peak_flops_total)
         series.baseline = self._baseline_series(session, run, after=lo, upto=latest)
         # The same newest step means the same lookback, so nothing was cut and nothing read.
@@ -386,6 +388,7 @@ class DetectorInputs:
         lock until the commit, and ingest's writer waits for it (a block is about 20 MB at 16,384
         ranks)."""
         assert self._stored is not None
+        builders = {_SUMMARIES: self._summary_block, _TENSORS: self._tensor_block, _TIMING: self._ranks.block}
         saves: list[tuple[str, int, int, bytes]] = []
         forgets: list[tuple[str, set[int]]] = []
         for src, size in BLOCK_STEPS.items():
@@ -394,7 +397,7 @@ class DetectorInputs:
             while k >= 0 and k * size > after[src] and saved < _SAVES_PER_CYCLE:
                 first, last = k * size, (k + 1) * size - 1
                 if first not in stored:
-                    arrays = self._tensor_block(first, last) if src == _TENSORS else self._ranks.block(first, last)
+                    arrays = builders[src](first, last)
                     saves.append((src, first, last, detector_blocks.encode(arrays)))
                     saved += 1
                 k -= 1
@@ -448,14 +451,13 @@ class DetectorInputs:
     def _read(self, session: Session, rid: str, *, after: int, upto: int, rank_after: int) -> None:
         if upto <= after and upto <= rank_after:
             return
-        self._steps.append(detector_reads.step_columns(session, run_id=rid, after=after, upto=upto))
-
-        gsteps, names, norms = detector_reads.group_norm_columns(session, run_id=rid, after=after, upto=upto)
-        code = self._group_code
-        for name in sorted(set(names) - code.keys()):
-            code[name] = len(self._group_names)
-            self._group_names.append(name)
-        self._groups.append([gsteps, np.array([code[n] for n in names], dtype=np.int32), norms])
+        for a, b, from_blocks in self._spans(_SUMMARIES, after=after, upto=upto):
+            if from_blocks:
+                self._load_summary_blocks(session, rid, after=a, upto=b)
+            else:
+                self._steps.append(detector_reads.step_columns(session, run_id=rid, after=a, upto=b))
+                gsteps, names, norms = detector_reads.group_norm_columns(session, run_id=rid, after=a, upto=b)
+                self._groups.append([gsteps, self._codes(names), norms])
 
         for a, b, from_blocks in self._spans(_TENSORS, after=after, upto=upto):
             if from_blocks:
@@ -470,6 +472,40 @@ class DetectorInputs:
                 self._ranks.append_blocks(blocks, after=a)
             else:
                 self._ranks.append(detector_reads.rank_timing_columns(session, run_id=rid, after=a, upto=b))
+
+    def _codes(self, names: Sequence[str] | np.ndarray) -> np.ndarray:
+        """The kept codes of these group names, new names given the next codes."""
+        code = self._group_code
+        for name in sorted(set(names) - code.keys()):
+            code[name] = len(self._group_names)
+            self._group_names.append(name)
+        return np.array([code[n] for n in names], dtype=np.int32)
+
+    def _summary_block(self, first: int, last: int) -> dict[str, np.ndarray]:
+        """Steps first..last of the step summaries and gradient-group norms as a stored block (the
+        group codes are this instance's: the block carries their names)."""
+        arrays = {}
+        for prefix, cols in (("step", self._steps), ("group", self._groups)):
+            lo = int(np.searchsorted(cols.steps, first, side="left"))
+            hi = int(np.searchsorted(cols.steps, last, side="right"))
+            arrays.update({f"{prefix}_c{i}": c[lo:hi] for i, c in enumerate(cols.cols)})
+        arrays["group_names"] = np.array(self._group_names, dtype=str)
+        return arrays
+
+    def _load_summary_blocks(self, session: Session, rid: str, *, after: int, upto: int) -> None:
+        """Stored summary blocks of (after, upto]: the step and group columns appended at once."""
+        steps: list[list[np.ndarray]] = []
+        groups: list[list[np.ndarray]] = []
+        first = after + 1 - BLOCK_STEPS[_SUMMARIES]  # the first block may start at or below after
+        for b in detector_blocks.load(session, run_id=rid, source=_SUMMARIES, first=first, last=upto):
+            for prefix, width, parts in (("step", len(STEP_DTYPES), steps), ("group", 3, groups)):
+                cols = [b[f"{prefix}_c{i}"] for i in range(width)]
+                lo = int(np.searchsorted(cols[0], after, side="right"))
+                parts.append([c[lo:] for c in cols])
+            groups[-1][1] = self._codes(b["group_names"].tolist())[groups[-1][1]]  # the block's codes -> ours
+        for kept, parts in ((self._steps, steps), (self._groups, groups)):
+            if parts:
+                kept.append([np.concatenate(c) for c in zip(*parts, strict=True)])
 
     def _load_tensor_blocks(self, session: Session, rid: str, *, after: int, upto: int) -> None:
         """Stored tensor blocks of (after, upto], each tensor's rows appended at once."""

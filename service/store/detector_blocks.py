@@ -17,6 +17,7 @@ import io
 import json
 import math
 from collections.abc import Collection, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 from sqlalchemy import Select, delete, select
@@ -85,50 +86,92 @@ def _payloads(session: Session, stmt: Select[bytes]) -> Iterator[bytes]:
             yield payload
 
 
-_MAGIC = b"TVB1"
+_MAGIC_V1 = b"TVB1"  # every array as it is (until session 38); still read
+_MAGIC = b"TVB2"
 _ALIGN = 64
+_NARROW = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32))
 
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+def _packed(a: np.ndarray) -> tuple[str, Any, list[bytes]]:
+    """How one array is stored: (form, its argument, the byte strings in order). Two forms save
+    most of a tensor block's bytes, and so of a restart's load (bytes from the database dominate):
+    - "sparse": a float array mostly NaN (sat_frac, underflow_frac and nonfinite are sent only on
+      the FP8 expensive steps, every 200th by default) as the positions and values of the rest;
+    - "narrow": integers whose range fits a narrower unsigned type (a block's steps span 1,000)
+      as their minimum plus offsets.
+    Both decode to exactly the values written; anything else is stored as it is ("raw")."""
+    flat = a.reshape(-1)
+    if a.dtype.kind == "f" and flat.size:
+        kept = np.flatnonzero(~np.isnan(flat))
+        if len(kept) * (4 + a.itemsize) <= flat.size * a.itemsize // 2 and flat.size < 2**32:
+            return "sparse", len(kept), [kept.astype(np.uint32).tobytes(), flat[kept].tobytes()]
+    if a.dtype.kind in "iu" and flat.size >= 16:
+        lo, hi = int(flat.min()), int(flat.max())
+        for narrow in _NARROW:
+            if narrow.itemsize < a.itemsize and hi - lo <= np.iinfo(narrow).max:
+                return "narrow", [lo, narrow.str], [(flat - a.dtype.type(lo)).astype(narrow).tobytes()]
+    return "raw", None, [a.tobytes()]
+
+
 def encode(arrays: Mapping[str, np.ndarray]) -> bytes:
     """One block's payload (what `decode` reads back): the magic, the length of a JSON header that
-    gives each array's dtype, shape and offset, the header, then the arrays' bytes, each at a
-    64-byte boundary. Not an .npz: reading one back copied and checksummed every array through
-    zipfile (~0.5 s of a restart's ~640 MB at 16,384 ranks); these are read in place."""
-    header: dict[str, tuple[str, list[int], int]] = {}
-    datas, offset = [], 0
+    gives each array's dtype, shape, offset and form (`_packed`), the header, then the arrays'
+    bytes, each part at a 64-byte boundary. Not an .npz: reading one back copied and checksummed
+    every array through zipfile (~0.5 s of a restart's ~640 MB at 16,384 ranks); raw arrays are
+    read in place."""
+    header: dict[str, tuple[str, list[int], int, str, Any]] = {}
+    datas: list[tuple[int, bytes]] = []
+    offset = 0
     for name, array in arrays.items():
         a = np.ascontiguousarray(array)
         if a.dtype.hasobject:
             raise ValueError(f"block array {name!r} holds Python objects; only plain dtypes are stored")
-        header[name] = (a.dtype.str, list(a.shape), offset)
-        datas.append(a.tobytes())
-        offset += _aligned(a.nbytes)
+        form, arg, parts = _packed(a)
+        header[name] = (a.dtype.str, list(a.shape), offset, form, arg)
+        for data in parts:
+            datas.append((offset, data))
+            offset += _aligned(len(data))
     head = json.dumps(header).encode()
     start = _aligned(8 + len(head))
     out = bytearray(start + offset)
     out[:8] = _MAGIC + len(head).to_bytes(4, "little")
     out[8 : 8 + len(head)] = head
-    for (_, _, at), data in zip(header.values(), datas, strict=True):
+    for at, data in datas:
         out[start + at : start + at + len(data)] = data
     return bytes(out)
 
 
 def decode(payload: bytes) -> dict[str, np.ndarray]:
-    """The arrays of one payload, read-only views into it (no copy). A payload stored before this
-    format (an .npz) is read by numpy."""
-    if payload[:4] != _MAGIC:
+    """The arrays of one payload, read-only: raw arrays are views into it (no copy), packed ones
+    are rebuilt. A payload stored before this format (TVB1, or an .npz before that) still loads."""
+    magic = payload[:4]
+    if magic not in (_MAGIC, _MAGIC_V1):
         with np.load(io.BytesIO(payload), allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
     size = int.from_bytes(payload[4:8], "little")
     header = json.loads(payload[8 : 8 + size])
     start = _aligned(8 + size)
     out = {}
-    for name, (dtype, shape, at) in header.items():
-        flat = np.frombuffer(payload, dtype=np.dtype(dtype), count=math.prod(shape), offset=start + at)
+    for name, (dtype_str, shape, at, *packing) in header.items():
+        form: str = packing[0] if packing else "raw"  # a TVB1 entry has no form: raw
+        arg: Any = packing[1] if packing else None
+        dtype, n = np.dtype(dtype_str), math.prod(shape)
+        if form == "sparse":
+            kept = np.frombuffer(payload, dtype=np.uint32, count=arg, offset=start + at)
+            values = np.frombuffer(payload, dtype=dtype, count=arg, offset=start + at + _aligned(4 * arg))
+            flat = np.full(n, np.nan, dtype=dtype)
+            flat[kept] = values
+        elif form == "narrow":
+            lo, narrow = arg
+            flat = np.frombuffer(payload, dtype=np.dtype(narrow), count=n, offset=start + at).astype(dtype)
+            flat += dtype.type(lo)
+        else:
+            flat = np.frombuffer(payload, dtype=dtype, count=n, offset=start + at)
+        flat.flags.writeable = False
         out[name] = flat.reshape(shape)
     return out
 

@@ -20,6 +20,7 @@ CONFIG = pipeline.PipelineConfig(settle_seconds=5.0, detector_lookback_steps=15,
 
 @pytest.fixture(autouse=True)
 def _small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(detector_inputs.BLOCK_STEPS, "summaries", 5)
     monkeypatch.setitem(detector_inputs.BLOCK_STEPS, "tensors", 4)
     monkeypatch.setitem(detector_inputs.BLOCK_STEPS, "timing", 3)
 
@@ -63,7 +64,7 @@ def test_a_restarted_worker_loading_blocks_builds_what_a_fresh_read_does(session
         live = pipeline.build_series(session, run, now=now, config=CONFIG, inputs=kept, rewritten_from=first)
         restarted = DetectorInputs(blocks=True)  # a new lease holder: blocks, then rows
         loaded = pipeline.build_series(session, run, now=now, config=CONFIG, inputs=restarted)
-        loaded_blocks += len(restarted._stored["timing"]) + len(restarted._stored["tensors"])  # type: ignore[index]
+        loaded_blocks += sum(len(firsts) for firsts in restarted._stored.values())  # type: ignore[union-attr]
         fresh = pipeline.build_series(session, run, now=now, config=CONFIG)
         _assert_same(live, fresh)
         _assert_same(loaded, fresh)
@@ -85,7 +86,7 @@ def test_the_first_build_after_a_start_reads_rows_only_where_no_block_is(session
     for _ in range(4):  # a few cycles store the blocks (two per source and cycle)
         pipeline.build_series(session, run, now=1e9, config=CONFIG, inputs=DetectorInputs(blocks=True))
     reads: list[tuple[str, int, int]] = []
-    for name in ("rank_timing_columns", "tensor_rows"):
+    for name in ("rank_timing_columns", "tensor_rows", "step_columns", "group_norm_columns"):
         real = getattr(detector_reads, name)
 
         def spy(*args, _real=real, _name=name, **kw):  # type: ignore[no-untyped-def]
@@ -95,7 +96,8 @@ def test_the_first_build_after_a_start_reads_rows_only_where_no_block_is(session
         monkeypatch.setattr(detector_reads, name, spy)
     series = pipeline.build_series(session, run, now=1e9, config=CONFIG, inputs=DetectorInputs(blocks=True))
     # Steps 0..29: timing lookback 23..29 (blocks of 3: 24..26, 27..29 stored; 23 from rows);
-    # tensors 15..29 (blocks of 4: 16..19, 20..23, 24..27 stored; 15 and 28..29 from rows).
+    # tensors 15..29 (blocks of 4: 16..19, 20..23, 24..27 stored; 15 and 28..29 from rows);
+    # summaries 15..29 (blocks of 5: 15..19, 20..24, 25..29 stored; no rows).
     assert sorted(reads) == [("rank_timing_columns", 22, 23), ("tensor_rows", 14, 15), ("tensor_rows", 27, 29)]
     fresh = pipeline.build_series(session, run, now=1e9, config=CONFIG)
     _assert_same(series, fresh)
@@ -138,9 +140,10 @@ def test_sqlite_blocks_are_built_before_the_write_lock_is_taken(tmp_path, monkey
             session.commit()
             inputs = DetectorInputs(blocks=True)
             pipeline.build_series(session, run, now=1e9, config=CONFIG, inputs=inputs)
-            saved = {src: detector_blocks.stored(session, run_id="r", source=src) for src in ("tensors", "timing")}
+            sources = ("summaries", "tensors", "timing")
+            saved = {src: detector_blocks.stored(session, run_id="r", source=src) for src in sources}
     finally:
         engine.dispose()
-    assert saved == {"tensors": {20, 24}, "timing": {24, 27}}  # the newest two blocks of each source
+    assert saved == {"summaries": {20, 25}, "tensors": {20, 24}, "timing": {24, 27}}  # the newest two of each
     locked = probe.locked
-    assert len(locked) == 2 + 4 and not any(locked), locked  # 2 tensor blocks built, 4 blocks encoded
+    assert len(locked) == 2 + 6 and not any(locked), locked  # 2 tensor blocks built, 6 blocks encoded
