@@ -44,7 +44,7 @@ def forget_upto(session: Session, *, run_id: str, source: str, step: int) -> Non
 
 def forget_runs_except(session: Session, *, live: Collection[str]) -> None:
     """Delete the blocks of every run not in `live` (finished past its grace, idle, or deleted): they
-    are only for a worker resuming a live run, and are about 640 MB for a 16,384-rank run. A run that
+    are only for a worker resuming a live run, and are about 450 MB for a 16,384-rank run. A run that
     becomes live again is read from its rows once. Committed; a cheap look first (a few rows per run)."""
     b = DetectorBlock
     gone = set(session.scalars(select(b.run_id).distinct())) - set(live)
