@@ -500,18 +500,18 @@ class DetectorInputs:
 
     def _load_summary_blocks(self, session: Session, rid: str, *, after: int, upto: int) -> None:
         """Stored summary blocks of (after, upto]: the step and group columns appended at once."""
-        steps: list[list[np.ndarray]] = []
-        groups: list[list[np.ndarray]] = []
+        parts: dict[str, list[list[np.ndarray]]] = {"step": [], "group": []}
         first = after + 1 - BLOCK_STEPS[_SUMMARIES]  # the first block may start at or below after
         for b in detector_blocks.load(session, run_id=rid, source=_SUMMARIES, first=first, last=upto):
-            for prefix, width, parts in (("step", len(STEP_DTYPES), steps), ("group", 3, groups)):
-                cols = [b[f"{prefix}_c{i}"] for i in range(width)]
+            for prefix, kept in (("step", self._steps), ("group", self._groups)):
+                cols = [b[f"{prefix}_c{i}"] for i in range(len(kept.dtypes))]
                 lo = int(np.searchsorted(cols[0], after, side="right"))
-                parts.append([c[lo:] for c in cols])
-            groups[-1][1] = self._codes(b["group_names"].tolist())[groups[-1][1]]  # the block's codes -> ours
-        for kept, parts in ((self._steps, steps), (self._groups, groups)):
-            if parts:
-                kept.append([np.concatenate(c) for c in zip(*parts, strict=True)])
+                parts[prefix].append([c[lo:] for c in cols])
+            group = parts["group"][-1]
+            group[1] = self._codes(b["group_names"].tolist())[group[1]]  # the block's codes -> ours
+        for prefix, kept in (("step", self._steps), ("group", self._groups)):
+            if parts[prefix]:
+                kept.append([np.concatenate(c) for c in zip(*parts[prefix], strict=True)])
 
     def _load_tensor_blocks(self, session: Session, rid: str, *, after: int, upto: int) -> None:
         """Stored tensor blocks of (after, upto], each tensor's rows appended at once."""
