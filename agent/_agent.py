@@ -29,7 +29,7 @@ from trainvitals.agent._fp8_cadence import Fp8Cadence
 from trainvitals.agent._fp8_monitor import Fp8Monitor
 from trainvitals.agent._grad_norms import GradNorms, GradNormTracker
 from trainvitals.agent._guard import ErrorBudget, guarded, logger, warn_once
-from trainvitals.agent._model_facts import derive_into
+from trainvitals.agent._model_facts import BackwardShares, derive_into
 from trainvitals.agent._optimizer import hookable_optimizer, unhookable_notice
 from trainvitals.agent._position import FLOPS_CONVENTION, Position, flops_per_token, position_of
 from trainvitals.agent._protocol import TrainingAgent
@@ -103,7 +103,13 @@ class Agent:
             self._optimizer_stepped = False
         parallelism = registration.get("parallelism", {})
         self.position: Position = position_of(info.rank, parallelism)
-        self._flops_per_token = flops_per_token(registration.get("model", {}))
+        # Frozen parameters cost no weight gradients: FLOPs per token follow what trains
+        # (agent/_position.py), counted again when the set of gradients changes (an unfreeze).
+        self._model_dims: dict[str, Any] = registration.get("model", {})
+        self._flops_per_token = flops_per_token(self._model_dims)
+        self._backward = BackwardShares(model, parallelism)
+        self._shares = (1.0, 1.0)
+        self._counted_grads: tuple[int, ...] | None = None
         self._timer = StepTimer(model, time_collectives=config.time_collectives)
         self._fp8 = self._make_fp8_monitors(model, registration.get("fp8", {}))
         # The shadow monitor (hooks on sampled steps only) and how often it samples.
@@ -134,6 +140,7 @@ class Agent:
             detail=f"host={info.hostname} restart_count={info.restart_count}",
             domains={"host": info.hostname},  # the collector labels the slowest ranks with it
         )
+        self._count_flops()
         # atexit holds the agent until close(): a job attaches inside main() and most leave it by
         # a return, sys.exit or SIGTERM's SystemExit, which drop its last reference before atexit
         # runs; a weak reference there lost every record of the last send interval.
@@ -285,6 +292,9 @@ class Agent:
         now = time.perf_counter()
         if step is not None:
             self._jump_to(self._number("step(step=...)", step, self._step, "the agent's own count goes on"))
+        if self._grads is not None and self._grads.present is not self._counted_grads:
+            self._counted_grads = self._grads.present  # a new set of gradients: an unfreeze?
+            self._count_flops()
         # A tensor count (tokens=attention_mask.sum()) is read back with the loss, never synced here;
         # a list or a numpy scalar becomes a number (agent/_counts.py). That conversion runs only
         # when a value is not a plain number: run on every step, it added ~6 us to agent.step() (~37).
@@ -363,6 +373,23 @@ class Agent:
             return value
         number = step_number(where, value, instead, self._said)
         return default if number is None else number
+
+    def _count_flops(self) -> None:
+        """FLOPs per token for the parameters that train now. A change is said as a note event, so
+        that a step in the run's MFU has its reason beside it."""
+        shares = self._backward.read() or (1.0, 1.0)
+        if shares == self._shares:
+            return
+        self._shares = shares
+        self._flops_per_token = flops_per_token(self._model_dims, trained=shares[0], reach=shares[1])
+        full = flops_per_token(self._model_dims)
+        if self._flops_per_token is not None and full:
+            self.event(
+                "note",
+                detail=f"FLOPs per token {self._flops_per_token:.4g}, {self._flops_per_token / full:.0%} of full"
+                f" training's 6N+12LHQT: {shares[0]:.2%} of the non-embedding parameters trained, backward"
+                f" through {shares[1]:.1%} of them",
+            )
 
     def _jump_to(self, step: int) -> None:
         if step < self._step:

@@ -111,6 +111,8 @@ class GradNormTracker:
         self._owned_without_group = not process_group_exists()  # decided again once the group exists
         self._group_index = [index[n] for n in names]
         self._decoders: dict[tuple[int, ...], Decoder] = {}
+        # The parameters with a gradient (their indices), a new tuple only when that set changes.
+        self.present: tuple[int, ...] = ()
         self._clip_key: tuple[int, ...] = ()
         self._clip_ok = False
         self._not_clipped: list[torch.Tensor] = []  # the tracker's parameters outside the clipped list
@@ -168,6 +170,7 @@ class GradNormTracker:
             decode = functools.partial(self.records, [self._group_index[i] for i in present],
                                        [1.0 if self._owned[i] else 0.0 for i in present])  # fmt: skip
             self._decoders = {key: decode}
+            self.present = key
         # A fresh tensor (torch.stack), never written again: it travels to the exporter as it is.
         return GradNorms(torch.stack(norms), decode)
 

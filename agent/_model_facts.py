@@ -192,6 +192,49 @@ def _param_counts(model: nn.Module, *, sliced: bool) -> tuple[int, int] | None:
     Non-embedding is N of 6N + 12LHQT: every parameter that does a matmul per token, so all but
     the nn.Embedding tables, with a head tied to the token embedding counted back in (its matmul
     is done every token)."""
+    sizes = _param_sizes(model, sliced=sliced)
+    if sizes is None:
+        return None
+    total = sum(size for _, size, _ in sizes)
+    return total, total - sum(size for _, size, table in sizes if table)
+
+
+class BackwardShares:
+    """The shares of the non-embedding parameters (as counted for N) that backward works on, for
+    flops_per_token: `trained`, those whose weight gradients it computes (`requires_grad`), and
+    `reach`, those it passes through: from the first trained parameter on, in registration order
+    (the forward order of the usual model), since below it no activation needs a gradient. (1, 1)
+    for full training; a LoRA job about (0.01, 1), a frozen backbone under a trained head about
+    (0.05, 0.05). The parameters and their sizes are listed once; `read()` looks at
+    `requires_grad` again (a few us), for a job that unfreezes layers as it trains."""
+
+    def __init__(self, model: nn.Module | None, parallelism: dict[str, Any]) -> None:
+        self._sizes: list[tuple[nn.Parameter, int, bool]] | None = None
+        if model is None or int(parallelism.get("pp") or 1) > 1:
+            return  # a stage's parameters are not the model's
+        sliced = int(parallelism.get("tp") or 1) > 1 or int(parallelism.get("ep") or 1) > 1
+        try:
+            self._sizes = _param_sizes(_unwrap(model), sliced=sliced)
+        except Exception:  # noqa: BLE001 - a convenience: the convention's 6N stands
+            self._sizes = None
+
+    def read(self) -> tuple[float, float] | None:
+        """(trained, reach), or None where the counts are not whole on this rank (as for N:
+        pipeline stages, slices, FSDP1's flat shards) or nothing is trained."""
+        if not self._sizes:
+            return None
+        first = next((i for i, (p, _, _) in enumerate(self._sizes) if p.requires_grad), None)
+        n = sum(size for _, size, table in self._sizes if not table)
+        if first is None or n == 0:
+            return None
+        trained = sum(size for p, size, table in self._sizes if p.requires_grad and not table)
+        reach = sum(size for _, size, table in self._sizes[first:] if not table)
+        return trained / n, reach / n
+
+
+def _param_sizes(model: nn.Module, *, sliced: bool) -> list[tuple[nn.Parameter, int, bool]] | None:
+    """Each parameter in registration order with its whole size and whether it is an embedding
+    table left out of N (see _param_counts); None where this rank does not hold them whole."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - older torch
@@ -199,14 +242,13 @@ def _param_counts(model: nn.Module, *, sliced: bool) -> tuple[int, int] | None:
     params = list(model.parameters())
     if not params:
         return None
-    total = 0
+    sizes = []
     for p in params:
         if type(p).__name__ == "FlatParameter" or (sliced and not isinstance(p, DTensor)):
             return None  # FSDP1's flattened shard, a tensor-parallel slice: a part of the model
         ds_numel = getattr(p, "ds_numel", None)  # DeepSpeed ZeRO-3 keeps the full size here
-        total += int(ds_numel) if isinstance(ds_numel, int) else p.numel()
-    tables = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Embedding)}
+        sizes.append((p, int(ds_numel) if isinstance(ds_numel, int) else p.numel()))
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     heads = (getattr(m, "weight", None) for m in model.modules() if not isinstance(m, nn.Embedding))
-    tied = {id(w) for w in heads if id(w) in tables}
-    embedding = sum(int(getattr(w, "ds_numel", 0)) or w.numel() for i, w in tables.items() if i not in tied)
-    return total, total - embedding
+    tables -= {id(w) for w in heads if id(w) in tables}  # tied to a head: its matmul counts
+    return [(p, size, id(p) in tables) for p, size in sizes]

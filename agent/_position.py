@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 FLOPS_CONVENTION = (
-    "6N+12LHQT per token (PaLM app. B): N non-embedding params, causal attention not halved,"
-    " recompute excluded"
+    "6N+12LHQT per token (PaLM app. B), N non-embedding, causal not halved, no recompute;"
+    " frozen params: no weight grads"
 )
 
 
@@ -31,10 +31,15 @@ def position_of(rank: int, parallelism: dict[str, Any]) -> Position:
     return Position(pp_stage=rank // (tp * cp * dp), tp_rank=rank % tp, dp_rank=(rank // (tp * cp)) % dp)
 
 
-def flops_per_token(model: dict[str, Any]) -> float | None:
-    """PaLM appendix B: 6N + 12 L H Q T, with H*Q = the attention width (= hidden)."""
+def flops_per_token(model: dict[str, Any], *, trained: float = 1.0, reach: float = 1.0) -> float | None:
+    """PaLM appendix B, 6N + 12 L H Q T (H*Q = the attention width, = hidden), with backward's
+    parts apart so that frozen parameters count what they cost: forward 2N + 4LHQT; backward's
+    activation gradients 2N + 8LHQT over the share `reach` it passes through, and its weight
+    gradients 2N over the `trained` share (agent/_model_facts.py, backward_shares). Full training
+    (1, 1) is 6N + 12LHQT; a LoRA job's ~4N, which 6N read as 1.5x the work done."""
     n = model.get("non_embedding_params")
     layers, hidden, seq = model.get("layers"), model.get("hidden"), model.get("seq_len")
     if not (n and layers and hidden and seq):
         return None
-    return 6.0 * n + 12.0 * layers * hidden * seq
+    attention = layers * hidden * seq
+    return (2.0 + 2.0 * reach + 2.0 * trained) * n + (4.0 + 8.0 * reach) * attention

@@ -126,6 +126,47 @@ def test_counts_passed_as_tensors_arrive_as_numbers(collector, tmp_path: Path) -
         assert queries.count_step_rows(session, run_id="tensors") == 5
 
 
+def test_flops_follow_the_parameters_that_train(collector, tmp_path: Path) -> None:
+    """A frozen backbone's steps carry the FLOPs its backward does (no weight gradients below the
+    trained blocks, no backward at all under the first of them); unfrozen mid-run, as Lightning's
+    BaseFinetuning does, the next step carries full training's 6N + 12LHQT. Each change is a note
+    event with the shares. Until 2026-12-03 every step counted 6N: a fine-tune's MFU read up to
+    1.5x (LoRA) or more (a frozen backbone) what the hardware did, and hid an MFU gap."""
+    from trainvitals.examples.train_gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(vocab=512, d=64, layers=4, heads=4, seq=32)
+    model.requires_grad_(False)
+    for module in (model.layers[3], model.ln_f, model.lm_head):
+        module.requires_grad_(True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)  # frozen ones too: no gradient, no update
+    config = tv.AgentConfig(
+        collector=collector.url, spill_dir=str(tmp_path / "spool"), record_file=str(tmp_path / "rec-{rank}.jsonl")
+    )
+    agent = tv.attach(model, opt, run="frozen", config=config, registration={"model": {"seq_len": 32}})
+    idx = torch.randint(0, 512, (2, 32))
+    for i in range(6):
+        if i == 3:
+            model.requires_grad_(True)
+        model(idx).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        agent.step(loss=1.0, tokens=64)
+    agent.close()
+    assert agent.stats()["errors"] == 0
+    records = _recorded(tmp_path)
+    n = sum(p.numel() for p in model.parameters()) - 512 * 64 - 32 * 64  # less the two tables
+    full = 6 * n + 12 * 4 * 64 * 32
+    top = sum(p.numel() for m in (model.layers[3], model.ln_f, model.lm_head) for p in m.parameters())
+    frozen = 2 * n + 4 * top + (4 + 8 * top / n) * 4 * 64 * 32  # forward, and backward over the top
+    steps = [r for r in records if r.kind == "step"]
+    assert [s.flops for s in steps] == pytest.approx([64 * frozen] * 3 + [64 * full] * 3, rel=1e-6)
+    notes = [r.detail for r in records if r.kind == "event" and r.event == "note"]
+    assert len(notes) == 2, notes
+    assert f"{top / n:.2%} of the non-embedding parameters trained" in notes[0]
+    assert notes[1].startswith(f"FLOPs per token {full:.4g}, 100% of full training's 6N+12LHQT")
+
+
 def test_a_schedulers_lr_list_and_numpy_counts_arrive_as_numbers(
     collector, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -2,8 +2,10 @@
 
 import pytest
 import torch
+from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from trainvitals.agent._model_facts import BackwardShares
 from trainvitals.agent._position import Position, flops_per_token, position_of
 from trainvitals.examples.train_gpt import GPT, model_dims, parse_args
 
@@ -48,3 +50,102 @@ def test_analytic_flops_match_flop_counter_within_convention() -> None:
     per_layer_per_token = attn.get_total_flops() / n_tokens
     assert per_layer_per_token == pytest.approx(12 * args.d * args.seq, rel=0.01)
     assert flops_per_token(dims) == 6 * dims["non_embedding_params"] + 12 * args.layers * args.d * args.seq
+
+
+class _LoRALinear(nn.Module):
+    """A frozen Linear plus a trainable low-rank update, as peft's LoRA layer is registered (the
+    base layer first)."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4) -> None:
+        super().__init__()
+        self.base_layer = base.requires_grad_(False)
+        self.lora_a = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_b = nn.Linear(rank, base.out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + self.lora_b(self.lora_a(x))
+
+
+def _gpt() -> tuple[GPT, dict[str, int]]:
+    args = parse_args(["--d", "128", "--layers", "6", "--seq", "64", "--vocab", "512", "--heads", "4"])
+    torch.manual_seed(0)
+    model = GPT(vocab=args.vocab, d=args.d, layers=args.layers, heads=args.heads, seq=args.seq)
+    return model, model_dims(args, model)
+
+
+def _lora(model: GPT) -> GPT:
+    model.requires_grad_(False)
+    for block in model.layers:
+        for name in ("qkv", "proj", "fc", "fc_out"):
+            setattr(block, name, _LoRALinear(getattr(block, name)))
+    return model
+
+
+def _frozen_backbone(model: GPT, trained_layers: int) -> GPT:
+    model.requires_grad_(False)
+    for module in (*model.layers[-trained_layers:], model.ln_f, model.lm_head):
+        module.requires_grad_(True)
+    return model
+
+
+def _matmul_flops_per_token(model: GPT, seq: int) -> float:
+    """What torch counts for one forward + backward, per token (on CPU the fused attention kernel
+    is not counted, so this is the 2N/4N part; the attention term is checked apart below)."""
+    tokens = torch.randint(0, 512, (2, seq))
+    with FlopCounterMode(display=False) as counter:
+        model(tokens).sum().backward()
+    return counter.get_total_flops() / tokens.numel()
+
+
+@pytest.mark.parametrize(
+    ("name", "prepare", "six_n_reads"),
+    [
+        ("LoRA on every block matmul", _lora, 1.4),
+        ("a backbone frozen under 2 trained blocks and the head", lambda m: _frozen_backbone(m, 2), 1.7),
+    ],
+)
+def test_frozen_parameters_count_what_backward_does(name: str, prepare, six_n_reads: float) -> None:
+    """A LoRA job's backward computes no weight gradients for the frozen base; a frozen backbone's
+    none at all below the first trained block. torch's own FLOP counter is the reference: the
+    agent's count is within 3% of it (0.8% here: biases and norms are in N), where 6N read 1.4x
+    and 1.7x the work done."""
+    model, dims = _gpt()
+    model = prepare(model)
+    shares = BackwardShares(model, {}).read()
+    assert shares is not None
+    n = dims["non_embedding_params"]
+    n_now = sum(p.numel() for p in model.parameters()) - 512 * 128 - 64 * 128  # LoRA adds parameters
+    counted = _matmul_flops_per_token(model, dims["seq_len"])
+    ours = flops_per_token({**dims, "non_embedding_params": n_now}, trained=shares[0], reach=shares[1])
+    assert ours is not None
+    attention = 12 * dims["layers"] * dims["hidden"] * dims["seq_len"]
+    # The attention term under backward_shares' reach: forward always, backward where it passes.
+    ours_matmul = ours - (4 + 8 * shares[1]) * dims["layers"] * dims["hidden"] * dims["seq_len"]
+    assert ours_matmul == pytest.approx(counted, rel=0.03), name
+    assert 6 * n / counted > six_n_reads, "the convention alone overstates this job's work"
+    assert flops_per_token(dims) == 6 * n + attention  # full training: unchanged
+
+
+def test_full_training_and_a_trained_embedding_alone_reach_every_layer() -> None:
+    model, _ = _gpt()
+    assert BackwardShares(model, {}).read() == (1.0, 1.0)
+    model.requires_grad_(False)
+    model.tok_emb.requires_grad_(True)  # prompt/embedding tuning: backward runs through every layer
+    assert BackwardShares(model, {}).read() == (0.0, 1.0)
+    model.tok_emb.requires_grad_(False)
+    assert BackwardShares(model, {}).read() is None  # nothing trains: the convention stands
+    assert BackwardShares(model, {"pp": 2}).read() is None  # a stage's parameters are not the model's
+
+
+def test_attention_backward_is_two_thirds_of_its_term() -> None:
+    """The attention term's split: forward 4LHQT, backward 8LHQT, so a layer backward does not
+    reach costs a third of it (explicit-matmul attention: the fused CPU kernel is not counted)."""
+    b, h, t, dh = 2, 4, 64, 32
+    q, k, v = (torch.randn(b, h, t, dh) for _ in range(3))
+    with FlopCounterMode(display=False) as forward_only:
+        torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+    for z in (q, k, v):
+        z.requires_grad_(True)
+    with FlopCounterMode(display=False) as both:
+        (torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v).sum().backward()
+    assert forward_only.get_total_flops() / both.get_total_flops() == pytest.approx(4 / 12)
