@@ -206,7 +206,7 @@ class BackwardShares:
     (the forward order of the usual model), since below it no activation needs a gradient. (1, 1)
     for full training; a LoRA job about (0.01, 1), a frozen backbone under a trained head about
     (0.05, 0.05). The parameters and their sizes are listed once; `read()` looks at
-    `requires_grad` again (a few us), for a job that unfreezes layers as it trains."""
+    `requires_grad` again (tens of us), for a job that unfreezes layers as it trains."""
 
     def __init__(self, model: nn.Module | None, parallelism: dict[str, Any]) -> None:
         self._sizes: list[tuple[nn.Parameter, int, bool]] | None = None

@@ -36,7 +36,8 @@ module and tensor hook), divided by the baseline step time of the same round. Th
 the indirect costs (hook dispatch in `nn.Module.__call__`, cache effects, GIL hand-offs to the
 exporter thread), but its noise scales with the small quantity measured, not with the step. The
 memory section runs `--long-steps` steps with the default agent attached and reports RSS
-every 10% of the run (growth must flatten: the queue, spool and histories are bounded), the
+every 10% of the run, plain and after glibc's `malloc_trim` (the live heap; growth must flatten:
+the queue, spool and histories are bounded), the
 exporter thread's CPU seconds per step, the tracemalloc peak of Python allocations during
 measured steps with and without the agent, and the Python memory blocks one agent.step()
 leaves alive until the exporter ships them (independent of the number of monitored tensors).
@@ -396,6 +397,19 @@ def rss_bytes() -> int:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def trimmed_rss_bytes() -> int | None:
+    """RSS after glibc's malloc_trim(0) hands freed heap pages back: the live part of RSS. Plain RSS
+    also holds what the allocator keeps of freed memory (per-thread arenas: the exporter's), which
+    drifts by +-10-30 MiB over 600 steps and read like a leak (sessions 34-38). None without glibc."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        return None
+    return rss_bytes()
+
+
 @contextmanager
 def collector_url(mode: str) -> Iterator[str]:
     if mode == "off":
@@ -538,7 +552,7 @@ def memory_run(job: Job, args: argparse.Namespace, url: str, spill: str) -> list
     for _ in range(args.block_warmup):
         train_step(job)
     peak_with = python_peak(job, 30)
-    samples: list[tuple[int, int]] = []
+    samples: list[tuple[int, int, int | None]] = []
     by_kind: dict[str, list[float]] = {}
     exp0 = exporter_cpu_seconds(job.agent)
     direct0, clip0 = _AGENT_SECONDS[0], _CLIP_SECONDS[0]
@@ -550,7 +564,7 @@ def memory_run(job: Job, args: argparse.Namespace, url: str, spill: str) -> list
         train_step(job)
         by_kind.setdefault(kind, []).append(_AGENT_SECONDS[0] - before)
         if i % every == 0 or i == args.long_steps - 1:
-            samples.append((i, rss_bytes()))
+            samples.append((i, rss_bytes(), trimmed_rss_bytes()))
     elapsed = time.perf_counter() - t0
     # Less the two timer calls per step: thread_time() is ~0.5 us, but step_kind and RSS reads are not.
     run_cpu = (time.thread_time() - run_cpu0) / args.long_steps
@@ -621,13 +635,18 @@ def memory_run(job: Job, args: argparse.Namespace, url: str, spill: str) -> list
         )
     )
     mib = 1024 * 1024
-    lines.append(f"RSS over {args.long_steps} steps with the default agent (MiB, step: rss):")
-    lines.append("  " + "  ".join(f"{i}: {rss / mib:.1f}" for i, rss in samples))
-    half = samples[len(samples) // 2][1]
+    lines.append(f"RSS over {args.long_steps} steps with the default agent (MiB, step: rss / after malloc_trim):")
     lines.append(
-        f"  growth first->last {(samples[-1][1] - samples[0][1]) / mib:+.1f} MiB, "
-        f"second half {(samples[-1][1] - half) / mib:+.1f} MiB"
+        "  " + "  ".join(f"{i}: {rss / mib:.1f}" + (f"/{live / mib:.1f}" if live else "") for i, rss, live in samples)
     )
+    half = samples[len(samples) // 2]
+    for name, at in (("RSS", 1), ("after malloc_trim (live heap)", 2)):
+        first, mid, last = samples[0][at], half[at], samples[-1][at]
+        if first is not None and mid is not None and last is not None:
+            lines.append(
+                f"  {name}: growth first->last {(last - first) / mib:+.1f} MiB, "
+                f"second half {(last - mid) / mib:+.1f} MiB"
+            )
     if exp0 is not None and exp1 is not None:
         per_step = (exp1 - exp0) / args.long_steps
         step = elapsed / args.long_steps
