@@ -35,7 +35,7 @@ def flops_per_token(model: dict[str, Any], *, trained: float = 1.0, reach: float
     """PaLM appendix B, 6N + 12 L H Q T (H*Q = the attention width, = hidden), with backward's
     parts apart so that frozen parameters count what they cost: forward 2N + 4LHQT; backward's
     activation gradients 2N + 8LHQT over the share `reach` it passes through, and its weight
-    gradients 2N over the `trained` share (agent/_model_facts.py, backward_shares). Full training
+    gradients 2N over the `trained` share (agent/_model_facts.py, BackwardShares). Full training
     (1, 1) is 6N + 12LHQT; a LoRA job's ~4N, which 6N read as 1.5x the work done."""
     n = model.get("non_embedding_params")
     layers, hidden, seq = model.get("layers"), model.get("hidden"), model.get("seq_len")

@@ -119,7 +119,7 @@ def test_frozen_parameters_count_what_backward_does(name: str, prepare, six_n_re
     ours = flops_per_token({**dims, "non_embedding_params": n_now}, trained=shares[0], reach=shares[1])
     assert ours is not None
     attention = 12 * dims["layers"] * dims["hidden"] * dims["seq_len"]
-    # The attention term under backward_shares' reach: forward always, backward where it passes.
+    # The attention term under BackwardShares' reach: forward always, backward where it passes.
     ours_matmul = ours - (4 + 8 * shares[1]) * dims["layers"] * dims["hidden"] * dims["seq_len"]
     assert ours_matmul == pytest.approx(counted, rel=0.03), name
     assert 6 * n / counted > six_n_reads, "the convention alone overstates this job's work"
@@ -132,9 +132,9 @@ def test_full_training_and_a_trained_embedding_alone_reach_every_layer() -> None
     model.requires_grad_(False)
     model.tok_emb.requires_grad_(True)  # prompt/embedding tuning: backward runs through every layer
     assert BackwardShares(model, {}).read() == (0.0, 1.0)
+    assert BackwardShares(model, {"pp": 2}).read() is None  # a stage's parameters are not the model's
     model.tok_emb.requires_grad_(False)
     assert BackwardShares(model, {}).read() is None  # nothing trains: the convention stands
-    assert BackwardShares(model, {"pp": 2}).read() is None  # a stage's parameters are not the model's
 
 
 def test_attention_backward_is_two_thirds_of_its_term() -> None:
