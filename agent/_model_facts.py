@@ -43,6 +43,9 @@ _CONFIG_NAMES: dict[str, tuple[str, ...]] = {
     "seq_len": ("max_position_embeddings", "n_positions"),
 }
 _HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "heads")
+# Roles in _param_sizes: an nn.Embedding table (not in N), and a token embedding tied to a head (in
+# N: its matmul runs at the end of forward); any other parameter has the role "".
+_TABLE, _TIED = "table", "tied"
 
 
 def gpu_type_of(device_name: str) -> str | None:
@@ -196,20 +199,21 @@ def _param_counts(model: nn.Module, *, sliced: bool) -> tuple[int, int] | None:
     if sizes is None:
         return None
     total = sum(size for _, size, _ in sizes)
-    return total, total - sum(size for _, size, table in sizes if table)
+    return total, total - sum(size for _, size, role in sizes if role == _TABLE)
 
 
 class BackwardShares:
     """The shares of the non-embedding parameters (as counted for N) that backward works on, for
     flops_per_token: `trained`, those whose weight gradients it computes (`requires_grad`), and
     `reach`, those it passes through: from the first trained parameter on, in registration order
-    (the forward order of the usual model), since below it no activation needs a gradient. (1, 1)
-    for full training; a LoRA job about (0.01, 1), a frozen backbone under a trained head about
-    (0.05, 0.05). The parameters and their sizes are listed once; `read()` looks at
-    `requires_grad` again (tens of us), for a job that unfreezes layers as it trains."""
+    (the forward order of the usual model), since below it no activation needs a gradient, and a
+    head tied to the token embedding (registered first, its matmul runs last). (1, 1) for full
+    training; a LoRA job about (0.01, 1), a frozen backbone under a trained head about (0.05,
+    0.05). The parameters and their sizes are listed once; `read()` looks at `requires_grad`
+    again (tens of us), for a job that unfreezes layers as it trains."""
 
     def __init__(self, model: nn.Module | None, parallelism: dict[str, Any]) -> None:
-        self._sizes: list[tuple[nn.Parameter, int, bool]] | None = None
+        self._sizes: list[tuple[nn.Parameter, int, str]] | None = None
         if model is None or int(parallelism.get("pp") or 1) > 1:
             return  # a stage's parameters are not the model's
         sliced = int(parallelism.get("tp") or 1) > 1 or int(parallelism.get("ep") or 1) > 1
@@ -224,17 +228,20 @@ class BackwardShares:
         if not self._sizes:
             return None
         first = next((i for i, (p, _, _) in enumerate(self._sizes) if p.requires_grad), None)
-        n = sum(size for _, size, table in self._sizes if not table)
+        n = sum(size for _, size, role in self._sizes if role != _TABLE)
         if first is None or n == 0:
             return None
-        trained = sum(size for p, size, table in self._sizes if p.requires_grad and not table)
-        reach = sum(size for _, size, table in self._sizes[first:] if not table)
+        trained = sum(size for p, size, role in self._sizes if p.requires_grad and role != _TABLE)
+        reach = sum(
+            size for i, (_, size, role) in enumerate(self._sizes) if role != _TABLE and (i >= first or role == _TIED)
+        )
         return trained / n, reach / n
 
 
-def _param_sizes(model: nn.Module, *, sliced: bool) -> list[tuple[nn.Parameter, int, bool]] | None:
-    """Each parameter in registration order with its whole size and whether it is an embedding
-    table left out of N (see _param_counts); None where this rank does not hold them whole."""
+
+def _param_sizes(model: nn.Module, *, sliced: bool) -> list[tuple[nn.Parameter, int, str]] | None:
+    """Each parameter in registration order with its whole size and its role (_TABLE, _TIED or '';
+    see _param_counts); None where this rank does not hold them whole."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - older torch
@@ -250,5 +257,5 @@ def _param_sizes(model: nn.Module, *, sliced: bool) -> list[tuple[nn.Parameter, 
         sizes.append((p, int(ds_numel) if isinstance(ds_numel, int) else p.numel()))
     tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     heads = (getattr(m, "weight", None) for m in model.modules() if not isinstance(m, nn.Embedding))
-    tables -= {id(w) for w in heads if id(w) in tables}  # tied to a head: its matmul counts
-    return [(p, size, id(p) in tables) for p, size in sizes]
+    tied = {id(w) for w in heads if id(w) in tables}  # tied to a head: its matmul counts
+    return [(p, size, _TIED if id(p) in tied else _TABLE if id(p) in tables else "") for p, size in sizes]
