@@ -294,6 +294,12 @@ class Agent:
             self._jump_to(self._number("step(step=...)", step, self._step, "the agent's own count goes on"))
         if self._grads is not None and self._grads.present is not self._counted_grads:
             self._counted_grads = self._grads.present  # a new set of gradients: an unfreeze?
+            if self._grads.relisted and ("grads", "relisted") not in self._said:
+                self._said.add(("grads", "relisted"))
+                logger.info(
+                    "trainvitals agent: the model's parameters were replaced after attach() (FSDP2's"
+                    " fully_shard?); gradient norms and FLOPs per token follow the new ones"
+                )
             self._count_flops()
         # A tensor count (tokens=attention_mask.sum()) is read back with the loss, never synced here;
         # a list or a numpy scalar becomes a number (agent/_counts.py). That conversion runs only

@@ -94,6 +94,13 @@ class GradNormTracker:
     """
 
     def __init__(self, model: nn.Module, *, groups: str = "block", ownership: str = "auto") -> None:
+        self._model, self._groups, self._ownership = model, groups, ownership
+        self.relisted = 0  # times the model's parameters were found replaced (FSDP2 after attach)
+        self._watch()
+
+    def _watch(self) -> None:
+        """List the model's parameters, their groups and ownership."""
+        model, groups = self._model, self._groups
         # Frozen parameters too (their grad is None, skipped per step): until 2026-11-29 only those
         # trainable at attach were watched, and layers unfrozen later were left out of every norm.
         named = list(model.named_parameters())
@@ -106,8 +113,7 @@ class GradNormTracker:
             names = [GLOBAL_GROUP for _ in named]
         self.group_names: list[str] = list(dict.fromkeys(names))
         index = {g: i for i, g in enumerate(self.group_names)}
-        self._model, self._ownership = model, ownership
-        self._owned = [_owned(p, model, ownership) for p in self._params]
+        self._owned = [_owned(p, model, self._ownership) for p in self._params]
         self._owned_without_group = not process_group_exists()  # decided again once the group exists
         self._group_index = [index[n] for n in names]
         self._decoders: dict[tuple[int, ...], Decoder] = {}
@@ -155,6 +161,13 @@ class GradNormTracker:
                 present.append(i)
                 grads.append(_local(g))
         if not present:
+            if self._params and next(self._model.parameters(), None) is not self._params[0]:
+                # Replaced since they were listed: FSDP2's fully_shard after attach() swaps every
+                # parameter for a sharded one, whose gradients the old list never saw (until
+                # 2026-12-03: no gradient norm at all, and nothing said).
+                self.relisted += 1
+                self._watch()
+                return self.compute()
             return None
         norms = self._norms(grads)
         device = norms[0].device

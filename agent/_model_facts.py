@@ -214,17 +214,21 @@ class BackwardShares:
 
     def __init__(self, model: nn.Module | None, parallelism: dict[str, Any]) -> None:
         self._sizes: list[tuple[nn.Parameter, int, str]] | None = None
-        if model is None or int(parallelism.get("pp") or 1) > 1:
-            return  # a stage's parameters are not the model's
-        sliced = int(parallelism.get("tp") or 1) > 1 or int(parallelism.get("ep") or 1) > 1
+        self._model = None if model is None or int(parallelism.get("pp") or 1) > 1 else _unwrap(model)
+        self._sliced = int(parallelism.get("tp") or 1) > 1 or int(parallelism.get("ep") or 1) > 1
+        self._list()  # none for a pipeline stage: its parameters are not the model's
+
+    def _list(self) -> None:
         try:
-            self._sizes = _param_sizes(_unwrap(model), sliced=sliced)
+            self._sizes = None if self._model is None else _param_sizes(self._model, sliced=self._sliced)
         except Exception:  # noqa: BLE001 - a convenience: the convention's 6N stands
             self._sizes = None
 
     def read(self) -> tuple[float, float] | None:
         """(trained, reach), or None where the counts are not whole on this rank (as for N:
         pipeline stages, slices, FSDP1's flat shards) or nothing is trained."""
+        if self._model is not None and self._sizes and next(self._model.parameters(), None) is not self._sizes[0][0]:
+            self._list()  # replaced since listed: FSDP2's fully_shard after attach()
         if not self._sizes:
             return None
         first = next((i for i, (p, _, _) in enumerate(self._sizes) if p.requires_grad), None)

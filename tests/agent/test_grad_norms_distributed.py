@@ -34,7 +34,7 @@ def _global_sq_by_step(out: Path, ranks: int) -> dict[int, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2", "fsdp1", "fsdp1-orig", "ddp-attach-first"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2", "fsdp1", "fsdp1-orig", "ddp-attach-first", "fsdp2-attach-first"])
 def test_global_norm_matches_clip_grad_norm(mode: str, tmp_path: Path) -> None:
     ranks = 2
     result = subprocess.run(

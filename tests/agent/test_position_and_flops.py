@@ -181,3 +181,17 @@ def test_a_peft_lora_gpt2_counts_what_torch_counts() -> None:
     assert ours == pytest.approx(counted, rel=0.02)
     full = flops_per_token(dims)
     assert full is not None and full / counted > 1.4  # 6N + 12LHQT: the work of full training
+
+
+def test_shares_follow_parameters_replaced_after_they_were_listed() -> None:
+    """FSDP2's fully_shard swaps every parameter of the attached model for a new (sharded) one:
+    the shares are read from the model's parameters as they are now, not the listed objects."""
+    model, _ = _gpt()
+    shares = BackwardShares(model, {})
+    assert shares.read() == (1.0, 1.0)
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(p.detach().clone(), requires_grad=module is model.lm_head))
+    tables = model.tok_emb.weight.numel() + model.pos_emb.weight.numel()
+    n = sum(p.numel() for p in model.parameters()) - tables
+    assert shares.read() == pytest.approx((model.lm_head.weight.numel() / n,) * 2)

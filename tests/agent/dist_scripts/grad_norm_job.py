@@ -29,9 +29,11 @@ class Tiny(nn.Module):
 
 
 def main() -> None:
-    # mode: ddp, fsdp2, fsdp1 (flat parameters), fsdp1-orig (use_orig_params=True), or ddp-attach-first
+    # mode: ddp, fsdp2, fsdp1 (flat parameters), fsdp1-orig (use_orig_params=True), ddp-attach-first
     # (attach() to the bare model before init_process_group, as a script may: the gradient ownership
-    # must be decided against the process group anyway).
+    # must be decided against the process group anyway) or fsdp2-attach-first (attach() to the bare
+    # model, then fully_shard, which swaps every parameter for a sharded one; the optimizer comes
+    # after, as FSDP2 needs, so the agent measures through grads_ready()).
     mode, out_dir = sys.argv[1], sys.argv[2]
     config = tv.AgentConfig(
         fp8=sys.argv[3] if len(sys.argv) > 3 else "auto",
@@ -46,6 +48,15 @@ def main() -> None:
         agent = tv.attach(model, opt, run=f"gn-{mode}", config=config)
         dist.init_process_group("gloo")
         wrapped: nn.Module = nn.parallel.DistributedDataParallel(model)
+    elif mode == "fsdp2-attach-first":
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("gloo")
+        agent = tv.attach(model, run=f"gn-{mode}", config=config)
+        for layer in model.layers:
+            fully_shard(layer)
+        wrapped = fully_shard(model)
+        opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
     else:
         dist.init_process_group("gloo")
         if mode == "fsdp2":
@@ -71,6 +82,8 @@ def main() -> None:
         x = torch.randint(0, 32, (4, 6), generator=gen)
         loss = wrapped(x).logsumexp(-1).mean() * (1 + step)
         loss.backward()
+        if mode == "fsdp2-attach-first":
+            agent.grads_ready()  # no optimizer attached: measured here
         if mode.startswith("fsdp1"):  # torch's function would see this rank's shard only
             total = wrapped.clip_grad_norm_(float("inf"))
         else:
