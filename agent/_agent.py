@@ -381,15 +381,15 @@ class Agent:
         return default if number is None else number
 
     def _count_flops(self) -> None:
-        """FLOPs per token for the parameters that train now. A change is said as a note event, so
-        that a step in the run's MFU has its reason beside it."""
+        """FLOPs per token for the parameters that train now. A change is said as a note event by
+        rank 0 (every rank counts the same), so that a step in the run's MFU has its reason beside it."""
         shares = self._backward.read() or (1.0, 1.0)
         if shares == self._shares:
             return
         self._shares = shares
         self._flops_per_token = flops_per_token(self._model_dims, trained=shares[0], reach=shares[1])
         full = flops_per_token(self._model_dims)
-        if self._flops_per_token is not None and full:
+        if self._flops_per_token is not None and full and self.rank == 0:
             self.event(
                 "note",
                 detail=f"FLOPs per token {self._flops_per_token:.4g}, {self._flops_per_token / full:.0%} of full"
