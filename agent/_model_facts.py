@@ -242,7 +242,6 @@ class BackwardShares:
         return trained / n, reach / n
 
 
-
 def _param_sizes(model: nn.Module, *, sliced: bool) -> list[tuple[nn.Parameter, int, str]] | None:
     """Each parameter in registration order with its whole size and its role (_TABLE, _TIED or '';
     see _param_counts); None where this rank does not hold them whole."""
