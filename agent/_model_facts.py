@@ -96,15 +96,25 @@ def model_dims(model: nn.Module | None, parallelism: dict[str, Any]) -> dict[str
         return {}
     inner = _unwrap(model)
     dims = _from_config(getattr(inner, "config", None))
-    if int(parallelism.get("pp") or 1) > 1:
+    if _a_stage(parallelism):
         return dims  # a stage's modules and parameters are not the model's
-    sliced = int(parallelism.get("tp") or 1) > 1 or int(parallelism.get("ep") or 1) > 1
+    sliced = _sliced(parallelism)
     for key, value in _from_modules(inner, heads=not sliced).items():
         dims.setdefault(key, value)
     counts = _param_counts(inner, sliced=sliced)
     if counts is not None and min(counts) >= 1:
         dims["params"], dims["non_embedding_params"] = counts
     return dims
+
+
+def _a_stage(parallelism: dict[str, Any]) -> bool:
+    """With pipeline stages a rank holds one stage's modules and parameters, not the model's."""
+    return int(parallelism.get("pp") or 1) > 1
+
+
+def _sliced(parallelism: dict[str, Any]) -> bool:
+    """With tensor or expert parallelism a rank's parameters may be slices of the model's."""
+    return int(parallelism.get("tp") or 1) > 1 or int(parallelism.get("ep") or 1) > 1
 
 
 def derive_into(body: dict[str, Any], model: nn.Module | None) -> None:
@@ -214,8 +224,8 @@ class BackwardShares:
 
     def __init__(self, model: nn.Module | None, parallelism: dict[str, Any]) -> None:
         self._sizes: list[tuple[nn.Parameter, int, str]] | None = None
-        self._model = None if model is None or int(parallelism.get("pp") or 1) > 1 else _unwrap(model)
-        self._sliced = int(parallelism.get("tp") or 1) > 1 or int(parallelism.get("ep") or 1) > 1
+        self._model = None if model is None or _a_stage(parallelism) else _unwrap(model)
+        self._sliced = _sliced(parallelism)
         self._list()  # none for a pipeline stage: its parameters are not the model's
 
     def _list(self) -> None:

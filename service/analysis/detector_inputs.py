@@ -500,16 +500,17 @@ class DetectorInputs:
 
     def _load_summary_blocks(self, session: Session, rid: str, *, after: int, upto: int) -> None:
         """Stored summary blocks of (after, upto]: the step and group columns appended at once."""
-        parts: dict[str, list[list[np.ndarray]]] = {"step": [], "group": []}
+        held = {"step": self._steps, "group": self._groups}  # by the blocks' array prefix
+        parts: dict[str, list[list[np.ndarray]]] = {prefix: [] for prefix in held}
         first = after + 1 - BLOCK_STEPS[_SUMMARIES]  # the first block may start at or below after
         for b in detector_blocks.load(session, run_id=rid, source=_SUMMARIES, first=first, last=upto):
-            for prefix, kept in (("step", self._steps), ("group", self._groups)):
+            for prefix, kept in held.items():
                 cols = [b[f"{prefix}_c{i}"] for i in range(len(kept.dtypes))]
                 lo = int(np.searchsorted(cols[0], after, side="right"))
                 parts[prefix].append([c[lo:] for c in cols])
             group = parts["group"][-1]
             group[1] = self._codes(b["group_names"].tolist())[group[1]]  # the block's codes -> ours
-        for prefix, kept in (("step", self._steps), ("group", self._groups)):
+        for prefix, kept in held.items():
             if parts[prefix]:
                 kept.append([np.concatenate(c) for c in zip(*parts[prefix], strict=True)])
 
