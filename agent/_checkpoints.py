@@ -11,7 +11,12 @@ without retention that is world size x generations metadata reads of a shared fi
 save. The collector takes a generation as deleted when any rank says so. Rank 0 keeps the list of
 the generations it watches in a ledger beside the spool (agent/_checkpoint_ledger.py), so that a
 restarted job goes on watching its previous process's saves; their deleted records carry that
-process's incarnation."""
+process's incarnation.
+
+A directory every rank names (dcp.save's checkpoint_id, HF's checkpoint-N) is hashed by rank 0
+alone: on every rank, a 16k-rank job read the whole checkpoint 16k times from a shared file
+system at each save. A file is hashed by the rank that saved it. The collector takes a
+generation as verified when each of its paths has a checksum from some rank."""
 
 from __future__ import annotations
 
@@ -19,8 +24,8 @@ import hashlib
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +41,9 @@ StrPath = str | os.PathLike[str]
 """A checkpoint's path as jobs pass it: a string or a pathlib.Path (`ckpt_dir / "model.pt"`)."""
 
 _CHUNK = 8 * 1024 * 1024
+MAX_QUEUED_HASHES = 4
+"""With this many background jobs (hashes, file checks) waiting (saves faster than hashing), a
+save's hash is not made: it is recorded without a checksum (persisted, not verified), said once."""
 
 
 def content_digest(path: str | os.PathLike[str], algorithm: str = "sha256") -> tuple[int, str | None]:
@@ -54,6 +62,63 @@ def content_digest(path: str | os.PathLike[str], algorithm: str = "sha256") -> t
                 if digest is not None:
                     digest.update(chunk)
     return total, (f"{algorithm}:{digest.hexdigest()}" if digest is not None else None)
+
+
+class _ChecksumThread:
+    """Runs the recorder's background work in order on one daemon thread, started on first use.
+
+    A daemon, not a ThreadPoolExecutor: the interpreter joins an executor's threads at exit, before
+    atexit handlers run, so a queue of hashes of a large checkpoint held the ended job (and the
+    agent's last flush) for as long as they took, and after a SIGTERM until the SIGKILL."""
+
+    def __init__(self) -> None:
+        self._jobs: deque[Callable[[], None]] = deque()
+        self._idle = threading.Condition()
+        self._busy = 0  # queued plus running
+        self._thread: threading.Thread | None = None
+        self.closed = False
+
+    def submit(self, work: Callable[[], None]) -> bool:
+        """Queue `work`; False when closed (nothing queued)."""
+        with self._idle:
+            if self.closed:
+                return False
+            self._jobs.append(work)
+            self._busy += 1
+            self._idle.notify_all()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="trainvitals-checksum", daemon=True)
+                self._thread.start()
+        return True
+
+    @property
+    def busy(self) -> int:
+        return self._busy
+
+    def _run(self) -> None:
+        while True:
+            with self._idle:
+                while not self._jobs:
+                    if self.closed:
+                        return
+                    self._idle.wait()
+                work = self._jobs.popleft()
+            try:
+                work()
+            finally:
+                with self._idle:
+                    self._busy -= 1
+                    self._idle.notify_all()
+
+    def drain(self, timeout: float) -> None:
+        """Wait until the queue is done or `timeout` passed, then accept nothing more; what is left
+        runs on, and the process's exit does not wait for it."""
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._busy and (left := deadline - time.monotonic()) > 0:
+                self._idle.wait(left)
+            self.closed = True
+            self._idle.notify_all()
 
 
 class CheckpointHandle:
@@ -78,14 +143,15 @@ class _Generation:
     """The earlier incarnation that saved it (from the ledger); None: this process."""
 
     @classmethod
-    def of(cls, step: int, generation: int, path: StrPath | None) -> _Generation:
+    def of(cls, step: int, generation: int, path: Any) -> _Generation:
         # The path as text: a pathlib.Path (what `ckpt_dir / "model.pt"` gives) cannot be
         # JSON-encoded, and each record of the generation was lost with an agent error. A local
         # path made absolute: the rollback query names it to someone not in the job's directory
-        # (HF's default output_dir is relative: "out/checkpoint-8" until 2026-11-29).
-        if path is None:
+        # (HF's default output_dir is relative: "out/checkpoint-8" until 2026-11-29). What is not
+        # a path (torch.save to a BytesIO) has none: os.fspath raised into the job before its save.
+        if not isinstance(path, str | bytes | os.PathLike):
             return cls(step, generation, None)
-        text = os.fspath(path)
+        text = os.fsdecode(path)
         return cls(step, generation, text if "://" in text else os.path.abspath(text))
 
 
@@ -107,8 +173,7 @@ class CheckpointRecorder:
         self._checksum = checksum
         self._on_error = on_error
         self._said: set[tuple[str, str]] = set() if said is None else said  # the agent's: said once
-        self._pool: ThreadPoolExecutor | None = None
-        self._pending: set[Future[None]] = set()
+        self._thread = _ChecksumThread()
         self._saving: set[threading.Event] = set()  # async saves not yet done (set when done)
         # Local path -> the generation whose content it holds, for the generations still on disk
         # (rank 0: `watch_files`). Touched on the checksum thread only (one worker): no lock.
@@ -155,26 +220,50 @@ class CheckpointRecorder:
 
     @contextmanager
     def saving(self, *, step: int, generation: int, path: StrPath | None) -> Iterator[CheckpointHandle]:
+        """Around the job's save: its exception propagates, the agent's never does (an agent error
+        before the save would have skipped it)."""
         handle = CheckpointHandle()
-        gen = _Generation.of(step, generation, path)
-        self._record(gen, "started")
         t0 = time.perf_counter()
+        gen: _Generation | None = None
+        try:
+            gen = _Generation.of(step, generation, path)
+            self._record(gen, "started")
+        except Exception as exc:  # noqa: BLE001
+            self._on_error("checkpoint", exc)
+            gen = None
         try:
             yield handle
         except BaseException as exc:
             # The job's own save failed: record it, then let the job see its exception as usual.
-            self._record(gen, "failed", stall=time.perf_counter() - t0, error=repr(exc)[:4000])
+            if gen is not None:
+                self._guarded(self._record, gen, "failed", stall=time.perf_counter() - t0, error=repr(exc)[:4000])
             raise
+        if gen is None:
+            return
         stall = time.perf_counter() - t0
         if handle.future is None:
-            self._finish(gen, stall=stall, persist=stall)
+            self._guarded(self._finish, gen, stall=stall, persist=stall)
         else:
-            self._track_async(handle.future, gen, t0=t0, stall=stall)
+            self._guarded(self._track_async, handle.future, gen, t0=t0, stall=stall)
+
+    def _guarded(self, work: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        try:
+            work(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - recorded, counted; never the job's
+            self._on_error("checkpoint", exc)
 
     def saved(self, *, step: int, generation: int, path: StrPath | None, stall: float | None) -> None:
         self._finish(_Generation.of(step, generation, path), stall=stall, persist=None)
 
     def _track_async(self, future: Any, gen: _Generation, *, t0: float, stall: float) -> None:
+        # dcp.async_save with an async stager returns an AsyncSaveResponse: its upload is the save.
+        future = getattr(future, "upload_completion", future)
+        if not hasattr(future, "add_done_callback"):
+            warn_once(self._said, ("checkpoint future", type(future).__name__),
+                      f"ck.track() was given a {type(future).__name__}, not a future: the save is recorded as "
+                      "persisted when its block ended; pass the future (or AsyncSaveResponse) the save returned")
+            self._finish(gen, stall=stall, persist=stall)
+            return
         finished = threading.Event()
         self._saving.add(finished)
 
@@ -205,32 +294,32 @@ class CheckpointRecorder:
             self._record(gen, "persisted", stall=stall, persist=persist)
             return
 
+        hash_it = self._thread.busy < MAX_QUEUED_HASHES
+        if not hash_it:
+            warn_once(self._said, ("checksum", "behind"),
+                      f"checkpoint checksums fall behind the saves ({MAX_QUEUED_HASHES} waiting): generation "
+                      f"{gen.generation} and others while they wait are recorded without one (persisted, not verified)")
+
         def hash_and_record() -> None:
+            size, digest = None, None
             try:
-                size, digest = content_digest(path, self._checksum)
+                # A directory is every rank's (dcp.save, HF): rank 0 reads it, once for the job.
+                if hash_it and (self._watch_files or not os.path.isdir(path)):
+                    size, digest = content_digest(path, self._checksum)
             except FileNotFoundError:  # removed before its turn here (a retention quicker than hashing)
-                size, digest = None, None
+                pass
             except OSError as exc:
                 self._on_error("checksum", exc)
-                size, digest = None, None
             self._record(gen, "persisted", stall=stall, persist=persist, size=size, checksum=digest)
             self._keep(gen)
 
         self._submit(hash_and_record, or_else=lambda: self._record(gen, "persisted", stall=stall, persist=persist))
 
     def _submit(self, work: Callable[[], None], *, or_else: Callable[[], None] | None = None) -> None:
-        """Run `work` on the checksum thread; `or_else` here when the pool is closed already (an
-        async save that outlived close()'s wait is recorded as it is)."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainvitals-checksum")
-        try:
-            fut: Future[None] = self._pool.submit(work)
-        except RuntimeError:
-            if or_else is not None:
-                or_else()
-            return
-        self._pending.add(fut)
-        fut.add_done_callback(self._pending.discard)
+        """Run `work` on the checksum thread; `or_else` here when it is closed already (an async
+        save that outlived close()'s wait is recorded as it is)."""
+        if not self._thread.submit(work) and or_else is not None:
+            or_else()
 
     def _key(self, gen: _Generation) -> tuple[int, int]:
         return (self._incarnation if gen.saved_by is None else gen.saved_by, gen.generation)
@@ -283,9 +372,6 @@ class CheckpointRecorder:
         deadline = time.monotonic() + timeout
         for finished in list(self._saving):
             finished.wait(max(0.0, deadline - time.monotonic()))
-        if self._pool is None:
-            return
         if self._on_disk:
             self._submit(self._sweep)  # saves the job removed after its last one
-        wait(list(self._pending), timeout=max(0.0, deadline - time.monotonic()))
-        self._pool.shutdown(wait=False)
+        self._thread.drain(max(0.0, deadline - time.monotonic()))

@@ -51,6 +51,7 @@ _CREST_SAMPLE = 4096  # elements sampled (strided) for the median in crest_bits:
 # Elements sampled (strided) for underflow_frac: exact up to this size; above it a binomial
 # estimate, standard error <= 0.003 and ~18% at the detector's 5e-4 floor (fp8.md).
 _SAMPLE = 1 << 15
+_UNSEEN_SETS_KEPT = 8  # distinct sets of modules that missed a sampled step, kept as index tensors
 _F32_MAX = torch.finfo(torch.float32).max
 _F32_TINY = torch.finfo(torch.float32).tiny
 _F32_SUBNORMAL_MIN = float.fromhex("0x1p-149")  # the smallest positive float32
@@ -181,6 +182,7 @@ class Fp8Monitor:
         # step end were not run this step (a MoE expert no token reached, nn.MultiheadAttention's
         # out_proj, whose weight it uses without calling the module).
         self._shadow_idx = [i for i, t in enumerate(self.tensors) if not t.recipe]
+        self._unseen_idx: dict[tuple[int, ...], torch.Tensor] = {}  # _unseen()'s index tensors
         self._shadow_bits = int.from_bytes(bytes(0 if t.recipe else 1 for t in self.tensors), "little")
         self._scratch = torch.empty(0)  # CPU only: |x| of the expensive tier, reused (_abs_f32)
         self._flags = torch.empty(0)  # CPU only: comparison results of the expensive tier (_count)
@@ -532,8 +534,18 @@ class Fp8Monitor:
         integer AND)."""
         if not self._has_shadow or not int.from_bytes(self._fresh, "little") & self._shadow_bits:
             return None
-        idx = [i for i in self._shadow_idx if self._fresh[i]]
-        return torch.tensor(idx, dtype=torch.long, device=self._device)
+        idx = tuple(i for i in self._shadow_idx if self._fresh[i])
+        # The same modules miss step after step (nn.MultiheadAttention's out_proj, idle experts):
+        # their index tensor is made once. Made on every sampled step, it was a blocking copy to the
+        # device: a host sync on the training thread.
+        if (cached := self._unseen_idx.get(idx)) is not None:
+            return cached
+        device = self._device or torch.device("cpu")  # set: a hook saw a tensor this step
+        host = torch.tensor(idx, dtype=torch.long, pin_memory=device.type == "cuda")
+        on_device = host.to(device, non_blocking=True)
+        if len(self._unseen_idx) < _UNSEEN_SETS_KEPT:
+            self._unseen_idx[idx] = on_device
+        return on_device
 
     def _push_history(self, amax: torch.Tensor) -> None:
         hist = self._history

@@ -234,6 +234,11 @@ class BatchProcessor:
         if self._closed:
             return
         self._closed = True
+        if self._in_forked_child:
+            # A forked child's copy: the spool and the connection are the parent's, which goes on
+            # delivering them (a pass from here sent the parent's lines and could remove its spool
+            # file under it), and the lock may have been copied mid-pass, held for ever.
+            return
         timeout = self._cfg.flush_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         self._stopping.set()
@@ -278,6 +283,8 @@ class BatchProcessor:
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Deliver everything queued now; True when nothing is left undelivered afterwards."""
+        if self._in_forked_child:
+            return False
         self.run_once(deadline=time.monotonic() + timeout, ignore_backoff=True)
         return not self._queue and not self._delivery.undelivered()
 
@@ -305,18 +312,23 @@ class BatchProcessor:
     def run_once(self, *, deadline: float, ignore_backoff: bool = False, write_ahead: bool = False) -> None:
         """One pass: queue -> batches -> delivery, until done, failing or out of time.
 
-        The thread body; tests call it synchronously.
+        The thread body; tests call it synchronously. Waits for a pass under way until the deadline
+        at most: the worker's pass against a hung collector, or blocked where a sampled step's
+        device work waits on a stuck collective, must not hold flush() or close() beyond theirs.
         """
-        with self._lock:
-            try:
-                if self._drops_changed():
-                    self._queue_drop_event()
-                report = self._delivery.deliver(
-                    self._cut_batches(), deadline=deadline, ignore_backoff=ignore_backoff, write_ahead=write_ahead
-                )
-                self.stats.add(report)
-            except Exception as exc:  # noqa: BLE001 - the exporter must outlive any bug
-                self._errors.record("exporter", exc)
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return
+        try:
+            if self._drops_changed():
+                self._queue_drop_event()
+            report = self._delivery.deliver(
+                self._cut_batches(), deadline=deadline, ignore_backoff=ignore_backoff, write_ahead=write_ahead
+            )
+            self.stats.add(report)
+        except Exception as exc:  # noqa: BLE001 - the exporter must outlive any bug
+            self._errors.record("exporter", exc)
+        finally:
+            self._lock.release()
 
     def _drops_changed(self) -> bool:
         return self.stats.dropped != self._reported_drops

@@ -15,6 +15,7 @@ single step's split is approximate; over a window the sums are right.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,10 +61,17 @@ class StepTimer:
             return False  # not DDP, or the job brought its own hook (DDP allows only one)
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+        # The hook that communicates, and its state: DDP's default all-reduce until the job
+        # registers its own (PowerSGD, bf16 compression) after attach(), which then runs, timed.
+        # DDP takes one comm hook per model and cannot drop one: the job's registration raised
+        # "can only be called once" into the job.
+        inner: list[Any] = [allreduce_hook, None]
+
         # No annotations: DDP validates the hook's signature and accepts only GradBucket or none.
-        def timed_allreduce(process_group, bucket):
+        def timed_allreduce(_state, bucket):
             self._launched = time.perf_counter()
-            fut = allreduce_hook(process_group, bucket)
+            hook, state = inner
+            fut = hook(state, bucket)
 
             def done(f):
                 self._done = time.perf_counter()
@@ -71,7 +79,14 @@ class StepTimer:
 
             return fut.then(done)
 
+        def register_comm_hook(state: object, hook: Callable[..., Any]) -> None:
+            if inner[0] is not allreduce_hook:
+                raise RuntimeError("register_comm_hook can only be called once (DDP allows one comm hook)")
+            model._check_comm_hook(hook)  # DDP's own signature check, as its register_comm_hook does
+            inner[:] = [hook, state]
+
         model.register_comm_hook(None, timed_allreduce)
+        model.register_comm_hook = register_comm_hook  # type: ignore[method-assign]
         return True
 
     def end_step(self, now: float) -> tuple[float | None, float | None]:

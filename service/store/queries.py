@@ -10,6 +10,7 @@ Reads of raw per-rank rows apply the newest-incarnation rule (incarnations.py)."
 from __future__ import annotations
 
 import math
+from collections.abc import Sized
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -359,6 +360,21 @@ def get_run(session: Session, *, run_id: str) -> Run | None:
 # --------------------------------------------------------------------------- post-mortem queries
 
 
+class TooManyRowsError(ValueError):
+    """A read that would hold more rows than one answer may: said, not cut short (a cut-off
+    answer reads as missing data: missing ranks look like stragglers, missing roles like none)."""
+
+
+def _at_most(rows: Sized, limit: int, start: int | None, end: int | None, what: str, narrow: str = "") -> None:
+    if len(rows) > limit:
+        bounds = ("" if b is None else str(b) for b in (start, end))
+        asked = "every step" if start is None and end is None else "steps " + "..".join(bounds)
+        raise TooManyRowsError(
+            f"{asked} hold more than {limit:,} {what}, the most one answer holds: ask for a shorter step range"
+            + (f" {narrow}" if narrow else "")
+        )
+
+
 def tensor_timeline(
     session: Session,
     *,
@@ -374,8 +390,10 @@ def tensor_timeline(
     q = select(t).where(t.run_id == run_id, t.tensor == tensor)
     if role is not None:
         q = q.where(t.role == role)
-    q = _step_range(q, t.step, start, end).order_by(t.role, t.step).limit(limit)
-    return [_row_dict(r, exclude=("run_id",)) for r in session.scalars(q)]
+    q = _step_range(q, t.step, start, end).order_by(t.role, t.step).limit(limit + 1)
+    rows = [_row_dict(r, exclude=("run_id",)) for r in session.scalars(q)]
+    _at_most(rows, limit, start, end, f"rows of tensor {tensor!r}", "or one role")
+    return rows
 
 
 def worst_tensors(
@@ -416,8 +434,9 @@ def step_time_matrix(
             newest_incarnation_only(StepRow, run_id=run_id, first=start, last=end),
         )
         .order_by(StepRow.step, StepRow.rank)
-        .limit(max_cells)
+        .limit(max_cells + 1)
     ).all()
+    _at_most(rows, max_cells, start, end, "rank step times")
     cells: dict[tuple[int, int], float] = {(step, rank): seconds for step, rank, seconds in rows}
     ranks = sorted({r for _, r in cells})
     steps = sorted({s for s, _ in cells})
@@ -440,8 +459,10 @@ def step_history(
         s.step, s.ts, s.ranks, s.loss, s.loss_nonfinite, s.grad_norm, s.grad_nonfinite, s.skipped_ranks,
         s.tokens, s.step_seconds_p50, s.step_seconds_max, s.mfu,
     ).where(s.run_id == run_id)  # fmt: skip
-    q = _step_range(q, s.step, start, end).order_by(s.step).limit(limit)
-    return [dict(r._mapping) for r in session.execute(q)]
+    q = _step_range(q, s.step, start, end).order_by(s.step).limit(limit + 1)
+    rows = [dict(r._mapping) for r in session.execute(q)]
+    _at_most(rows, limit, start, end, "steps")
+    return rows
 
 
 def reduced_step_range(session: Session, *, run_id: str) -> tuple[int, int] | None:
@@ -473,22 +494,25 @@ def checkpoint_generations(session: Session, *, run_id: str) -> list[dict[str, A
     """One entry per generation (and incarnation), across ranks: failed if any rank failed;
     deleted if any rank's files of it are gone since its save (a generation missing a rank's part
     cannot be restored); persisted when every rank that started it persisted; verified when
-    persisted with a checksum from every such rank (or an explicit 'verified' record).
+    persisted with a path from every such rank and a checksum of each path from some rank (a
+    directory every rank names is hashed by rank 0 alone: agent/_checkpoints.py), or with an
+    explicit 'verified' record.
 
     Aggregated in SQL per (generation, incarnation, status): the cost is generations x statuses,
     not ranks x generations (16,384 ranks each record every save)."""
     c = CheckpointRow
     rows = session.execute(
         select(c.generation, c.incarnation, c.status, func.count(func.distinct(c.rank)), func.min(c.step),
-               func.sum(c.bytes), func.max(c.stall_seconds), func.max(c.persist_seconds), func.count(c.checksum),
-               func.max(c.ts), func.min(c.path), func.max(c.error))
+               func.sum(c.bytes), func.max(c.stall_seconds), func.max(c.persist_seconds),
+               func.count(func.distinct(c.path)), func.count(func.distinct(case((c.checksum.is_not(None), c.path)))),
+               func.count() - func.count(c.path), func.max(c.ts), func.min(c.path), func.max(c.error))
         .where(c.run_id == run_id)
         .group_by(c.generation, c.incarnation, c.status)
     ).all()
     gens: dict[tuple[int, int], dict[str, Any]] = {}
-    for gen, inc, status, ranks, step, size, stall, persist, checksummed, ts, path, error in rows:
+    for gen, inc, status, ranks, step, size, stall, persist, paths, hashed, pathless, ts, path, error in rows:
         g = gens.setdefault((gen, inc), {"generation": gen, "step": step, "incarnation": inc, "counts": {},
-                                         "checksummed": 0, "bytes": None, "stall_seconds": None,
+                                         "unhashed": 0, "bytes": None, "stall_seconds": None,
                                          "persist_seconds": None, "path": None, "ts": None, "errors": []})
         g["counts"][status] = ranks
         g["step"] = min(g["step"], step)
@@ -500,13 +524,13 @@ def checkpoint_generations(session: Session, *, run_id: str) -> list[dict[str, A
         if status in ("persisted", "verified"):
             g["bytes"] = (g["bytes"] or 0) + (size or 0) or None
             g["persist_seconds"] = persist
-            g["checksummed"] += checksummed
+            g["unhashed"] += paths - hashed + pathless
         if error:
             g["errors"].append(error)
     out = []
     for g in sorted(gens.values(), key=lambda g: (g["step"], g["incarnation"])):
         n = g.pop("counts")
-        checksummed = g.pop("checksummed")
+        unhashed = g.pop("unhashed")
         if g["ts"] is None:
             # Only a deletion is stored: nothing restorable is known of it. A restarted rank's
             # ledger (agent/_checkpoint_ledger.py) may name an earlier run's save under this id.
@@ -518,7 +542,7 @@ def checkpoint_generations(session: Session, *, run_id: str) -> list[dict[str, A
             status = "failed"
         elif n.get("deleted"):
             status = "deleted"
-        elif n.get("verified") or (done >= involved and checksummed >= involved and involved):
+        elif n.get("verified") or (done >= involved and not unhashed and involved):
             status = "verified"
         elif done >= involved and involved:
             status = "persisted"

@@ -1,7 +1,9 @@
 """attach(): two lines, harmless, hooks removed on close, records in wire format."""
 
 import inspect
+import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -575,3 +577,23 @@ def test_events_written_the_way_users_write_them_reach_the_collector(
     assert stored[:2] == [("note", "eval: val_loss=0.31"), ("note", "eval")]
     assert stored[2][0] == "failure" and len(stored[2][1]) == 4096 and stored[2][1].endswith("OOM: out of memory")
     assert domains[0]["node"] == "7" and len(domains[0]) == 16
+
+
+def test_the_jobs_own_ddp_comm_hook_runs_timed(tmp_path: Path) -> None:
+    """attach() times DDP's all-reduce with a comm hook, and DDP takes one per model: a job that
+    registered its own afterwards (PowerSGD, bf16 compression) got "can only be called once" raised
+    into it. The job's hook now runs in the agent's, with its own state, still timed; a second
+    registration is refused as DDP refuses it. Real DDP, gloo, one process."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    script = Path(__file__).parent / "dist_scripts" / "comm_hook_job.py"
+    done = subprocess.run([sys.executable, str(script), str(tmp_path), port], capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["calls"] == ["job-state"] * 4  # one bucket a step, the job's state
+    assert "can only be called once" in result["second"]
+    steps = [r for line in (tmp_path / "rec.jsonl").read_bytes().splitlines()[1:]
+             for r in Batch.model_validate_json(line).records if r.kind == "step"]  # fmt: skip
+    assert len(steps) == 4 and all(r.wait_seconds is not None and r.wait_seconds >= 0 for r in steps)

@@ -336,3 +336,94 @@ def test_a_torn_or_unwritable_ledger_costs_the_watch_not_the_job(tmp_path: Path)
     agent.close()
     assert agent.stats()["errors"] >= 1
     assert [r.status for r in _checkpoint_records(tmp_path) if r.generation == 5][-1] == "persisted"
+
+
+def test_a_shared_directory_is_hashed_by_rank_0_alone(tmp_path: Path) -> None:
+    """dcp.save's directory (and HF's checkpoint-N) is every rank's: each rank hashed all of it,
+    so a 16k-rank job read the whole checkpoint 16k times from a shared file system per save, and
+    the collector's `bytes` summed the directory once per rank. A file stays its saver's to hash."""
+    from trainvitals.agent._checkpoints import CheckpointRecorder
+
+    shared = tmp_path / "dcp-5"
+    shared.mkdir()
+    for rank in (0, 1):
+        (shared / f"__{rank}_0.distcp").write_bytes(bytes([rank]) * 1000)
+    own = tmp_path / "rank1.pt"
+    own.write_bytes(b"x" * 10)
+    persisted: dict[tuple[bool, str], dict] = {}
+    for rank_0 in (True, False):
+        records: list[dict] = []
+        recorder = CheckpointRecorder(records.append, checksum="sha256", on_error=lambda *_: None,
+                                      watch_files=rank_0)  # fmt: skip
+        recorder.saved(step=5, generation=5, path=shared, stall=None)
+        recorder.saved(step=6, generation=6, path=own, stall=None)
+        recorder.close(timeout=10)
+        for r in records:
+            persisted[rank_0, Path(r["path"]).name] = r
+    size, digest = content_digest(shared)
+    assert (persisted[True, "dcp-5"]["bytes"], persisted[True, "dcp-5"]["checksum"]) == (size, digest) == (2000, digest)
+    assert "bytes" not in persisted[False, "dcp-5"] and "checksum" not in persisted[False, "dcp-5"]
+    assert persisted[False, "rank1.pt"]["checksum"] == "sha256:" + hashlib.sha256(b"x" * 10).hexdigest()
+
+
+def test_a_save_to_a_buffer_is_saved_and_recorded_without_a_path(tmp_path: Path) -> None:
+    """torch.save accepts a file-like object; the agent's os.fspath raised TypeError into the job
+    before the save ran, so `agent.save(state, io.BytesIO())` saved nothing."""
+    import io
+
+    agent, model = _agent(tmp_path)
+    buffer = io.BytesIO()
+    agent.save(model.state_dict(), buffer, step=3)  # type: ignore[arg-type]
+    torch.save(model.state_dict(), tmp_path / "b.pt")
+    agent.checkpoint_saved(step=4, path=str(tmp_path / "b.pt").encode())  # type: ignore[arg-type]
+    agent.close()
+    assert buffer.getbuffer().nbytes > 0 and (tmp_path / "b.pt").exists()
+    rec = _checkpoint_records(tmp_path)
+    assert [(r.step, r.status, r.path) for r in rec] == [
+        (3, "started", None), (3, "persisted", None), (4, "persisted", str(tmp_path / "b.pt")),
+    ]  # fmt: skip
+    assert agent.stats()["errors"] == 0
+
+
+def test_an_async_save_response_is_tracked_by_its_upload(tmp_path: Path) -> None:
+    """dcp.async_save with an async stager returns an AsyncSaveResponse (no add_done_callback):
+    leaving the block raised AttributeError into the job, and dcp_async_save's result was lost."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+    agent, _ = _agent(tmp_path)
+    staged: Future[None] = Future()
+    uploaded: Future[None] = Future()
+    staged.set_result(None)
+    with agent.checkpoint(step=5, path=None) as ck:
+        response = ck.track(AsyncSaveResponse(staging_completion=staged, upload_completion=uploaded))
+    assert isinstance(response, AsyncSaveResponse)
+    time.sleep(0.05)
+    uploaded.set_result(None)
+    with agent.checkpoint(step=6, path=None) as ck:
+        ck.track(object())  # not a future at all: recorded as done when the block ends, and said
+    agent.close()
+    rec = _checkpoint_records(tmp_path)
+    assert [(r.step, r.status) for r in rec] == [(5, "started"), (5, "persisted"), (6, "started"), (6, "persisted")]
+    assert rec[1].persist_seconds >= 0.05 > rec[1].stall_seconds
+    assert agent.stats()["errors"] == 0
+
+
+def test_exit_does_not_wait_for_hashes_still_queued() -> None:
+    """The interpreter joins a ThreadPoolExecutor's threads at exit, before atexit: a queue of
+    hashes of a large checkpoint held an ended job (and after a SIGTERM, until the SIGKILL). The
+    checksum thread is a daemon: a process whose hash never finishes still exits at once."""
+    import subprocess
+    import sys
+
+    script = """
+import threading, time
+from trainvitals.agent._checkpoints import CheckpointRecorder
+recorder = CheckpointRecorder(lambda r: None, checksum="sha256", on_error=lambda *_: None)
+recorder._submit(threading.Event().wait)  # a hash that never ends
+recorder._submit(lambda: None)
+print("queued", flush=True)
+"""
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == "queued\n", done.stderr
+    assert time.monotonic() - t0 < 30  # it exited: with a ThreadPoolExecutor it hung until the timeout

@@ -280,3 +280,54 @@ def test_a_spooled_lines_kind_comes_from_its_place_in_the_file(collector, tmp_pa
     # The leftover batch was the first process's: only this process's record counts as its own.
     assert second.stats.delivered_records == 1
     second.shutdown()
+
+
+def test_flush_is_held_to_its_timeout_by_a_pass_under_way(tmp_path: Path) -> None:
+    """flush() waited for the worker's pass without a bound: against a hung collector (up to 6 x
+    http_timeout_s a batch), or with the pass blocked where a sampled step's device work waits on a
+    collective stuck on a dead peer, a flush() in the job's error handler never returned."""
+    exp = _exporter("http://127.0.0.1:9", tmp_path)  # nothing listens: the pass is held below
+    exp.emit(_step(0))
+    held = threading.Event()
+    release = threading.Event()
+
+    def stuck_pass() -> None:
+        with exp._lock:
+            held.set()
+            release.wait(30)
+
+    threading.Thread(target=stuck_pass, daemon=True).start()
+    assert held.wait(5)
+    t0 = time.monotonic()
+    assert exp.flush(timeout=0.3) is False
+    assert time.monotonic() - t0 < 2.0
+    release.set()
+    assert exp.flush(timeout=5) is False  # nothing listens: spooled, undelivered, and said so in time
+    exp.shutdown(timeout=1)
+
+
+def test_a_forked_child_leaves_the_parents_spool_alone(collector, tmp_path: Path) -> None:
+    """A bare os.fork() child that exits normally ran the parent's exporter at exit: it sent the
+    parent's spooled lines and removed the spool file under the parent (which then skipped the
+    start of the file it recreated)."""
+    import os
+
+    exp = _exporter(collector.url, tmp_path)
+    collector.stop()
+    exp.emit(_step(0))
+    exp.run_once(deadline=time.monotonic() + 5)  # the collector is down: the batch is spooled
+    spool = tmp_path / "spool" / "r1.rank0.jsonl"
+    before = spool.read_bytes()
+    collector.start()
+    pid = os.fork()
+    if pid == 0:  # the child: what its atexit would run
+        try:
+            exp.shutdown(timeout=5)
+            exp.flush(timeout=1)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert spool.read_bytes() == before and _stored_steps(collector.db_url) == []
+    exp.run_once(deadline=time.monotonic() + 10)  # the parent delivers its own, once
+    assert _stored_steps(collector.db_url) == [0] and not spool.exists()
+    exp.shutdown(timeout=1)
