@@ -36,6 +36,8 @@ def _session(url: str, *, migrate: bool = False) -> Iterator[Any]:
                 f"{db_url.describe(url)} has no trainvitals tables: point --db / {db_url.ENV} at the collector's "
                 f"database, or create them with `trainvitals db upgrade --db URL`"
             )
+        if (problem := db.schema_problem(url)) is not None:
+            raise db_url.DbUrlError(f"{db_url.describe(url)}: {problem}")
     engine = db.make_engine(url)
     try:
         with db.make_sessionmaker(engine)() as session:
@@ -50,7 +52,7 @@ def _serve(args: argparse.Namespace) -> int:
     from sqlalchemy import make_url
 
     from trainvitals.service import logs
-    from trainvitals.service.settings import Settings
+    from trainvitals.service.settings import load as load_settings
 
     flags = {"db": args.db, "host": args.host, "port": args.port, "log_level": args.log_level}
     overrides = {k: v for k, v in flags.items() if v is not None}
@@ -58,7 +60,7 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["auth"] = False
     if args.api_docs:
         overrides["api_docs"] = True
-    settings = Settings(**overrides)
+    settings = load_settings(**overrides)
     if (taken := _port_taken(settings.host, settings.port)) is not None:
         print(f"trainvitals: {taken}", file=sys.stderr)
         return 2
@@ -76,6 +78,7 @@ def _serve(args: argparse.Namespace) -> int:
         auth="on" if settings.auth else "off", workers=args.workers, analysis=analysis, ingest_commit=commit,
         log_level=settings.log_level, summary_every_s=settings.log_summary_seconds,
     )  # fmt: skip
+    _warn_misspelt(log)
     if not settings.auth:
         logs.log_event(
             log, "auth_off", level=logging.WARNING,
@@ -89,6 +92,16 @@ def _serve(args: argparse.Namespace) -> int:
         return _run_uvicorn(args, settings)
     with _analysis_process(settings):
         return _run_uvicorn(args, settings.model_copy(update={"run_analysis": False}))
+
+
+def _warn_misspelt(log: Any) -> None:
+    """A TRAINVITALS_* variable that looks meant as a setting but sets nothing: said, not ignored."""
+    import logging
+
+    from trainvitals.service import logs, settings
+
+    for line in settings.misspelt_variables():
+        logs.log_event(log, "unknown_setting", level=logging.WARNING, msg=f"{line}: ignored, it sets nothing")
 
 
 def _port_taken(host: str, port: int) -> str | None:
@@ -214,17 +227,20 @@ def _analyse(args: argparse.Namespace) -> int:
     from trainvitals.service.analysis.memory_pages import small_pages_for_numpy
     from trainvitals.service.analysis.worker import AnalysisWorker
     from trainvitals.service.gc_policy import serving_gc
-    from trainvitals.service.settings import Settings
+    from trainvitals.service.settings import load
     from trainvitals.service.store import db
     from trainvitals.service.store.lease import AnalysisLease
 
-    settings = Settings(db=args.db)  # the rest from TRAINVITALS_* (serve hands its settings over so)
+    settings = load(db=args.db)  # the rest from TRAINVITALS_* (serve hands its settings over so)
     logs.configure(settings.log_level)
     huge_pages = small_pages_for_numpy()
+    log = logging.getLogger("trainvitals.analyse")
     logs.log_event(
-        logging.getLogger("trainvitals.analyse"), "analyse", db=db_url.describe(settings.db),
+        log, "analyse", db=db_url.describe(settings.db),
         interval_s=settings.analysis_interval_seconds, numpy_huge_pages=huge_pages,
     )  # fmt: skip
+    if ANALYSE_PARENT_ENV not in os.environ:  # serve's child: serve has said it
+        _warn_misspelt(log)
     if settings.migrate_on_start:
         db.upgrade(settings.db)
     engine = db.make_engine(settings.db)
@@ -306,12 +322,25 @@ def _emit(data: Any, fmt: str) -> None:
 
 
 def _warmup_steps() -> int:
-    from trainvitals.service.settings import Settings
+    from trainvitals.service.settings import load
 
-    return Settings().detector_warmup_steps
+    return load().detector_warmup_steps
 
 
 def _query(args: argparse.Namespace) -> int:
+    from trainvitals.service.store import queries
+
+    if getattr(args, "start", None) is not None and getattr(args, "end", None) is not None and args.end < args.start:
+        print(f"trainvitals: --start {args.start} is after --end {args.end}: need start <= end", file=sys.stderr)
+        return 2
+    try:
+        return _answer_query(args)
+    except queries.TooManyRowsError as exc:
+        print(f"trainvitals: {exc} (--start/--end)", file=sys.stderr)
+        return 1
+
+
+def _answer_query(args: argparse.Namespace) -> int:
     from trainvitals.service.store import queries
 
     with _session(args.db) as session:
@@ -401,6 +430,10 @@ def _replay(args: argparse.Namespace) -> int:
         from trainvitals.service.analysis.pipeline import PipelineConfig
 
         config = PipelineConfig(catch_up_steps=args.catch_up_steps)
+    if missing := [f for f in args.files if not os.path.isfile(f)]:
+        print(f"trainvitals: no file {missing[0]!r}: replay takes the agent's spool or record files (.jsonl)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     with _session(args.db, migrate=True) as session:
         report = replay_files(
             session, args.files, analyse=not args.no_analysis, config=config, project=args.project
@@ -423,8 +456,15 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _dashboards(args: argparse.Namespace) -> int:
     # The SDK is the optional `dashboards` extra: imported here, not at the top of the CLI.
-    from trainvitals.dashboards.alert_rules import Config
-    from trainvitals.dashboards.generate import write
+    try:
+        from trainvitals.dashboards.alert_rules import Config
+        from trainvitals.dashboards.generate import write
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not exc.name.startswith("grafana_foundation_sdk"):
+            raise
+        print("trainvitals: dashboards need the grafana-foundation-sdk: pip install 'trainvitals[dashboards]'",
+              file=sys.stderr)  # fmt: skip
+        return 2
 
     urls = {"grafana_url": args.grafana_url, "runbook_base_url": args.runbook_base_url}
     try:
@@ -525,7 +565,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--workers",
-        type=int,
+        type=_positive_int,
         default=1,
         help="collector processes sharing the port (ingest throughput scales with them on PostgreSQL)",
     )
@@ -591,7 +631,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def worst(p: argparse.ArgumentParser) -> None:
         step_range(p)
-        p.add_argument("-k", type=int, default=10, help="how many tensors")
+        p.add_argument("-k", type=_positive_int, default=10, help="how many tensors")
 
     def matrix(p: argparse.ArgumentParser) -> None:
         p.add_argument("--start", type=int, required=True, help="first step")
@@ -701,6 +741,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except Exception as exc:
+        from trainvitals.service.settings import ConfigError
+
+        if isinstance(exc, ConfigError):  # a bad flag or TRAINVITALS_* value: which, and what it must be
+            print(f"trainvitals: {exc}", file=sys.stderr)
+            return 2
         # A database mistake (URL, missing database or file, unreachable server) is one line naming
         # the problem and the fix, exit code 2, as argparse does for a usage error; anything else
         # is a bug and keeps its traceback.

@@ -19,7 +19,7 @@ import os
 import re
 from pathlib import Path
 
-from trainvitals.service.store.db import DEFAULT_SQLITE_URL
+from trainvitals.service.store.db import DEFAULT_SQLITE_URL, SchemaError
 
 ENV = "TRAINVITALS_DB"
 _FIX = "use sqlite:///PATH or postgresql+psycopg://USER@HOST:PORT/DATABASE"
@@ -99,11 +99,12 @@ def check_exists(url: str) -> None:
 
 
 def explain(exc: BaseException, url: str) -> str | None:
-    """One line for an error the database raised when connecting; None when `exc` is not one."""
+    """One line for an error the database raised when connecting, or for its schema; None when `exc`
+    is not one."""
     from sqlalchemy import make_url
     from sqlalchemy.exc import OperationalError
 
-    if isinstance(exc, DbUrlError):
+    if isinstance(exc, DbUrlError | SchemaError):
         return str(exc)
     if not isinstance(exc, OperationalError):
         return None

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import difflib
+import os
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from trainvitals.service.store.db import DEFAULT_SQLITE_URL
@@ -16,7 +18,7 @@ class Settings(BaseSettings):
 
     db: str = Field(DEFAULT_SQLITE_URL, description="SQLAlchemy URL; postgresql+psycopg://... for PostgreSQL")
     host: str = Field("127.0.0.1", description="bind address; loopback unless you mean it")
-    port: int = 8000
+    port: int = Field(8000, ge=1, le=65535)
     migrate_on_start: bool = True
     auth: bool = Field(True, description="require bearer tokens; off only for local demos (--insecure-no-auth)")
     token_cache_seconds: float = Field(30.0, ge=0, description="token lookups are cached this long")
@@ -76,3 +78,64 @@ class Settings(BaseSettings):
             for name, value in self.model_dump().items()
             if value is not None
         }
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message names the variable or flag, the value and the fix."""
+
+
+_FLAGS = {"db": "--db", "host": "--host", "port": "--port", "log_level": "--log-level"}
+# Kubernetes gives every pod <SERVICE>_PORT=tcp://IP:PORT, <SERVICE>_SERVICE_HOST, ... for each
+# Service in its namespace: a Service named `trainvitals` sets TRAINVITALS_PORT that way.
+_KUBERNETES_LINK = ("_SERVICE_HOST", "_SERVICE_PORT", "_PORT_")
+# Read by others, not settings: the agent's (agent/_config.py) and serve's hand-over to its child.
+_NOT_SETTINGS = frozenset({
+    "TRAINVITALS_COLLECTOR", "TRAINVITALS_TOKEN", "TRAINVITALS_PROJECT", "TRAINVITALS_DISABLE",
+    "TRAINVITALS_SPILL_DIR", "TRAINVITALS_ANALYSE_PARENT_PID",
+})  # fmt: skip
+_MEANT = {  # names people guess, and serve's flags without a variable of the same name
+    "TRAINVITALS_DATABASE_URL": "TRAINVITALS_DB",
+    "TRAINVITALS_DATABASE": "TRAINVITALS_DB",
+    "TRAINVITALS_DB_URL": "TRAINVITALS_DB",
+    "TRAINVITALS_INSECURE_NO_AUTH": "TRAINVITALS_AUTH=false",
+    "TRAINVITALS_WORKERS": "serve --workers N",
+    "TRAINVITALS_ANALYSIS_THREAD": "serve --analysis-thread",
+}
+
+
+def load(**overrides: Any) -> Settings:
+    """Settings from flags (`overrides`) over TRAINVITALS_* variables; ConfigError (one line per bad
+    value: where it came from, what it must be) instead of pydantic's multi-line ValidationError."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        raise ConfigError("; ".join(_problem(error, overrides) for error in exc.errors())) from None
+
+
+def _problem(error: Any, overrides: dict[str, Any]) -> str:
+    name = str(error["loc"][0]) if error["loc"] else "?"
+    env = f"TRAINVITALS_{name.upper()}"
+    source = _FLAGS.get(name, name) if name in overrides else env
+    reason = str(error["msg"]).removeprefix("Input ").removeprefix("Value error, ")
+    line = f"{source}={error['input']!r}: {reason[:1].lower()}{reason[1:]}"
+    if source == env and name == "port" and str(error["input"]).startswith("tcp://"):
+        return (f"{line} ({env} looks like Kubernetes' service link for a Service named trainvitals: pass --port, "
+                "or set enableServiceLinks: false in the pod spec)")
+    return line + (f": fix or unset {env}" if source == env else "")
+
+
+def misspelt_variables(environ: dict[str, str] | None = None) -> list[str]:
+    """TRAINVITALS_* variables that set nothing but look meant to (for a warning at start):
+    `TRAINVITALS_MAX_BODY_SIZE (did you mean TRAINVITALS_MAX_BODY_BYTES?)`. Others' variables
+    (the agent's, Kubernetes' service links) are left out, and so is anything not close to a setting."""
+    fields = {name.upper(): f"TRAINVITALS_{name.upper()}" for name in Settings.model_fields}
+    lines = []
+    for var in sorted(environ if environ is not None else os.environ):
+        suffix = var.removeprefix("TRAINVITALS_")
+        if suffix == var or suffix in fields or var in _NOT_SETTINGS or any(k in var for k in _KUBERNETES_LINK):
+            continue
+        if var in _MEANT:
+            lines.append(f"{var} (did you mean {_MEANT[var]}?)")
+        elif close := difflib.get_close_matches(suffix, fields, n=1, cutoff=0.7):
+            lines.append(f"{var} (did you mean {fields[close[0]]}?)")
+    return lines

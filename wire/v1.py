@@ -30,7 +30,7 @@ from trainvitals.wire.conventions import (
     Role,
 )
 
-_Name = Annotated[str, Field(min_length=1, max_length=256)]
+_Name = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\x00]*$")]  # PostgreSQL refuses NUL
 RUN_ID_CHARS = r"A-Za-z0-9._:\-"
 """The characters of a run id, as a regex class body (the agent's suggestion replaces the others)."""
 RUN_ID_MAX_LENGTH = 128

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request, status
 from sqlalchemy.orm import Session
@@ -27,6 +27,30 @@ StepParam = Annotated[int | None, Query(ge=0, le=MAX_STEP, description="a step (
 ProjectParam = Annotated[
     str | None, Query(min_length=1, max_length=256, pattern=_TEXT, description="a project (default: the token's)")
 ]
+
+
+def known_query_only(request: Request) -> None:
+    """422 for a query parameter the route does not take: a misspelt filter (`?active_only=true`,
+    `?before=`) would otherwise be ignored, and the answer would look like the one asked for."""
+    route = request.scope.get("route")  # set by Starlette's router for the matched route
+    if route is None:
+        return
+    taken = _query_names(route.dependant)
+    if unknown := [name for name in request.query_params if name not in taken]:
+        raise HTTPException(
+            422, f"unknown query parameter {unknown[0]!r}: this route takes {', '.join(sorted(taken)) or 'none'}"
+        )
+
+
+def _query_names(dependant: Any) -> frozenset[str]:
+    """The query parameters of a route with its dependencies' (FastAPI's Dependant tree), by alias."""
+    names = {field.alias for field in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return frozenset(names)
+
+
+KnownQueryOnly = Depends(known_query_only)
 
 
 def _session(request: Request) -> Iterator[Session]:

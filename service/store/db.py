@@ -6,6 +6,7 @@ import logging
 import random
 import sqlite3
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from alembic import command
@@ -148,12 +149,66 @@ def alembic_config(url: str) -> Config:
     return cfg
 
 
+class SchemaError(RuntimeError):
+    """The database's schema revision and this trainvitals do not go together; the message names
+    both and the fix (one line)."""
+
+
 def upgrade(url: str, revision: str = "head") -> None:
-    command.upgrade(alembic_config(url), revision)
+    _migrate(command.upgrade, url, revision)
 
 
 def downgrade(url: str, revision: str = "base") -> None:
-    command.downgrade(alembic_config(url), revision)
+    _migrate(command.downgrade, url, revision)
+
+
+def _migrate(step: Callable[[Config, str], None], url: str, revision: str) -> None:
+    from alembic.util import CommandError
+
+    cfg = alembic_config(url)
+    try:
+        step(cfg, revision)
+    except CommandError as exc:
+        # Alembic's "Can't locate revision identified by '...'" is either the database (migrated by
+        # a newer trainvitals) or the revision asked for (a typo).
+        if (newer := _unknown_current(url)) is not None:
+            raise SchemaError(newer) from None
+        known = _revisions()[0]
+        raise SchemaError(f"{exc}: revisions are head, base, +N/-N or {known[0]}..{known[-1]}") from None
+
+
+def _revisions() -> tuple[list[str], str]:
+    """This code's migration revisions, oldest first, and its head."""
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory.from_config(alembic_config("sqlite://"))
+    head = script.get_current_head()
+    assert head is not None  # migrations/versions holds the schema's migrations
+    return [r.revision for r in reversed(list(script.walk_revisions()))], head
+
+
+def _unknown_current(url: str) -> str | None:
+    """The line for a database at a revision this code has no migration for, else None."""
+    current = current_revision(url)
+    known, head = _revisions()
+    if current is None or current in known:
+        return None
+    return (f"the database is at schema revision {current!r}, which this trainvitals (schema {head}) "
+            "does not know: a newer trainvitals migrated it; use that version, or another database")
+
+
+def schema_problem(url: str) -> str | None:
+    """Why a reading command cannot use this database's schema (None: it is at this code's head)."""
+    current = current_revision(url)
+    if current is None:
+        return None  # the caller says "no trainvitals tables", with its own fix
+    if (newer := _unknown_current(url)) is not None:
+        return newer
+    head = _revisions()[1]
+    if current != head:
+        return (f"the database is at schema revision {current}, this trainvitals reads {head}: "
+                "migrate it with `trainvitals db upgrade --db URL` (serve does so when it starts)")
+    return None
 
 
 def current_revision(url: str) -> str | None:

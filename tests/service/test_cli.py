@@ -352,3 +352,132 @@ def test_serve_on_a_port_in_use_is_one_line_before_anything_starts(
     assert not (tmp_path / "tv.db").exists()  # nothing migrated, no analysis child started
     assert main(["serve", "--db", f"sqlite:///{tmp_path}/tv.db", "--host", "no-such-host.invalid"]) == 2
     assert "cannot listen on 'no-such-host.invalid' (" in _one_line_error(capsys)
+
+
+# --------------------------------------------------------------------------- settings, schema, files
+
+
+def test_a_bad_setting_is_one_line_naming_the_variable(
+    replayed: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """pydantic's ValidationError came out as a traceback from serve, analyse and `query runs`."""
+    monkeypatch.setenv("TRAINVITALS_LOG_LEVEL", "INFO")
+    assert main(["query", "runs", "--db", replayed]) == 2
+    assert _one_line_error(capsys).startswith(
+        "trainvitals: TRAINVITALS_LOG_LEVEL='INFO': should be 'debug', 'info', 'warning' or 'error': "
+        "fix or unset TRAINVITALS_LOG_LEVEL"
+    )
+    monkeypatch.delenv("TRAINVITALS_LOG_LEVEL")
+    # Kubernetes sets TRAINVITALS_PORT=tcp://IP:PORT for a Service named trainvitals.
+    monkeypatch.setenv("TRAINVITALS_PORT", "tcp://10.96.0.12:8000")
+    assert main(["serve", "--db", replayed]) == 2
+    line = _one_line_error(capsys)
+    assert line.startswith("trainvitals: TRAINVITALS_PORT='tcp://10.96.0.12:8000': should be a valid integer")
+    assert "Kubernetes' service link for a Service named trainvitals: pass --port" in line
+    from trainvitals.service.settings import load
+
+    assert load(port=8123).port == 8123  # the flag wins over the variable, as the line says
+    monkeypatch.delenv("TRAINVITALS_PORT")
+    assert main(["serve", "--db", replayed, "--port", "70000"]) == 2
+    assert _one_line_error(capsys) == "trainvitals: --port=70000: should be less than or equal to 65535\n"
+
+
+def test_serve_refuses_no_workers_and_query_no_tensors(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--workers 0` ran one process in silence; `-k -1` listed every tensor on SQLite and was a
+    traceback on PostgreSQL."""
+    for argv in (["serve", "--workers", "0"], ["query", "worst-tensors", "--run", RUN, "-k", "-1"]):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2
+        assert "must be 1 or more" in capsys.readouterr().err
+
+
+def test_a_misspelt_setting_is_named_with_the_one_meant() -> None:
+    from trainvitals.service.settings import misspelt_variables
+
+    environ = {
+        "TRAINVITALS_MAX_BODY_SIZE": "1",  # misspelt
+        "TRAINVITALS_INSECURE_NO_AUTH": "1",  # a flag's name
+        "TRAINVITALS_DATABASE_URL": "sqlite:///x.db",  # a guess
+        "TRAINVITALS_DB": "sqlite:///x.db",  # a setting
+        "TRAINVITALS_TOKEN": "t", "TRAINVITALS_PROJECT": "p",  # the agent's
+        "TRAINVITALS_SERVICE_HOST": "10.0.0.1", "TRAINVITALS_PORT_8000_TCP": "tcp://10.0.0.1:8000",  # Kubernetes'
+        "TRAINVITALS_SOMETHING_ELSE": "x",  # nothing like a setting: someone else's
+    }  # fmt: skip
+    assert misspelt_variables(environ) == [
+        "TRAINVITALS_DATABASE_URL (did you mean TRAINVITALS_DB?)",
+        "TRAINVITALS_INSECURE_NO_AUTH (did you mean TRAINVITALS_AUTH=false?)",
+        "TRAINVITALS_MAX_BODY_SIZE (did you mean TRAINVITALS_MAX_BODY_BYTES?)",
+    ]
+
+
+def test_the_agent_variables_left_out_are_the_agents() -> None:
+    """settings._NOT_SETTINGS names the agent's variables by hand (the collector does not import the
+    agent, which imports torch): a variable the agent adds must not be warned about."""
+    import re
+
+    from trainvitals.service import settings
+
+    agent_config = (Path(__file__).parents[2] / "agent" / "_config.py").read_text()
+    assert set(re.findall(r"TRAINVITALS_[A-Z_]+", agent_config)) <= settings._NOT_SETTINGS
+
+
+def test_replay_of_a_missing_file_creates_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", str(tmp_path / "spool" / "*.jsonl"), "--db", f"sqlite:///{tmp_path}/tv.db"]) == 2
+    assert _one_line_error(capsys).startswith(f"trainvitals: no file '{tmp_path}/spool/*.jsonl': replay takes")
+    assert not (tmp_path / "tv.db").exists()
+
+
+def test_a_database_on_another_schema_revision_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An older database failed on the first missing column (a wrong fix on SQLite, a traceback on
+    PostgreSQL); one migrated by a newer trainvitals, and a misspelt --revision, were tracebacks."""
+    url = f"sqlite:///{tmp_path}/tv.db"
+    db.upgrade(url, "0016")
+    assert main(["query", "runs", "--db", url]) == 2
+    assert _one_line_error(capsys) == (
+        f"trainvitals: sqlite:///{tmp_path}/tv.db: the database is at schema revision 0016, this trainvitals reads "
+        "0017: migrate it with `trainvitals db upgrade --db URL` (serve does so when it starts)\n"
+    )
+    assert main(["db", "upgrade", "--db", url, "--revision", "nope"]) == 2
+    assert "Can't locate revision identified by 'nope': revisions are head, base, +N/-N or 0001..0017" in (
+        _one_line_error(capsys)
+    )
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "tv.db") as conn:
+        conn.execute("UPDATE alembic_version SET version_num = '0042'")
+    newer = "the database is at schema revision '0042', which this trainvitals (schema 0017) does not know"
+    for argv in (["query", "runs", "--db", url], ["db", "upgrade", "--db", url]):
+        assert main(argv) == 2
+        assert newer in _one_line_error(capsys), argv
+
+
+def test_dashboards_without_the_extra_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    for name in [m for m in sys.modules if m.startswith(("trainvitals.dashboards", "grafana_foundation_sdk"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "grafana_foundation_sdk", None)  # as if not installed
+    assert main(["dashboards", "write", str(tmp_path)]) == 2
+    assert _one_line_error(capsys) == (
+        "trainvitals: dashboards need the grafana-foundation-sdk: pip install 'trainvitals[dashboards]'\n"
+    )
+
+
+def test_a_reversed_or_too_large_range_is_said(
+    replayed: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["query", "steps", "--db", replayed, "--run", RUN, "--start", "500", "--end", "100"]) == 2
+    assert _one_line_error(capsys) == "trainvitals: --start 500 is after --end 100: need start <= end\n"
+    from trainvitals.service.store import queries
+
+    monkeypatch.setattr(queries.step_history, "__kwdefaults__", {"limit": 100})
+    assert main(["query", "steps", "--db", replayed, "--run", RUN, "--start", "0", "--end", "100"]) == 1
+    assert _one_line_error(capsys) == (
+        "trainvitals: steps 0..100 hold more than 100 steps, the most one answer holds: ask for a shorter step "
+        "range (--start/--end)\n"
+    )
+    assert main(["query", "steps", "--db", replayed, "--run", RUN, "--start", "0", "--end", "99"]) == 0
+    assert len(json.loads(capsys.readouterr().out)) == 100

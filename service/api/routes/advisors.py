@@ -21,7 +21,7 @@ from trainvitals.service import advisors
 from trainvitals.service.advisors.cadence import MAX_SECONDS as _MAX_SECONDS
 from trainvitals.service.advisors.recommend import recommend_from_config
 from trainvitals.service.analysis import expectations
-from trainvitals.service.api.deps import PrincipalDep, ReadableRun, SessionDep, require
+from trainvitals.service.api.deps import KnownQueryOnly, PrincipalDep, ReadableRun, SessionDep, require
 from trainvitals.service.api.schemas import (
     CadenceAdvicePublic,
     CadenceRequest,
@@ -70,7 +70,7 @@ def _reader(principal: PrincipalDep) -> None:
         require(principal, "read", principal.project)
 
 
-router = APIRouter(prefix="/v1", tags=["advisors"])
+router = APIRouter(prefix="/v1", tags=["advisors"], dependencies=[KnownQueryOnly])
 capped = APIRouter(route_class=_CappedBody, dependencies=[Depends(_reader)])  # included below, under /v1
 
 

@@ -11,6 +11,7 @@ import msgspec
 from fastapi import APIRouter, HTTPException, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
+from sqlalchemy.exc import DataError
 from starlette.concurrency import run_in_threadpool
 
 from trainvitals.service.api.deps import PrincipalDep, SessionDep, authenticate, require
@@ -201,6 +202,10 @@ def register_run(
         created = batches.register_run(session, registration, unique_ids=principal.project is None)
     except batches.RunConflictError as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
+    except DataError as exc:  # a value PostgreSQL refuses (a NUL character in a tag): nothing stored
+        reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else "refused"
+        detail = f"the database refused a value of the registration: {reason}; nothing stored"
+        raise HTTPException(422, detail) from None
     except ValueError:  # auth off, and another project has this id: say it is taken, not whose it is
         raise HTTPException(
             status.HTTP_409_CONFLICT,

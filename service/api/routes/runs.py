@@ -16,6 +16,7 @@ from trainvitals.service.api.deps import (
     RUN_ID_MAX_LENGTH,
     RUN_ID_PATTERN,
     DeletableRun,
+    KnownQueryOnly,
     ReadableProject,
     ReadableRun,
     SessionDep,
@@ -36,7 +37,7 @@ from trainvitals.service.api.schemas import (
 from trainvitals.service.csv_output import to_csv
 from trainvitals.service.store import queries, run_keys
 
-router = APIRouter(prefix="/v1/runs", tags=["post-mortem"])
+router = APIRouter(prefix="/v1/runs", tags=["post-mortem"], dependencies=[KnownQueryOnly])
 
 Format = Literal["json", "csv"]
 Reply = TypeVar("Reply", bound=BaseModel | list[Any])
@@ -46,6 +47,11 @@ Row = TypeVar("Row", bound=BaseModel)
 _CSV: dict[int | str, dict[str, Any]] = {
     200: {"content": {"text/csv": {"schema": {"type": "string"}}}, "description": "JSON, or CSV with ?format=csv"}
 }
+
+
+def _check_range(start: int | None, end: int | None) -> None:
+    if start is not None and end is not None and end < start:
+        raise HTTPException(422, f"start={start} is after end={end}: need start <= end")
 
 
 def _rows(model: type[Row], rows: Iterable[Any]) -> list[Row]:
@@ -107,6 +113,7 @@ def worst_tensors(
     k: int = Query(10, ge=1, le=1000),
     format: Format = "json",
 ) -> list[WorstTensorPublic] | Response:
+    _check_range(start, end)
     rows = queries.worst_tensors(session, run_id=run.run_id, start=start, end=end, k=k)
     return _reply(_rows(WorstTensorPublic, rows), format)
 
@@ -126,7 +133,17 @@ def tensor_timeline(
     end: StepParam = None,
     format: Format = "json",
 ) -> list[TensorStepPublic] | Response:
-    rows = queries.tensor_timeline(session, run_id=run.run_id, tensor=tensor, role=role, start=start, end=end)
+    _check_range(start, end)
+    try:
+        rows = queries.tensor_timeline(session, run_id=run.run_id, tensor=tensor, role=role, start=start, end=end)
+    except queries.TooManyRowsError as exc:
+        raise HTTPException(422, str(exc)) from None
+    if not rows and not queries.has_tensor(session, run_id=run.run_id, tensor=tensor):
+        raise HTTPException(
+            status.HTTP_404_NOT_FOUND,
+            f"run {run_keys.run_id_of(run.run_id)!r} has no tensor {tensor!r} (names are module names, e.g. "
+            "layers.3.fc; /tensors/worst lists some)",
+        )
     return _reply(_rows(TensorStepPublic, rows), format)
 
 
@@ -143,9 +160,13 @@ def step_times(
     end: int = Query(ge=0, le=MAX_STEP),
     format: Format = "json",
 ) -> StepTimeMatrixPublic | Response:
-    if end < start or end - start > 100_000:
-        raise HTTPException(422, "need start <= end and at most 100000 steps")
-    matrix = queries.step_time_matrix(session, run_id=run.run_id, start=start, end=end)
+    _check_range(start, end)
+    if end - start > 100_000:
+        raise HTTPException(422, f"{end - start + 1} steps asked for: at most 100001 at a time")
+    try:
+        matrix = queries.step_time_matrix(session, run_id=run.run_id, start=start, end=end)
+    except queries.TooManyRowsError as exc:
+        raise HTTPException(422, str(exc)) from None
     return _reply(StepTimeMatrixPublic.model_validate(matrix), format)
 
 

@@ -296,3 +296,58 @@ def test_a_restarted_ranks_deletion_lands_on_the_save_of_the_incarnation_it_name
     ]  # fmt: skip
     target = client.get("/v1/runs/r1/rollback", params={"before_step": 25}).json()["target"]
     assert (target["generation"], target["incarnation"]) == (20, 2)
+
+
+def test_a_misspelt_query_parameter_is_a_422_naming_what_the_route_takes(client: TestClient) -> None:
+    """`?active_only=true` (the query function's name) returned every finding, `?before=` fell back
+    to the default rollback and `?limit=` the default k, all with a 200: an answer to another question."""
+    client.post("/v1/runs", json={"run": "r1"})
+    for path, wrong, taken in (
+        ("/v1/runs/r1/findings", "active_only", "active, format, project"),
+        ("/v1/runs/r1/rollback", "before", "before_step, format, project"),
+        ("/v1/runs/r1/tensors/worst", "limit", "end, format, k, project, start"),
+        ("/v1/runs", "run", "format, project"),
+        ("/v1/runs/r1/advice/checkpoints", "mtbf", "detect_s, mtbf_s, project, restart_s, sdc_latency_s"),
+    ):
+        resp = client.get(path, params={wrong: "1"})
+        assert resp.status_code == 422, path
+        assert resp.json()["detail"] == f"unknown query parameter {wrong!r}: this route takes {taken}", path
+    assert client.get("/v1/runs/r1/findings", params={"active": "true", "format": "json"}).status_code == 200
+
+
+def test_a_reversed_range_and_an_unknown_tensor_are_said(client: TestClient) -> None:
+    """A reversed step range was an empty 200 on the tensor routes (a 422 on step-times), and a
+    misspelt tensor an empty timeline, where the CLI says both."""
+    client.post("/v1/runs", json={"run": "r1"})
+    for path in ("/v1/runs/r1/tensors/worst", "/v1/runs/r1/tensors/fc1/timeline", "/v1/runs/r1/ranks/step-times"):
+        resp = client.get(path, params={"start": 500, "end": 100})
+        assert (resp.status_code, resp.json()) == (422, {"detail": "start=500 is after end=100: need start <= end"})
+    resp = client.get("/v1/runs/r1/tensors/model.layers.3.fc/timeline")
+    assert resp.status_code == 404 and "run 'r1' has no tensor 'model.layers.3.fc'" in resp.json()["detail"]
+
+
+def test_an_answer_too_large_to_hold_is_refused_not_cut_short(client: TestClient, monkeypatch) -> None:
+    """The step-time matrix was cut at its cell limit: the last step's missing ranks read as None,
+    which the API uses for a rank that sent nothing (a straggler signal)."""
+    from trainvitals.service.store import queries
+
+    client.post("/v1/runs", json={"run": "r1", "parallelism": {"world_size": 2}})
+    for rank in (0, 1):
+        assert client.post("/v1/batches", json=_batch(rank=rank, steps=range(3))).status_code == 200
+    monkeypatch.setattr(queries.step_time_matrix, "__kwdefaults__", {"max_cells": 5})  # 6 cells stored
+    resp = client.get("/v1/runs/r1/ranks/step-times", params={"start": 0, "end": 2})
+    assert resp.status_code == 422
+    assert resp.json()["detail"].startswith("steps 0..2 hold more than 5 rank step times, the most one answer holds")
+    monkeypatch.setattr(queries.step_time_matrix, "__kwdefaults__", {"max_cells": 6})
+    matrix = client.get("/v1/runs/r1/ranks/step-times", params={"start": 0, "end": 2}).json()
+    assert matrix["seconds"] == [[0.25, 0.25]] * 3
+
+
+def test_a_registration_the_database_refuses_is_a_422(client: TestClient) -> None:
+    """A NUL character, which PostgreSQL cannot store, in the project was a 500 with auth off."""
+    resp = client.post("/v1/runs", json={"run": "r1", "project": "a\u0000b"})
+    assert resp.status_code == 422 and "project" in json.dumps(resp.json()["detail"])
+    resp = client.post("/v1/runs", json={"run": "r2", "tags": {"note": "a\u0000b"}})
+    assert resp.status_code in (201, 422)  # SQLite stores it; PostgreSQL's JSON refuses it: never a 500
+    if resp.status_code == 422:
+        assert "nothing stored" in resp.json()["detail"]
