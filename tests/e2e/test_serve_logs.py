@@ -41,7 +41,8 @@ def test_serve_logs_its_setup_and_traffic_and_never_a_token(
         capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
     log = tmp_path / "serve.log"
-    env = {"TRAINVITALS_LOG_SUMMARY_SECONDS": "1", "TRAINVITALS_LOG_LEVEL": "debug"}  # debug: every request
+    env = {"TRAINVITALS_LOG_SUMMARY_SECONDS": "1", "TRAINVITALS_LOG_LEVEL": "debug",  # debug: every request
+           "TRAINVITALS_MAX_BODY_SIZE": "1"}  # misspelt: said, not ignored in silence  # fmt: skip
     proc = serve.start(db_url, unused_port, log, auth=True, env=env)
     base = f"http://127.0.0.1:{unused_port}"
     try:
@@ -71,6 +72,11 @@ def test_serve_logs_its_setup_and_traffic_and_never_a_token(
     assert " auth=on " in startup and " analysis=process " in startup
     assert " ingest_commit=async " in startup  # PostgreSQL: acknowledged before the WAL flush (the default)
     assert any(" event=analyse " in line for line in lines)  # the child process says where it analyses
+    misspelt = [line for line in lines if " event=unknown_setting " in line]
+    assert len(misspelt) == 1 and " level=warning logger=trainvitals.serve " in misspelt[0], text  # not the child too
+    assert misspelt[0].endswith(
+        ' msg="TRAINVITALS_MAX_BODY_SIZE (did you mean TRAINVITALS_MAX_BODY_BYTES?): ignored, it sets nothing"'
+    )
     summary = next(line for line in lines if " event=ingest_summary " in line)
     assert re.search(r" window_s=\d+ batches=\d+ records=\d+ duplicates=0 refused=\d+ .*queue_records=0 ", summary)
     assert any(" event=http " in line and " status=200" in line for line in lines)  # at debug level
