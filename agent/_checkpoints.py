@@ -76,12 +76,12 @@ class _ChecksumThread:
         self._idle = threading.Condition()
         self._busy = 0  # queued plus running
         self._thread: threading.Thread | None = None
-        self.closed = False
+        self._closed = False  # drain() ran: nothing more is queued
 
     def submit(self, work: Callable[[], None]) -> bool:
         """Queue `work`; False when closed (nothing queued)."""
         with self._idle:
-            if self.closed:
+            if self._closed:
                 return False
             self._jobs.append(work)
             self._busy += 1
@@ -99,7 +99,7 @@ class _ChecksumThread:
         while True:
             with self._idle:
                 while not self._jobs:
-                    if self.closed:
+                    if self._closed:
                         return
                     self._idle.wait()
                 work = self._jobs.popleft()
@@ -117,7 +117,7 @@ class _ChecksumThread:
         with self._idle:
             while self._busy and (left := deadline - time.monotonic()) > 0:
                 self._idle.wait(left)
-            self.closed = True
+            self._closed = True
             self._idle.notify_all()
 
 
