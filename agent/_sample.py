@@ -2,7 +2,8 @@
 
 The training thread puts the step's device scalars (loss, the job's grad norm) and the monitors'
 device vectors (gradient sums of squares, FP8 statistics) into one `DeviceStack`; `sample()`
-concatenates them into one small tensor and starts one non-blocking device-to-host copy. The
+concatenates them into one small tensor and starts one non-blocking device-to-host copy (CUDA;
+on another accelerator it marks the step's work with an event, and the exporter thread copies). The
 exporter thread waits for that copy (never the training thread) and expands the vector into wire
 records through each section's decoder. This keeps the hot path free of syncs and of Python
 objects per tensor or parameter group: a few objects per step, whatever the model.
@@ -46,7 +47,7 @@ class StepSample:
     ) -> None:
         self.step_fields = step_fields  # step_record() arguments known on the host
         self.values = values
-        self.event = event  # a CUDA event recorded after the copy, or None
+        self.event = event  # recorded after the copy (CUDA) or the step's work (another accelerator), or None
         self.scalars = scalars  # step_record() arguments at values[0], values[1], ...
         self.sections = sections  # (start, end, decoder) of the monitors' vectors
 
@@ -56,7 +57,8 @@ class StepSample:
             return [step_record(**_counts_as_int(fields))]
         if self.event is not None:
             self.event.synchronize()  # waits in the exporter thread, not in training
-        vals = self.values.tolist()
+        values = self.values if self.values.device.type == "cpu" else self.values.to("cpu")
+        vals = values.tolist()
         for i, name in enumerate(self.scalars):
             fields[name] = vals[i]
         out = [step_record(**_counts_as_int(fields))]
@@ -145,11 +147,35 @@ class DeviceStack:
         if stacked.dtype != torch.float32:  # e.g. a bf16 or float64 loss: the wire's values are float32
             stacked = stacked.float()
         event = None
-        if stacked.device.type == "cuda":
+        kind = stacked.device.type
+        if kind == "cuda":
             values = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
             values.copy_(stacked, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
+        elif kind == "cpu":
+            values = stacked
         else:
-            values = stacked if stacked.device.type == "cpu" else stacked.to("cpu")
+            # Another accelerator (XPU, HPU, MPS, ...): a copy to the host here would wait for the
+            # device on the training thread. The values stay on the device (a fresh tensor: cat,
+            # or a monitor's vector made this step); the exporter thread waits for the point marked
+            # on the job's current stream, then copies.
+            values, event = stacked, _marked(stacked.device)
         return StepSample(step_fields, values, event, self._names, sections)
+
+
+_NO_EVENTS: set[str] = set()  # device types whose backend refused an event: not tried again
+
+
+def _marked(device: torch.device) -> Any:
+    """An event recorded on the device's current stream, or None where the backend has no events
+    (then the exporter's copy waits for the device's default stream alone)."""
+    if device.type in _NO_EVENTS:
+        return None
+    try:
+        event = torch.Event(device=device)
+        event.record(torch.accelerator.current_stream(device))
+    except Exception:  # noqa: BLE001 - any backend's refusal: the exporter's copy still waits
+        _NO_EVENTS.add(device.type)
+        return None
+    return event
