@@ -17,9 +17,11 @@ OPEN_PAGES = 'count by (run) (max by (run, kind, subject_kind, subject) (trainvi
 OPEN_TICKETS = (
     'count by (run) (max by (run, kind, subject_kind, subject) (trainvitals_finding_active{severity="ticket"}))'
 )
+# TrainvitalsRunStalled's condition: 10x the step time, at least 120 s (120 s alone before a step time).
 STALLED = (
     "max by (run) (trainvitals_run_seconds_since_last_step)"
-    ' > on (run) clamp_min(10 * max by (run) (trainvitals_run_rank_step_seconds{stat="max"}), 120)'
+    ' > on (run) (clamp_min(10 * max by (run) (trainvitals_run_rank_step_seconds{stat="max"}), 120)'
+    " or on (run) (0 * max by (run) (trainvitals_run_seconds_since_last_step) + 120))"
 )
 
 

@@ -165,10 +165,12 @@ def _health(board: dash_b.Dashboard) -> dash_b.Dashboard:
             "Stalled?",
             unit=p.COUNT,
             description="Is the run stalled: no step for more than 10x the slowest rank's step time (at least "
-            "120 s). TrainvitalsRunStalled fires when this holds for 2 minutes on a running run.",
+            "120 s; 120 s before its first reduced step). TrainvitalsRunStalled fires when this holds for 2 minutes "
+            "on a running run.",
             targets=[
                 p.prom(
-                    f"{_m('trainvitals_run_seconds_since_last_step')} > bool clamp_min(10 * {STEP_MAX}, 120)",
+                    f"{_m('trainvitals_run_seconds_since_last_step')}"
+                    f" > bool (clamp_min(10 * {STEP_MAX}, 120) or vector(120))",
                     instant=True,
                 )
             ],
