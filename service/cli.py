@@ -670,7 +670,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--before-step",
             type=int,
             help="newest usable generation before this step "
-            "(default: before the onset of the first page or ticket finding)",
+            "(default: before the onset of the first open page or ticket finding on the loss, gradients or FP8)",
         ),  # fmt: skip
     )
 

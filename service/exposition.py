@@ -27,10 +27,13 @@ from trainvitals.service.store.models import AnalysisStatus, Run
 # PostgreSQL here), so the run caps also bound the scrape time under Prometheus's 10 s timeout.
 EXPORTED_RUNS_PER_PROJECT = 50
 """Live runs exported per project: the most severe open finding first, then running before
-finished, then the most recently seen."""
+finished, then stalled before stepping, then the most recently seen."""
 EXPORTED_RUNS = 100
 """Live runs exported per scrape over all projects (a scrape without a project's token), in the
 same order: without auth, agents name projects freely."""
+STALL_FLOOR_SECONDS = 120.0
+"""TrainvitalsRunStalled's floor: a running run with no step for this long sorts before the
+others of its severity (`_exported_runs`)."""
 FP8_LAYERS_PER_RUN = 64
 """Layers in trainvitals_fp8_layer_min_headroom_log2: those with the least headroom, the rest as
 layer="other"."""
@@ -87,7 +90,7 @@ class TrainvitalsCollector(Collector):
             if project is not None:
                 runs = [r for r in runs if r.project == project]
             severity = snapshot.worst_open_severity(session, run_ids=[r.run_id for r in runs])
-            runs, omitted = _exported_runs(runs, severity)
+            runs, omitted = _exported_runs(runs, severity, now)
             if project is not None:
                 omitted.setdefault(project, 0)  # the token's project, even with no live run
             snaps = []
@@ -137,10 +140,13 @@ class TrainvitalsCollector(Collector):
         return value
 
 
-def _exported_runs(runs: list[Run], severity: dict[str, int]) -> tuple[list[Run], dict[str, int]]:
+def _exported_runs(runs: list[Run], severity: dict[str, int], now: float) -> tuple[list[Run], dict[str, int]]:
     """The live runs /metrics shows, and per project how many it leaves out.
 
-    Order: the most severe open finding, running before finished, the most recently seen, run id.
+    Order: the most severe open finding, running before finished, a running run with no step for
+    STALL_FLOOR_SECONDS before the others (a stalled run stops being seen: by recency alone it
+    would be the first left out, and TrainvitalsRunStalled, which reads its series, could not
+    fire), the most recently seen, run id.
     At most EXPORTED_RUNS_PER_PROJECT of a project's, EXPORTED_RUNS in all. The omitted counts are
     keyed by project for the projects with an exported run, and by "" for the runs of projects
     with none (so that series is bounded too: one per exported project, plus one).
@@ -150,6 +156,7 @@ def _exported_runs(runs: list[Run], severity: dict[str, int]) -> tuple[list[Run]
         key=lambda r: (
             severity.get(r.run_id, snapshot.NO_OPEN_FINDING),
             r.status != "running",
+            not (r.status == "running" and r.last_step_at is not None and now - r.last_step_at > STALL_FLOOR_SECONDS),
             -r.last_seen_at,
             r.run_id,
         ),

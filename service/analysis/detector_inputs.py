@@ -38,7 +38,7 @@ from trainvitals.service.detectors.series import (
     RunSteps,
     TensorSeries,
 )
-from trainvitals.service.store import detector_blocks, detector_reads, run_keys
+from trainvitals.service.store import detector_blocks, detector_reads, queries, run_keys
 from trainvitals.service.store.detector_reads import I64, STEP_DTYPES, TENSOR_DTYPES
 from trainvitals.service.store.models import Run
 
@@ -574,18 +574,7 @@ class DetectorInputs:
                 )  # fmt: skip
             )
         rid = run.run_id
-        checkpoints = [
-            CheckpointEvent(
-                generation=c.generation,
-                step=c.step,
-                status=c.status,
-                ts=c.ts,
-                stall_seconds=c.stall_seconds,
-                persist_seconds=c.persist_seconds,
-                incarnation=c.incarnation,
-            )
-            for c in detector_reads.checkpoints(session, run_id=rid)
-        ]
+        checkpoints = generation_events(queries.checkpoint_generations(session, run_id=rid))
         events = [
             RunEvent(event=e.event, ts=e.ts, step=e.step, detail=e.detail, rank=e.rank)
             for e in detector_reads.events(session, run_id=rid)
@@ -622,3 +611,25 @@ def _run_steps(c: list[np.ndarray], *, with_mfu: bool) -> RunSteps:
         mfu=c[9] if with_mfu else None,
         skipped=c[10] > 0,
     )
+
+
+def generation_events(generations: Sequence[dict[str, Any]]) -> list[CheckpointEvent]:
+    """The checkpoint detectors' events, one per generation (`queries.checkpoint_generations`:
+    failed if any rank failed, persisted only once every rank that started it did), by time. Not
+    each rank's records: the detectors judged those one at a time, so one rank's 'persisted' made a
+    generation another rank failed a rollback target, and hid its failure. A deleted generation is
+    its save followed by the deletion, as a single rank's records say it."""
+    out = []
+    for g in generations:
+        common = {
+            "generation": g["generation"],
+            "step": g["step"],
+            "ts": g["ts"],
+            "stall_seconds": g["stall_seconds"],
+            "persist_seconds": g["persist_seconds"],
+            "incarnation": g["incarnation"],
+        }
+        if g["status"] == "deleted":
+            out.append(CheckpointEvent(status="persisted", **common))
+        out.append(CheckpointEvent(status=g["status"], **common))
+    return sorted(out, key=lambda e: e.ts)

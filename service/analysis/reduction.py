@@ -127,6 +127,8 @@ def summarize_steps(rows: Sequence[StepIn], *, peak_flops_total: float | None,
     ts = _group_reduce(_col(kept, "ts"), starts, counts, "max")
     # The job's own (pre-clip) total: every rank reports the same one, take any.
     job_norm = _group_reduce(_col(kept, "grad_norm"), starts, counts, "max")
+    # ... and a NaN it reported, which _col reads as an absent one: a non-finite gradient all the same.
+    job_nan = np.add.reduceat(np.array([r.grad_norm is not None and r.grad_norm != r.grad_norm for r in kept]), starts)
     has_stages = any(r.pp_stage is not None for r in kept)
 
     def opt(x: float) -> float | None:
@@ -136,7 +138,7 @@ def summarize_steps(rows: Sequence[StepIn], *, peak_flops_total: float | None,
     for i, step in enumerate(uniq.tolist()):
         agent_norm, nonfinite = agent_grad_norms.get(step, (None, 0))
         norm = opt(job_norm[i]) if not np.isnan(job_norm[i]) else agent_norm
-        if norm is not None and not np.isfinite(norm):
+        if (norm is not None and not np.isfinite(norm)) or job_nan[i]:
             nonfinite = max(nonfinite, 1)  # a NaN/inf total is a non-finite gradient even if unattributed
         mfu = None
         if not np.isnan(flops[i]) and peak_flops_total and q[4, i] > 0:

@@ -104,6 +104,9 @@ def replay_files(
             run = queries.get_run(session, run_id=run_id)
             if run is not None:
                 # A recording is judged as of its own end, not today: an old run is not "stalled".
-                now = queries.last_step_time(session, run_id=run_id) or time.time()
+                # Its end plus the settle time: a step a rank never sent (the ranks that died with
+                # the job) has waited its whole settle time, so the tail is reduced and analysed.
+                end = queries.last_step_time(session, run_id=run_id)
+                now = end + pipeline.settle_seconds_for(run, config) if end is not None else time.time()
                 report.steps_reduced += pipeline.process_run(session, run, now=now, config=config)
     return report

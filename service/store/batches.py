@@ -454,6 +454,9 @@ _LATE_DATA = (
 _RUNS = table_of(Run)
 _SEEN = update(_RUNS).where(_RUNS.c.run_id == bindparam("key")).values(last_seen_at=bindparam("now"))
 _FINISHED = _SEEN.values(status="finished")
+# ... and it brought step records: the stall age (runs.last_step_at) starts again.
+_STEPPED = _SEEN.values(last_step_at=bindparam("now"))
+_STEPPED_AND_FINISHED = _FINISHED.values(last_step_at=bindparam("now"))
 
 
 # SQLite has one writer at a time. Threads of this process colliding on its lock would wait in
@@ -480,10 +483,12 @@ class _RunRow(NamedTuple):
     project: str
     last_seen_at: float
     status: str
+    last_step_at: float | None
 
 
 _RUNS_AND_FENCES = (
-    f"SELECT r.run_id, r.project, r.last_seen_at, r.status, f.incarnation, f.reason FROM {Run.__tablename__} r "
+    f"SELECT r.run_id, r.project, r.last_seen_at, r.status, r.last_step_at, f.incarnation, f.reason "
+    f"FROM {Run.__tablename__} r "
     f"LEFT JOIN {RefusedIncarnation.__tablename__} f ON f.run_id = r.run_id AND f.incarnation {{incarnations}} "
     "WHERE r.run_id {runs}"
 )
@@ -520,8 +525,9 @@ def _runs_and_fences(
         cur.close()
     runs: dict[str, _RunRow] = {}
     fenced: dict[tuple[str, int], str] = {}
-    for run_id, project, last_seen_at, status, incarnation, reason in rows:
-        runs[run_id] = _RunRow(run_id, project, float(last_seen_at), status)
+    for run_id, project, last_seen_at, status, last_step_at, incarnation, reason in rows:
+        stepped = None if last_step_at is None else float(last_step_at)
+        runs[run_id] = _RunRow(run_id, project, float(last_seen_at), status, stepped)
         if incarnation is not None:
             fenced[(run_id, incarnation)] = reason
     return runs, fenced
@@ -632,7 +638,7 @@ def store_batches(
         new_keys = _claim_keys(session, [items[i][0] for i in candidates.values()], now) if candidates else set()
         stored = [i for key, i in candidates.items() if key in new_keys]
         _write_records(session, [built[i] for i in stored])
-        tail = _touch_runs(runs, [items[i][0] for i in stored], [built[i][2] for i in stored], now)
+        tail = _touch_runs(runs, [items[i][0] for i in stored], [built[i] for i in stored], now)
         for key, i in candidates.items():
             new = key in new_keys
             outcomes[i] = BatchAck(accepted=len(items[i][0].records) if new else 0, duplicate=not new)
@@ -665,6 +671,23 @@ _COUNT_UPSERT = text(
     + ", ".join(f"{c} = {IngestCount.__tablename__}.{c} + excluded.{c}" for c in _COUNTED)
 )
 _KIND_INDEX = {kind: 2 + i for i, kind in enumerate(RECORD_TABLES)}  # position in a _COUNTED vector
+
+
+def retire_counts(session: Session, *, run_id: str) -> None:
+    """Move a run's ingest counters to the '' run (batches of no known run), for a run being
+    deleted (not committed): left under its id they would add to a run registered again under it,
+    and deleted they would make the collector-wide trainvitals_ingest_batches_total go down, which
+    Prometheus reads as a counter reset."""
+    t = IngestCount
+    columns = [getattr(t, c) for c in _COUNTED]
+    rows = session.execute(select(t.outcome, t.writer, *columns).where(t.run_id == run_id)).all()
+    session.execute(delete(t).where(t.run_id == run_id))
+    if rows:
+        params = [
+            {"run_id": "", "outcome": outcome, "writer": writer, **dict(zip(_COUNTED, counts, strict=True))}
+            for outcome, writer, *counts in rows
+        ]
+        session.execute(_COUNT_UPSERT, params)
 
 
 def _count(
@@ -756,15 +779,18 @@ def _write_records(session: Session, built: list[BatchRows]) -> None:
 
 
 def _touch_runs(
-    runs: dict[str, _RunRow], batches: list[AnyBatch], lows: list[int | None], now: float
+    runs: dict[str, _RunRow], batches: list[AnyBatch], rows: list[BatchRows], now: float
 ) -> list[Statement]:
-    """The statements for late data (re-dirties reduced steps), last_seen_at (at most once a
-    second) and the end of a run."""
+    """The statements for late data (re-dirties reduced steps), last_seen_at and last_step_at (each
+    at most once a second) and the end of a run."""
     out: list[Statement] = []
     low_by_run: dict[str, int] = {}
-    for batch, low in zip(batches, lows, strict=True):
+    stepped: set[str] = set()
+    for batch, (fast, _, low) in zip(batches, rows, strict=True):
         if low is not None:
             low_by_run[batch.run] = min(low, low_by_run.get(batch.run, low))
+        if "step" in fast:
+            stepped.add(batch.run)
     # Run-id order for every shared row: concurrent groups then lock them in the same order.
     for run_id, low in sorted(low_by_run.items()):
         out.append((_LATE_DATA, [{"key": run_id, "low": low}]))
@@ -775,8 +801,13 @@ def _touch_runs(
     }
     for run_id in sorted({b.run for b in batches}):
         run = runs[run_id]
+        step_due = run_id in stepped and (
+            run.last_step_at is None or now - run.last_step_at >= _LAST_SEEN_RESOLUTION_S
+        )
         if run_id in finished:  # rank 0 closing its agent ends the run
-            out.append((_FINISHED, [{"key": run_id, "now": now}]))
+            out.append((_STEPPED_AND_FINISHED if step_due else _FINISHED, [{"key": run_id, "now": now}]))
+        elif step_due:
+            out.append((_STEPPED, [{"key": run_id, "now": now}]))
         elif now - run.last_seen_at >= _LAST_SEEN_RESOLUTION_S or run.status != "running":
             out.append((_SEEN, [{"key": run_id, "now": now}]))
     return out

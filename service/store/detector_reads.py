@@ -23,7 +23,6 @@ from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from trainvitals.service.store.incarnations import newest_incarnation_only
 from trainvitals.service.store.models import (
-    CheckpointRow,
     EventRow,
     GradSummary,
     Run,
@@ -301,11 +300,6 @@ def rank_timing_columns(session: Session, *, run_id: str, after: int, upto: int)
         return [step, *(np.concatenate([r[i] for r in rows]) for i in range(1, len(RANK_DTYPES)))]
     stmt = select(s.step, s.rank, s.step_seconds, s.compute_seconds, s.wait_seconds, s.pp_stage).where(*where)
     return _read_columns(session, stmt.order_by(s.step, s.rank), RANK_DTYPES, upto - after)
-
-
-def checkpoints(session: Session, *, run_id: str) -> Sequence[CheckpointRow]:
-    """Every checkpoint record of the run, by time."""
-    return session.scalars(select(CheckpointRow).where(CheckpointRow.run_id == run_id).order_by(CheckpointRow.ts)).all()
 
 
 def events(session: Session, *, run_id: str) -> Sequence[EventRow]:

@@ -36,6 +36,9 @@ class Run(Base):
     status: Mapped[str] = mapped_column(String(16), default="running")  # running | finished
     created_at: Mapped[float] = mapped_column(Real)
     last_seen_at: Mapped[float] = mapped_column(Real)
+    last_step_at: Mapped[float | None] = mapped_column(Real)
+    """When the collector last stored a step record of the run, on its own clock (at most a second
+    stale, as last_seen_at); NULL before the first since revision 0018. The stall age of /metrics."""
 
 
 class RefusedIncarnation(Base):

@@ -14,14 +14,15 @@ from collections.abc import Sized
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from sqlalchemy import case, delete, func, select
+from sqlalchemy import case, delete, func, or_, select
 from sqlalchemy.orm import Session
 
-from trainvitals.service.store import run_keys
+from trainvitals.service.store import batches, run_keys
 from trainvitals.service.store.incarnations import newest_incarnation_only
 from trainvitals.service.store.models import (
     CheckpointRow,
     DeliveredBatch,
+    DetectorBlock,
     EventRow,
     FindingRow,
     GradStatRow,
@@ -322,8 +323,10 @@ def delete_run(session: Session, *, run_id: str) -> bool:
         FindingRow,
         ReductionState,
         RefusedIncarnation,
+        DetectorBlock,
     ):
         session.execute(delete(model).where(model.run_id == run_id))
+    batches.retire_counts(session, run_id=run_id)
     session.execute(delete(Run).where(Run.run_id == run_id))
     session.commit()
     return True
@@ -502,8 +505,9 @@ def checkpoint_generations(session: Session, *, run_id: str) -> list[dict[str, A
     not ranks x generations (16,384 ranks each record every save)."""
     c = CheckpointRow
     rows = session.execute(
+        # bytes summed as floats: SQLite's integer sum raises on overflow (ranks' sizes near INT64_MAX).
         select(c.generation, c.incarnation, c.status, func.count(func.distinct(c.rank)), func.min(c.step),
-               func.sum(c.bytes), func.max(c.stall_seconds), func.max(c.persist_seconds),
+               func.sum(c.bytes * 1.0), func.max(c.stall_seconds), func.max(c.persist_seconds),
                func.count(func.distinct(c.path)), func.count(func.distinct(case((c.checksum.is_not(None), c.path)))),
                func.count() - func.count(c.path), func.max(c.ts), func.min(c.path), func.max(c.error))
         .where(c.run_id == run_id)
@@ -522,7 +526,7 @@ def checkpoint_generations(session: Session, *, run_id: str) -> list[dict[str, A
         if stall is not None:
             g["stall_seconds"] = max(g["stall_seconds"] or 0.0, stall)
         if status in ("persisted", "verified"):
-            g["bytes"] = (g["bytes"] or 0) + (size or 0) or None
+            g["bytes"] = (g["bytes"] or 0) + int(size or 0) or None
             g["persist_seconds"] = persist
             g["unhashed"] += paths - hashed + pathless
         if error:
@@ -552,21 +556,34 @@ def checkpoint_generations(session: Session, *, run_id: str) -> list[dict[str, A
     return out
 
 
+STATE_FINDING_PREFIXES = ("loss_", "grad_", "fp8_")
+"""Finding kinds about the model's state (its loss, gradients, FP8 scaling): the default rollback
+goes to before the first open one. Not the job's speed (stragglers, MFU), its saves or stalls, nor
+the collector's own analysis: they say nothing about which weights are good."""
+
+
 def rollback_target(session: Session, *, run_id: str, before_step: int | None = None) -> dict[str, Any]:
     """The newest verified (else persisted) generation saved before `before_step`, or, by default,
-    before the onset of the earliest page- or ticket-level finding."""
+    before the onset of the earliest open page- or ticket-level finding on the model's state
+    (STATE_FINDING_PREFIXES). Closed ones are left out: a spike the run recovered from long ago
+    would otherwise pin every later rollback before it."""
     reason = f"before step {before_step}" if before_step is not None else None
     if before_step is None:
         first = session.execute(
             select(FindingRow.onset_step, FindingRow.kind, FindingRow.subject)
-            .where(FindingRow.run_id == run_id, FindingRow.severity.in_(("page", "ticket")))
+            .where(
+                FindingRow.run_id == run_id,
+                FindingRow.severity.in_(("page", "ticket")),
+                FindingRow.active.is_(True),
+                or_(*(FindingRow.kind.startswith(p, autoescape=True) for p in STATE_FINDING_PREFIXES)),
+            )
             .order_by(FindingRow.onset_step)
             .limit(1)
         ).first()
         if first is not None:
             before_step = first[0]
             subject = first[2] or "the run"
-            reason = f"before the onset of the first finding ({first[1]} on {subject}) at step {first[0]}"
+            reason = f"before the onset of the first open finding ({first[1]} on {subject}) at step {first[0]}"
     gens = checkpoint_generations(session, run_id=run_id)
     earlier = [g for g in gens if before_step is None or g["step"] < before_step]
     candidates = [g for g in earlier if g["status"] in ("verified", "persisted")]

@@ -163,7 +163,7 @@ def run_snapshot(
         world_size=run.world_size,
         expected_mfu=expected_mfu,
         expected_mfu_band=expected_mfu_band,
-        progress=progress(session, run_id=rid, now=now),
+        progress=progress(session, run_id=rid, now=now, last_step_at=run.last_step_at),
         complete=complete_step(
             session,
             run_id=rid,
@@ -182,13 +182,20 @@ def run_snapshot(
     )
 
 
-def progress(session: Session, *, run_id: str, now: float) -> Progress:
+def progress(session: Session, *, run_id: str, now: float, last_step_at: float | None = None) -> Progress:
+    """The newest step and the age of the newest work: since the collector last stored a step
+    record of the run (`runs.last_step_at`, its own clock: the agents' clocks may differ from it).
+    Not the newest step's own end time: a job relaunched from a checkpoint replays steps below the
+    newest one, which would age from the crash until the new incarnation passed it (a stall page
+    for a run that trains). That end time only where last_step_at is NULL (no step record since
+    revision 0018)."""
     # Raw steps grow by world_size rows per step: max(ts) over the whole run is a scan of millions
     # of rows at 16,384 ranks. The newest step comes off the (run_id, step, rank) index, and the
-    # newest timestamp is taken among that step's rows (at most world_size of them): ranks finish
-    # a step within one step time of each other, so this is the age of the newest work.
+    # newest timestamp is taken among that step's rows (at most world_size of them).
     out = Progress(latest_step=session.scalar(select(func.max(StepRow.step)).where(StepRow.run_id == run_id)))
-    if out.latest_step is not None:
+    if last_step_at is not None:
+        out.seconds_since_last_step = max(0.0, now - last_step_at)
+    elif out.latest_step is not None:
         last_ts = session.scalar(
             select(func.max(StepRow.ts)).where(StepRow.run_id == run_id, StepRow.step == out.latest_step)
         )

@@ -2,11 +2,14 @@
 
 import pytest
 from prometheus_client import generate_latest
+from sqlalchemy import update
 
+from trainvitals.service import exposition
 from trainvitals.service.analysis import pipeline
 from trainvitals.service.exposition import TrainvitalsCollector, make_registry
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import batches, db, queries
+from trainvitals.service.store.models import Run
 from trainvitals.wire import Batch, RunRegistration
 
 
@@ -177,6 +180,65 @@ def test_run_events_count_restarts_and_ranks_lost_and_checkpoints_show_stall_and
     assert sample("trainvitals_checkpoint_last_persist_seconds", {"run": "r"}) == 4.0
     assert sample("trainvitals_run_loss_nonfinite_ranks", {"run": "r"}) == 2
     assert sample("trainvitals_run_rank_compute_seconds", {"run": "r"}) == 0.75
+
+
+def test_the_stall_age_runs_from_the_newest_step_record_stored_and_follows_a_relaunch(setup) -> None:
+    """Seconds since the last step: since the collector last stored a step record of the run, on its
+    own clock. By the newest step's own end time, a relaunch resuming from a checkpoint (steps
+    below the newest) aged from the crash until it passed the newest step (a stall page for a run
+    that trains), and an agent clock behind the collector's aged every run by the difference."""
+    maker, clock, registry = setup
+    with maker() as session:
+        batches.register_run(session, RunRegistration(run="r", parallelism={"world_size": 1}), now=1000.0)
+
+    def store(incarnation: int, seq: int, records: list[dict], now: float) -> None:
+        with maker() as session:
+            batch = {"run": "r", "rank": 0, "incarnation": incarnation, "seq": seq, "records": records}
+            batches.store_batch(session, Batch.model_validate(batch), now=now)
+
+    def steps(first: int, last: int, ts: float) -> list[dict]:
+        return [{"kind": "step", "step": s, "ts": ts, "step_seconds": 1.0} for s in range(first, last + 1)]
+
+    def since() -> float | None:
+        return registry.get_sample_value("trainvitals_run_seconds_since_last_step", {"run": "r"})
+
+    store(1, 0, steps(95, 100, ts=1000.0 - 3600), now=1000.0)  # its clock an hour behind
+    clock.now = 1030.0
+    assert since() == 30.0
+    # It crashes at step 100; relaunched 10 minutes later, it resumes from step 90.
+    store(2, 0, steps(90, 93, ts=1600.0), now=1600.0)
+    clock.now = 1610.0
+    assert since() == 10.0
+    assert registry.get_sample_value("trainvitals_run_latest_step", {"run": "r"}) == 100.0
+    # Then it hangs: records that are not steps do not reset the age.
+    store(2, 1, [{"kind": "event", "event": "dropped", "ts": 1700.0, "domains": {"queue_full": "1"}}], now=1700.0)
+    clock.now = 1900.0
+    assert since() == 300.0
+    # A run whose steps all came before revision 0018 (last_step_at NULL): the newest step's end time.
+    with maker() as session:
+        session.execute(update(Run).values(last_step_at=None))
+        session.commit()
+    assert since() == 1900.0 - 1000.0 + 3600
+
+
+def test_a_stalled_run_is_exported_before_the_runs_still_stepping() -> None:
+    """The per-project cap keeps the most recently seen runs; a run that stops stepping stops being
+    seen, so it was the first left out, and TrainvitalsRunStalled (which reads its series) could
+    not fire for it."""
+    now = 10_000.0
+
+    def run(name: str, ago: float, stepped_ago: float | None) -> Run:
+        last_step_at = None if stepped_ago is None else now - stepped_ago
+        return Run(run_id=name, project="p", status="running", last_seen_at=now - ago, last_step_at=last_step_at)
+
+    stepping = [run(f"s{i:02d}", i, i) for i in range(60)]
+    hung = run("hung", 900, 900)
+    hung_but_seen = run("hung-but-seen", 0, 500)  # its agents still send (events), no steps
+    loading = run("loading", 900, None)  # registered, no step yet: nothing to call stalled
+    kept, omitted = exposition._exported_runs([*stepping, loading, hung, hung_but_seen], {}, now)
+    assert [r.run_id for r in kept[:2]] == ["hung-but-seen", "hung"]
+    assert [r.run_id for r in kept[2:]] == [f"s{i:02d}" for i in range(exposition.EXPORTED_RUNS_PER_PROJECT - 2)]
+    assert omitted == {"p": 63 - exposition.EXPORTED_RUNS_PER_PROJECT}
 
 
 def test_records_the_agents_dropped_are_exported_by_reason_from_their_cumulative_events(setup) -> None:

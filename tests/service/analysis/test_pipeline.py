@@ -111,6 +111,41 @@ def test_nan_is_kept_on_both_backends(session) -> None:
     assert math.isnan(g.norm) and g.nonfinite == 6
 
 
+def test_a_nan_gradient_norm_the_job_reports_is_a_non_finite_gradient(session) -> None:
+    """Without the agent's gradient records (grad_groups='none'), a job's `step(grad_norm=nan)` read
+    as "not reported" (NaN and absent are one NaN column): grad_nonfinite stayed 0, and the
+    grad_nonfinite page never came. Infinity already counted."""
+    _register(session)
+    for rank in range(2):
+        records = [{"kind": "step", "step": s, "ts": 100.0 + s, "step_seconds": 1.0, "grad_norm": norm}
+                   for s, norm in enumerate([1.5, float("nan"), None])]  # fmt: skip
+        batches.store_batch(session, Batch.model_validate({"run": "r", "rank": rank, "incarnation": 1, "seq": 0,
+                                                          "records": records}))  # fmt: skip
+    assert _reduce(session) == 3
+    rows = session.execute(select(StepSummary.step, StepSummary.grad_norm, StepSummary.grad_nonfinite)
+                           .order_by(StepSummary.step)).all()  # fmt: skip
+    assert [tuple(r) for r in rows] == [(0, 1.5, 0), (1, None, 1), (2, None, 0)]
+
+
+def test_a_generation_one_rank_failed_is_a_failed_save_whatever_the_others_recorded(session) -> None:
+    """The checkpoint detectors read each rank's record on its own: rank 0's 'persisted' made a
+    generation rank 1 failed count as saved (no checkpoint_failed, and a rollback target), where
+    the checkpoints query calls it failed. They now read the query's generations."""
+    _register(session)
+    for rank in range(2):
+        saves = [{"kind": "checkpoint", "step": 3, "generation": 1, "status": "persisted", "ts": 103.5},
+                 {"kind": "checkpoint", "step": 6, "generation": 2, "status": "failed" if rank else "persisted",
+                  "ts": 106.5, **({"error": "rank 1: disk full"} if rank else {})}]  # fmt: skip
+        batch = _batch(rank, 0, range(10))
+        batches.store_batch(session, batch.model_copy(update={"records": [*batch.records, *Batch.model_validate(
+            {"run": "r", "rank": rank, "incarnation": 1, "seq": 1, "records": saves}).records]}))  # fmt: skip
+    pipeline.process_run(session, queries.get_run(session, run_id="r"), now=200.0)
+    failed = [f for f in queries.findings(session, run_id="r") if f["kind"] == "checkpoint_failed"]
+    assert [(f["subject"], f["active"]) for f in failed] == [("2", True)]
+    generations = {g["generation"]: g["status"] for g in queries.checkpoint_generations(session, run_id="r")}
+    assert generations == {1: "persisted", 2: "failed"}
+
+
 def test_a_replayed_step_counts_the_newest_incarnations_tensor_records_once(session) -> None:
     """A restart replays steps 5..11 of rank 0: both incarnations' FP8 records of those steps are
     stored. The tensor summary sums non-finite counts over ranks, so it must take rank 0 once, from

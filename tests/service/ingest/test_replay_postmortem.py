@@ -16,6 +16,7 @@ from trainvitals.service.main import create_app
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import db, queries
 from trainvitals.testing.scenarios import Layout, make_scenario, prefix, scenario_key, to_wire_lines
+from trainvitals.wire import RunRegistration
 
 CLI = [sys.executable, "-m", "trainvitals.service.cli"]
 
@@ -66,7 +67,11 @@ def test_replay_then_postmortem(db_url: str, recorded, tmp_path: Path) -> None:
     with TestClient(create_app(Settings(db=db_url, auth=False, run_analysis=False))) as client:
         findings = client.get(f"/v1/runs/{scenario.series.run}/findings").json()
         assert findings, "the injected divergence must be found"
-        onset = min(f["onset_step"] for f in findings if f["severity"] in ("page", "ticket"))
+        onset = min(
+            f["onset_step"]
+            for f in findings
+            if f["severity"] in ("page", "ticket") and f["active"] and f["kind"].startswith(("loss_", "grad_", "fp8_"))
+        )
         rollback = client.get(f"/v1/runs/{scenario.series.run}/rollback").json()
         assert rollback["before_step"] == onset
         assert rollback["target"]["step"] < onset
@@ -141,5 +146,29 @@ def test_shadow_fp8_findings_never_move_the_rollback_target(db_url: str, tmp_pat
         assert rollback["before_step"] is None and rollback["reason"] == "newest usable generation"
     else:
         assert any(f["severity"] == "page" for f in fp8)
-        onset = min(f["onset_step"] for f in fp8 if f["severity"] in ("page", "ticket"))
+        onset = min(f["onset_step"] for f in fp8 if f["severity"] in ("page", "ticket") and f["active"])
         assert rollback["before_step"] == onset and rollback["target"]["step"] < onset
+
+
+def test_replay_analyses_the_tail_a_dying_job_left_incomplete(db_url: str, tmp_path: Path) -> None:
+    """A recording of a job that died: rank 1 stopped at step 49, rank 0 went on to step 99 with its
+    loss NaN from step 90, and no stop event. Replay judged the run as of its last step, where the
+    steps rank 1 never sent had not waited their settle time: steps 70..99 stayed unreduced, and
+    the NaN loss was never found."""
+    lines = [RunRegistration(run="died", parallelism={"world_size": 2}).model_dump_json()]
+    for rank, last in ((0, 99), (1, 49)):
+        for seq, first in enumerate(range(0, last + 1, 10)):
+            records = [{"kind": "step", "step": s, "ts": 1000.0 + s, "step_seconds": 1.0,
+                        "loss": float("nan") if s >= 90 else 2.0}
+                       for s in range(first, min(first + 10, last + 1))]  # fmt: skip
+            lines.append(json.dumps({"run": "died", "rank": rank, "incarnation": 1, "seq": seq, "records": records}))
+    path = tmp_path / "died.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    engine = db.make_engine(db_url)
+    with db.make_sessionmaker(engine)() as session:
+        report = replay_files(session, [str(path)])
+        found = queries.findings(session, run_id=report.runs[0])
+    engine.dispose()
+    assert report.steps_reduced == 100
+    nonfinite = [f for f in found if f["kind"] == "loss_nonfinite"]
+    assert nonfinite and nonfinite[0]["onset_step"] == 90

@@ -175,6 +175,33 @@ def test_delete_run_removes_every_record(session) -> None:
     assert queries.delete_run(session, run_id="r1") is False
 
 
+def test_a_deleted_runs_counts_leave_it_and_stay_in_the_collectors_totals(session) -> None:
+    """Its ingest counters stayed under its id: the run registered again under it (a replay after
+    the delete) was shown the old records with its own. Deleted, the collector-wide batch counter
+    (a Prometheus counter) would go down: they are kept there, under no run."""
+
+    def totals() -> dict[str, int]:
+        out: dict[str, int] = {}
+        for row in queries.ingest_counts(session):
+            out[row.outcome] = out.get(row.outcome, 0) + row.batches
+        return out
+
+    batches.register_run(session, RunRegistration(run="r1"))
+    batches.store_batch(session, _steps(0, range(0, 4), seq=0))
+    batches.store_batch(session, _steps(0, range(0, 4), seq=0))  # a duplicate
+    before = totals()
+    assert before == {"stored": 1, "duplicate": 1}
+    assert queries.delete_run(session, run_id="r1") is True
+    assert totals() == before
+    batches.register_run(session, RunRegistration(run="r1"))
+    overview = queries.run_overview(session, run_id="r1")
+    assert overview is not None and overview.step_records == 0
+    batches.store_batch(session, _steps(0, range(0, 2), seq=0))
+    overview = queries.run_overview(session, run_id="r1")
+    assert overview is not None and overview.step_records == 2
+    assert totals() == {"stored": 2, "duplicate": 1}
+
+
 def _fp8_batch(rank: int, values: list[dict[str, object]]) -> dict[str, object]:
     records = [
         {"kind": "tensor", "step": i, "tensor": f"layers.{i}.fc", "role": "input", "format": "e4m3", **v}

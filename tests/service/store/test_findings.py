@@ -12,10 +12,10 @@ from trainvitals.service import cli
 from trainvitals.service.detectors.findings import Finding
 from trainvitals.service.main import create_app
 from trainvitals.service.settings import Settings
-from trainvitals.service.store import batches
+from trainvitals.service.store import batches, queries
 from trainvitals.service.store.findings import fold_findings, store_findings
 from trainvitals.service.store.models import FindingRow
-from trainvitals.wire import RunRegistration
+from trainvitals.wire import Batch, RunRegistration
 
 STRAGGLER = Finding(
     kind="straggler", severity="page", run="r", subject_kind="rank", subject="3", onset_step=600,
@@ -123,3 +123,34 @@ def test_findings_api_and_cli_show_onset_and_detected_step(stored: str, capsys: 
     assert cli.main(["query", "findings", "--db", stored, "--run", "r"]) == 0
     (shown,) = json.loads(capsys.readouterr().out)
     assert (shown["onset_step"], shown["detected_step"]) == (600, 650)
+
+
+def test_the_default_rollback_goes_before_the_first_open_finding_on_the_models_state(session) -> None:
+    """It went before the earliest page or ticket of any kind, open or closed: a straggler, a failed
+    save or the collector's own analysis error (nothing about which weights are good), or a spike
+    the run recovered from long ago, named a far older checkpoint than the divergence needs."""
+    batches.register_run(session, RunRegistration(run="r", parallelism={"world_size": 1}), now=1.0)
+    saves = [
+        {"kind": "checkpoint", "step": s, "generation": s, "status": "persisted", "ts": float(s)}
+        for s in (1000, 6000, 7000, 9000)
+    ]
+    batches.store_batch(session, Batch.model_validate({"run": "r", "rank": 0, "incarnation": 1, "seq": 0,
+                                                       "records": saves}), now=1.0)  # fmt: skip
+
+    def finding(kind: str, severity: str, onset: int) -> Finding:
+        return Finding(kind=kind, severity=severity, run="r", subject_kind="run", subject="", onset_step=onset,
+                       last_step=onset, magnitude=1.0, summary=kind)  # type: ignore[arg-type]  # fmt: skip
+
+    recovered = finding("grad_spike", "ticket", 2000)
+    store_findings(session, run_id="r", findings=[recovered], now=2.0)
+    store_findings(session, run_id="r", findings=[], now=3.0)  # closed: the run recovered
+    open_now = [finding("straggler", "ticket", 3000), finding("checkpoint_failed", "page", 4000),
+                finding("analysis_failed", "ticket", 4500), finding("loss_divergence", "page", 8000)]  # fmt: skip
+    store_findings(session, run_id="r", findings=open_now, now=4.0)
+
+    answer = queries.rollback_target(session, run_id="r")
+    assert answer["before_step"] == 8000 and answer["target"]["step"] == 7000
+    assert answer["reason"] == "before the onset of the first open finding (loss_divergence on the run) at step 8000"
+    store_findings(session, run_id="r", findings=open_now[:3], now=5.0)  # the divergence closed too
+    newest = queries.rollback_target(session, run_id="r")
+    assert newest["before_step"] is None and newest["target"]["step"] == 9000
