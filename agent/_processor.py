@@ -58,6 +58,42 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
 
+# A file name that is not UTF-8 comes out of os.fsdecode with lone surrogates, which json.dumps
+# writes as \udcXX escapes: valid JSON, but no Unicode text, so the collector refused the whole
+# batch (and the rank's steps in it) for one checkpoint path. Looked for only when an escape of a
+# surrogate is in the encoded text (a pair, an emoji, is fine and stays).
+
+
+def _lone_surrogates(value: Any) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_lone_surrogates(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_lone_surrogates(v) for v in value)
+    return False
+
+
+def _as_utf8(value: Any) -> Any:
+    """value with each string's undecodable bytes as \\xNN text (a surrogate that is no escaped
+    byte as its UTF-8 bytes): readable, and what the file name's bytes were."""
+    if isinstance(value, str):
+        try:
+            raw = value.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            raw = value.encode("utf-8", "surrogatepass")
+        return raw.decode("utf-8", "backslashreplace")
+    if isinstance(value, dict):
+        return {k: _as_utf8(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_as_utf8(v) for v in value]
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class EncodedBatch:
     """One wire-format `Batch` as the JSON line that is sent (and spooled), without a newline."""
@@ -376,7 +412,12 @@ class BatchProcessor:
         batch, as a value JSON cannot hold once cost every record of the pass."""
         try:
             records: list[Any] = [item] if isinstance(item, dict) else item.records()
-            return (_dumps(records)[1:-1], len(records)) if records else None
+            if not records:
+                return None
+            text = _dumps(records)
+            if "\\ud" in text and _lone_surrogates(records):
+                text = _dumps(_as_utf8(records))
+            return text[1:-1], len(records)
         except Exception as exc:  # noqa: BLE001
             self._errors.record("exporter", exc)
             return None

@@ -193,7 +193,7 @@ class BatchWriter:
                 for item in group:
                     self._write([item], name)
                 return
-            if isinstance(exc, _DATA_ERRORS):  # this batch's values, not the database's state
+            if _refused_value(exc):  # this batch's values, not the database's state
                 _answer(group, [batches.UnstorableBatchError(f"{type(exc).__name__}: {exc}"[:500])])
                 with contextlib.suppress(Exception), self._sessions() as session:
                     batches.count_unstorable(session, group[0].batch, writer=name, project=group[0].project)
@@ -235,8 +235,15 @@ def _settle(answers: list[_Answered]) -> None:
 
 
 # Refusals caused by a value in the batch: psycopg's DataError (numeric value out of range, also
-# raised by binary COPY), SQLAlchemy's wrapper of it, and sqlite3 binding an int beyond 64 bits.
-_DATA_ERRORS = (psycopg.DataError, sqlalchemy.exc.DataError, OverflowError)
+# raised by binary COPY), SQLAlchemy's wrapper of it, sqlite3 binding an int beyond 64 bits, and a
+# string no UTF-8 holds (a lone surrogate, which a large body's lax decode lets through).
+_DATA_ERRORS = (psycopg.DataError, sqlalchemy.exc.DataError, OverflowError, UnicodeEncodeError)
+
+
+def _refused_value(exc: BaseException) -> bool:
+    """A refusal of a value of the batch, also as SQLAlchemy wraps one it did not expect from the
+    driver (a lone surrogate in a checkpoint path, bound through the ORM's insert)."""
+    return isinstance(exc, _DATA_ERRORS) or isinstance(getattr(exc, "orig", None), _DATA_ERRORS)
 
 
 def _describe(batch: AnyBatch) -> str:

@@ -6,6 +6,7 @@ exporter's thread body (run_once) is driven synchronously so the tests are deter
 
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -19,7 +20,7 @@ from trainvitals.agent._delivery import spooling_exporter
 from trainvitals.agent._processor import BatchProcessor
 from trainvitals.agent._transport import HttpTransport, Reply
 from trainvitals.service.store import db
-from trainvitals.service.store.models import StepRow
+from trainvitals.service.store.models import CheckpointRow, StepRow
 from trainvitals.wire import Batch, RunRegistration
 
 REG = RunRegistration(run="r1", parallelism={"world_size": 1}).model_dump(mode="json")
@@ -63,6 +64,24 @@ def test_a_record_json_cannot_hold_costs_only_itself(collector, tmp_path: Path) 
     exp.run_once(deadline=time.monotonic() + 10)
     assert _stored_steps(collector.db_url) == [0, 1, 2, 4, 5]
     assert exp.stats.delivered_records == 5 and exp._errors.errors == 1
+    exp.shutdown()
+
+
+def test_a_file_name_that_is_not_utf8_costs_no_record(collector, tmp_path: Path) -> None:
+    """os.fsdecode gives a non-UTF-8 file name lone surrogates, which json.dumps escapes as \\udcXX:
+    the collector refused the whole batch, the rank's steps with the checkpoint record. The name
+    now travels with its bytes as \\xNN text; an emoji (a surrogate pair in JSON) is kept."""
+    exp = _exporter(collector.url, tmp_path, max_batch_records=100)
+    exp.emit(_step(0))
+    odd = os.fsdecode(b"/ck/\xffgen-1/\xf0\x9f\x9a\x80.pt")  # a Latin-1 byte, then a valid emoji
+    exp.emit({"kind": "checkpoint", "step": 0, "generation": 1, "status": "persisted", "ts": 1.0, "path": odd})
+    exp.emit(_step(1))
+    exp.run_once(deadline=time.monotonic() + 10)
+    assert _stored_steps(collector.db_url) == [0, 1]
+    engine = db.make_engine(collector.db_url)
+    with engine.connect() as conn:
+        assert conn.execute(select(CheckpointRow.path)).scalars().all() == ["/ck/\\xffgen-1/\U0001f680.pt"]
+    engine.dispose()
     exp.shutdown()
 
 

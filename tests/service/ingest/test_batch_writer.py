@@ -145,20 +145,37 @@ def _unvalidated(batch: Batch, **tensor_values: object) -> Batch:
     return batch.model_copy(update={"records": records})
 
 
-def test_a_value_the_database_refuses_rejects_only_its_batch(sessions) -> None:
+def _with_checkpoint_path(batch: Batch, path: str) -> Batch:
+    save = Batch.model_validate({**batch.model_dump(), "records": [
+        {"kind": "checkpoint", "step": 0, "generation": 1, "status": "persisted", "ts": 1.0}]}).records[0]
+    return batch.model_copy(update={"records": [*batch.records, save.model_copy(update={"path": path})]})
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda b: _unvalidated(b, staleness_steps=2**70),
+        lambda b: _unvalidated(b, tensor="layers.0.\udcff"),
+        lambda b: _with_checkpoint_path(b, "/ck/\udcffgen-1"),
+    ],
+    ids=["past_the_column", "lone_surrogate", "lone_surrogate_through_the_orm"],
+)
+def test_a_value_the_database_refuses_rejects_only_its_batch(sessions, bad) -> None:
     """A value no database stores (staleness_steps 2**70: a 32-bit column on PostgreSQL, 64-bit on
-    SQLite). The wire refuses it (test_ranges.py); the writer's backstop, for a column narrower than
-    its wire range, is tested on a batch built without validation. The group it landed in is
-    retried batch by batch, so its neighbours are stored and only it is refused (no retry loop)."""
+    SQLite; a lone surrogate, which no UTF-8 text holds: it was a 503, retried for ever). The wire
+    refuses both (test_ranges.py; the JSON decoders); the writer's backstop, for what reaches it
+    (a column narrower than its wire range, a large body's lax decode), is tested on a batch built
+    without validation. The group it landed in is retried batch by batch, so its neighbours are
+    stored and only it is refused (no retry loop)."""
     opened, gate, slow_first_session = _first_session_held(sessions)
     writer = BatchWriter(slow_first_session)
     try:
         first = writer.submit(_batch(0, 0), project=None)
         assert opened.wait(10)
-        bad = writer.submit(_unvalidated(_batch(1, 0), staleness_steps=2**70), project=None)
+        refused = writer.submit(bad(_batch(1, 0)), project=None)
         good = writer.submit(_batch(2, 0), project=None)
         gate.set()
-        outcomes = [first.result(10), bad.result(10), good.result(10)]
+        outcomes = [first.result(10), refused.result(10), good.result(10)]
     finally:
         writer.stop()
     assert outcomes[0].accepted == 4 and outcomes[2].accepted == 4
