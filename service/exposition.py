@@ -10,6 +10,7 @@ worst-case series count.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 
@@ -21,6 +22,8 @@ from trainvitals.service.analysis.expectations import MfuExpectation
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import analysis_status, queries, snapshot
 from trainvitals.service.store.models import AnalysisStatus, Run
+
+log = logging.getLogger(__name__)
 
 # Cardinality caps (module constants rather than settings for now; docs/metrics.md derives the
 # worst-case series count from them). A scrape reads the store once per exported run (~5 ms on
@@ -133,7 +136,11 @@ class TrainvitalsCollector(Collector):
         if hit is not None and now - hit[0] < (ADVICE_TTL_SECONDS if hit[1] is not None else NO_ADVICE_TTL_SECONDS):
             return hit[1]
         assert self._checkpoint_advice is not None
-        value = self._checkpoint_advice(session, run_id=run_id, registration=run.registration)  # type: ignore[attr-defined]
+        try:
+            value = self._checkpoint_advice(session, run_id=run_id, registration=run.registration)  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - an advisor's bug must not fail the scrape, and every alert with it
+            log.exception("checkpoint advice for run %s failed: /metrics goes on without it", run_id)
+            value = None
         if len(self._advice_cache) > 1000:
             self._advice_cache.clear()
         self._advice_cache[run_id] = (now, value)

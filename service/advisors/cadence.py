@@ -36,6 +36,9 @@ MIN_SECONDS = 1e-3
 MAX_SECONDS = 1e9
 MAX_BYTES = 1e18
 MAX_TIERS = 16
+_MAX_TERMS = 2_000_000
+"""Terms of a renewal sum kept (16 MB of floats): beyond them survival is negligible or the
+model is past meaning (a fitted Weibull shape near 0)."""
 
 # --- closed forms ------------------------------------------------------------------------------
 
@@ -119,7 +122,7 @@ def expected_waste(
     else:
         eta = weibull_scale(mtbf_s, shape)
         horizon = offset + eta * 50.0 ** (1 / shape)  # S < e^-50 beyond this
-        n = max(1, min(int(horizon / cycle) + 1, 2_000_000))
+        n = max(1, min(int(horizon / cycle) + 1, _MAX_TERMS))
         k = np.arange(1, n + 1, dtype=float)
         kept = float(np.exp(-(((offset + k * cycle) / eta) ** shape)).sum())
     return 1.0 - interval_s * kept / mtbf_s
@@ -187,7 +190,9 @@ def schedule_waste(
     eta = weibull_scale(mtbf_s, shape)
     offset = downtime_s + persist_s
     horizon = offset + eta * 50.0 ** (1 / shape)
-    n_tail = int(horizon / (steady_s + stall_s)) + 1
+    # Bounded as in expected_waste: a fitted shape far below 1 puts the horizon light-years out
+    # (one log: 46 GiB of terms, a MemoryError from /metrics' advice).
+    n_tail = min(int(horizon / (steady_s + stall_s)) + 1, _MAX_TERMS)
     work = np.concatenate([np.asarray(schedule_s, dtype=float), np.full(n_tail, steady_s)])
     ends = np.cumsum(work + stall_s)
     kept = float((work * np.exp(-(((offset + ends) / eta) ** shape))).sum())
@@ -809,7 +814,7 @@ def advise_from_records(
     log = None
     if failures or (mtbf_s is None and exposure_s):
         # No failure in a known exposure still bounds the rate (see analyze_log).
-        log = analyze_log([parse_event(f) for f in failures], exposure_s=exposure_s)
+        log = analyze_log([parse_event(f) for f in failures], exposure_s=exposure_s, restart_s=restart_s)
     elif mtbf_s is None:
         raise ValueError("failures: no failure events, no exposure and no mtbf_s given")
     advice = advise_cadence(

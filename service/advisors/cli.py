@@ -168,6 +168,7 @@ def run_advise(args: argparse.Namespace) -> int:
                 load_events(args.events),
                 exposure_s=exposure,
                 window_s=args.window_s,
+                restart_s=args.restart_s,
                 domain_window_s=args.domain_window_s,
             )
         mtbf = args.mtbf_s if args.mtbf_s is not None else (args.mtbf_h * 3600 if args.mtbf_h is not None else None)
@@ -261,7 +262,9 @@ def add_advise_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--mtbf-h", type=float, help="the same in hours (with --events: the prior for a thin log)")
     p.add_argument("--events", help="failure event log (CSV or JSON)")
     p.add_argument("--exposure-h", type=float, help="observed period of the log, hours")
-    p.add_argument("--window-s", type=float, help="incident merge window (default max(300, median restart))")
+    p.add_argument(
+        "--window-s", type=float, help="incident merge window (default max(300, median restart, else --restart-s))"
+    )
     p.add_argument(
         "--domain-window-s",
         type=float,

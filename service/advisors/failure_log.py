@@ -32,6 +32,8 @@ Samples = Sequence[float] | npt.NDArray[np.float64]
 
 RADIUS_LEVELS = ("rank", "node", "rack", "pod", "cluster")
 """Blast radii, narrowest first."""
+NODE_TAGS = ("node", "host")
+"""Domain tags that name an event's node when it gives no nodes (the agent tags its host)."""
 MIN_INCIDENTS = 5
 """Fewer counted incidents than this and the log's rate is not used as the estimate: the cadence
 advisor falls back to a stated prior MTBF, else to the rate's upper confidence bound."""
@@ -235,11 +237,15 @@ def parse_event(raw: Mapping[str, Any]) -> FailureEvent:
         raise ValueError(f"ranks: not integers: {raw.get('ranks')!r}") from exc
     restart_start = raw.get("restart_start")
     restart_end = raw.get("restart_end")
+    domains = _domains(raw.get("domains", raw.get("tags")))
+    # Without a nodes field, the node is a domain tag (the collector's failure events carry the
+    # agent's host there): without it every incident looked one node wide, whatever it spanned.
+    nodes = tuple(_list(raw.get("nodes"))) or tuple(v for k, v in domains if k in NODE_TAGS)
     event = FailureEvent(
         timestamp_s=_time(raw["timestamp"], "timestamp"),
         ranks=ranks,
-        nodes=tuple(_list(raw.get("nodes"))),
-        domains=_domains(raw.get("domains", raw.get("tags"))),
+        nodes=nodes,
+        domains=domains,
         cause=str(raw.get("cause") or ""),
         restart_start_s=None if restart_start in (None, "") else _time(restart_start, "restart_start"),
         restart_end_s=None if restart_end in (None, "") else _time(restart_end, "restart_end"),
@@ -309,10 +315,13 @@ def _incident(events: list[FailureEvent]) -> Incident:
     )
 
 
-def default_window_s(events: Sequence[FailureEvent]) -> float:
-    """max(5 min, median restart duration) (checkpointing.md step 1)."""
+def default_window_s(events: Sequence[FailureEvent], *, restart_s: float | None = None) -> float:
+    """max(5 min, median restart duration) (checkpointing.md step 1): the durations the events
+    record, else the restart time the caller knows (the advisor's R), else 5 min."""
     durations = [e.restart_end_s - e.timestamp_s for e in events if e.restart_end_s is not None]
-    return max(300.0, float(np.median(durations))) if durations else 300.0
+    if durations:
+        return max(300.0, float(np.median(durations)))
+    return max(300.0, restart_s) if restart_s is not None else 300.0
 
 
 def merge_incidents(
@@ -323,13 +332,16 @@ def merge_incidents(
     window = default_window_s(ordered) if window_s is None else window_s
     groups: list[list[FailureEvent]] = []
     tags: list[set[tuple[str, str]]] = []
+    reach = max(window, domain_window_s)
+    open_groups: list[int] = []  # groups whose last event is within reach: only they can grow
     for event in ordered:
+        # Out of reach stays out of reach (events come in time order). Not "stop at the first
+        # group out of reach": an older group can end later than a newer one (a rack's events
+        # spanning another incident).
+        open_groups = [i for i in open_groups if event.timestamp_s - groups[i][-1].timestamp_s <= reach]
         joined = False
-        # Only groups whose last event is within the wider window can still absorb this one.
-        for idx in range(len(groups) - 1, -1, -1):
+        for idx in reversed(open_groups):  # newest group first
             gap = event.timestamp_s - groups[idx][-1].timestamp_s
-            if gap > max(window, domain_window_s):
-                break
             if gap <= window or (gap <= domain_window_s and tags[idx] & set(event.domains)):
                 groups[idx].append(event)
                 tags[idx].update(event.domains)
@@ -338,6 +350,7 @@ def merge_incidents(
         if not joined:
             groups.append([event])
             tags.append(set(event.domains))
+            open_groups.append(len(groups) - 1)
     incidents = [_incident(g) for g in groups]
     return tuple(sorted(incidents, key=lambda inc: inc.start_s))
 
@@ -576,6 +589,7 @@ def analyze_log(
     start_s: float | None = None,
     end_s: float | None = None,
     window_s: float | None = None,
+    restart_s: float | None = None,
     domain_window_s: float = 3600.0,
     confidence: float = 0.9,
     alpha: float = 0.05,
@@ -587,6 +601,7 @@ def analyze_log(
     counted, and an empty log still bounds the rate (zero failures in T: rate < 3.0 / T at 95%).
     Without them the window runs from the first event to the last event or restart end; that
     first incident only opens the window and is not counted (n - 1 gaps over the span: M unbiased).
+    restart_s: the restart time, for the merge window when the events record no restart end.
     """
     _seconds(exposure_s, "exposure_s", positive=True)
     _seconds(window_s, "window_s")
@@ -597,7 +612,7 @@ def analyze_log(
     given = exposure_s is not None or start_s is not None
     if not events and not (exposure_s is not None or (start_s is not None and end_s is not None)):
         raise ValueError("events: the log is empty; give the period it covers (exposure) or an MTBF")
-    window = default_window_s(events) if window_s is None else window_s
+    window = default_window_s(events, restart_s=restart_s) if window_s is None else window_s
     incidents = merge_incidents(events, window_s=window, domain_window_s=domain_window_s)
     stamps = [e.timestamp_s for e in events] + [e.restart_end_s for e in events if e.restart_end_s]
     start = (min(stamps) if stamps else 0.0) if start_s is None else start_s

@@ -380,7 +380,7 @@ def recommend(
     # DP cap (seed 000 / 07b): one micro-batch per data-parallel rank already makes this batch.
     min_batch_tokens = par.dp * par.micro_batch * model.seq_len
     useful_dp = max(1, math.floor(critical_batch_tokens / (par.micro_batch * model.seq_len)))
-    useful_gpus = min(gpus, useful_dp * par.tp * par.pp)
+    useful_gpus = min(gpus, useful_dp * par.tp * par.pp * par.cp)  # a replica's GPUs include its CP ranks
     if min_batch_tokens > critical_batch_tokens:
         warnings.append(
             f"past the useful data-parallel size: dp={par.dp} makes at least "

@@ -37,7 +37,7 @@ from trainvitals.service.store.models import (
     TensorStatRow,
     TensorSummary,
 )
-from trainvitals.service.store.snapshot import window_mfu
+from trainvitals.service.store.snapshot import newest_step_end, window_mfu
 from trainvitals.wire.conventions import DEFAULT_DETECTOR_WARMUP_STEPS, GLOBAL_GROUP
 
 
@@ -644,7 +644,7 @@ def observed_cadence_inputs(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], float]:
     """A run's checkpoint saves (one per generation: the slowest rank's stall and persist, the
     total size) and failure events, in the shape the cadence advisor takes, and the exposure
-    (seconds from the run's registration to its last report: no scan of raw steps)."""
+    (seconds from the run's registration to its newest step: no scan of raw steps)."""
     saves = [
         {"stall_s": g["stall_seconds"], "persist_s": g["persist_seconds"], "size_bytes": g["bytes"], "status": "ok"}
         for g in checkpoint_generations(session, run_id=run_id)
@@ -655,9 +655,14 @@ def observed_cadence_inputs(
         for e in session.scalars(select(EventRow).where(
             EventRow.run_id == run_id, EventRow.event.in_(("failure", "node_replaced"))).order_by(EventRow.ts))
     ]
+    # From registration to the newest step's end, both on the job's clock when it registered its
+    # start (started_at): a replayed recording is judged by its own span, not by the day it was
+    # replayed (last_seen_at, the collector's clock, made a month-old recording a month of exposure).
     run = session.get(Run, run_id)
-    exposure = 0.0 if run is None else max(0.0, run.last_seen_at - run.created_at)
-    return saves, failures, exposure
+    if run is None:
+        return saves, failures, 0.0
+    end = newest_step_end(session, run_id=run_id)
+    return saves, failures, max(0.0, (end if end is not None else run.last_seen_at) - run.created_at)
 
 
 class IngestCountRow(NamedTuple):

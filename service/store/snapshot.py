@@ -195,13 +195,20 @@ def progress(session: Session, *, run_id: str, now: float, last_step_at: float |
     out = Progress(latest_step=session.scalar(select(func.max(StepRow.step)).where(StepRow.run_id == run_id)))
     if last_step_at is not None:
         out.seconds_since_last_step = max(0.0, now - last_step_at)
-    elif out.latest_step is not None:
-        last_ts = session.scalar(
-            select(func.max(StepRow.ts)).where(StepRow.run_id == run_id, StepRow.step == out.latest_step)
-        )
-        if last_ts is not None:
-            out.seconds_since_last_step = max(0.0, now - last_ts)
+    elif (last_ts := newest_step_end(session, run_id=run_id, step=out.latest_step)) is not None:
+        out.seconds_since_last_step = max(0.0, now - last_ts)
     return out
+
+
+def newest_step_end(session: Session, *, run_id: str, step: int | None = -1) -> float | None:
+    """When the newest step ended, by its ranks' clocks: the newest timestamp among the rows of
+    `step` (-1: the run's newest step; None: no step). Off the (run_id, step, rank) index, at most
+    world_size rows: max(ts) over the run would scan millions at 16,384 ranks."""
+    if step == -1:
+        step = session.scalar(select(func.max(StepRow.step)).where(StepRow.run_id == run_id))
+    if step is None:
+        return None
+    return session.scalar(select(func.max(StepRow.ts)).where(StepRow.run_id == run_id, StepRow.step == step))
 
 
 def window_mfu(recent: Iterable[StepSummary]) -> float | None:

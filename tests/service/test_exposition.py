@@ -339,3 +339,21 @@ def test_checkpoint_advice_is_cached_a_minute_and_its_absence_ten_seconds(db_url
     registry.get_sample_value(*interval)
     assert len(calls) == 2  # advice is kept a minute
     engine.dispose()
+
+
+def test_an_advisor_that_raises_leaves_the_scrape_whole(db_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A checkpoint advice that raised anything but ValueError (a MemoryError from a fitted Weibull
+    shape near 0) failed the whole scrape: every series of every run, and every alert with them."""
+    engine = db.make_engine(db_url)
+    maker = db.make_sessionmaker(engine)
+
+    def advice(_session, *, run_id: str, registration: dict) -> object:
+        raise MemoryError("Unable to allocate 46.3 GiB")
+
+    collector = TrainvitalsCollector(maker, Settings(db=db_url), clock=Clock(1000.0), checkpoint_advice=advice)
+    registry = make_registry(collector)
+    _store(maker, "c", ranks=1, steps=2)
+    assert registry.get_sample_value("trainvitals_run_latest_step", {"run": "c"}) == 1.0
+    assert registry.get_sample_value("trainvitals_checkpoint_recommended_interval_seconds", {"run": "c"}) is None
+    assert "checkpoint advice for run" in caplog.text and "MemoryError" in caplog.text
+    engine.dispose()

@@ -133,3 +133,47 @@ def test_raw_bursts_reject_but_incidents_do_not() -> None:
     assert 190 <= analysis.n_incidents <= 200 and analysis.cluster_factor >= 8.0
     assert analysis.radius_counts["rack"] >= 190  # two racks' bursts within 5 min read as "cluster"
     assert "cv" not in analysis.tests.rejected and "dispersion" not in analysis.tests.rejected
+
+
+def test_an_older_incident_still_in_its_domain_window_takes_a_later_event() -> None:
+    """The merge stopped at the newest group out of reach: rack r1's incident, which ends after
+    rack r2's started, missed an event of r1 inside its hour-long domain window."""
+    spec = [(0.0, "a", "r1"), (1000.0, "b", "r2"), (2000.0, "c", "r1"), (5000.0, "d", "r1")]
+    events = [FailureEvent(timestamp_s=t, ranks=(i,), nodes=(n,), domains=(("rack", r),))
+              for i, (t, n, r) in enumerate(spec)]  # fmt: skip
+    assert [(inc.start_s, inc.n_events) for inc in merge_incidents(events)] == [(0.0, 3), (1000.0, 1)]
+
+
+def test_the_node_of_an_event_without_nodes_is_its_host_or_node_tag() -> None:
+    """The collector's failure events name the agent's host in their domains, never in `nodes`:
+    every incident read as one node wide, so a tier that survives a node (peer RAM) looked safe
+    from incidents that took two racks."""
+    assert parse_event({"timestamp": 1.0, "domains": {"host": "n0"}}).nodes == ("n0",)
+    assert parse_event({"timestamp": 1.0, "nodes": ["n9"], "domains": {"node": "n0"}}).nodes == ("n9",)
+    events = [parse_event({"timestamp": 100.0 * H * k + dt, "ranks": [rank], "domains": {"node": node, "rack": rack}})
+              for k in range(6) for dt, rank, node, rack in ((0.0, 0, "n0", "r1"), (5.0, 64, "n8", "r2"))]  # fmt: skip
+    log = analyze_log(events, exposure_s=600 * H)
+    assert log.n_incidents == 6 and log.radius_counts == {"cluster": 6}
+
+
+def test_the_merge_window_defaults_to_the_known_restart_time() -> None:
+    """Without restart ends in the log, the window was 5 min whatever the restart time: a rank
+    and its NCCL-timeout victims 400 s later (one outage, a 600 s restart) counted twice."""
+    events = [parse_event({"timestamp": 48 * H * k + dt, "ranks": [rank]})
+              for k in range(5) for dt, rank in ((0.0, 3), (400.0, 0))]  # fmt: skip
+    assert analyze_log(events, exposure_s=240 * H).n_incidents == 10
+    assert analyze_log(events, exposure_s=240 * H, restart_s=600.0).n_incidents == 5
+
+
+def test_a_log_that_fits_a_shape_near_zero_still_gets_advice() -> None:
+    """Each outage logged as its first rank, then its NCCL-timeout victims 600 s later: the gaps
+    have two peaks and the Weibull shape fits near 0.1. The restart schedule's waste summed terms
+    out to a horizon of eta x 50^(1/shape): numpy asked for 46 GiB, a MemoryError from /metrics."""
+    rng = np.random.default_rng(7)
+    starts = np.cumsum(rng.exponential(12 * H, size=10))
+    events = [parse_event({"timestamp": float(t) + dt, "ranks": ranks})
+              for t in starts for dt, ranks in ((0.0, [3]), (600.0, [0, 1, 2]))]  # fmt: skip
+    log = analyze_log(events, exposure_s=float(starts[-1]) + 12 * H)
+    advice = advise_cadence(CadenceInputs(stall_s=60.0, log=log))
+    assert advice.shape < 0.5 and advice.schedule_s is not None and advice.schedule_gain is not None
+    assert 60.0 < advice.recommended_interval_s < advice.mtbf_s

@@ -121,3 +121,14 @@ def test_sharding_is_the_fastest_fitting_candidate() -> None:
     fitting = [r for r in rivals if r is not None and per_gpu_memory(r).fits]
     fastest = max(fitting, key=lambda r: plan(r).tokens_per_s)
     assert c.zero == fastest.parallelism.zero and len(fitting) == 3
+
+
+def test_useful_gpus_count_a_replicas_context_parallel_ranks() -> None:
+    """An 8B model at 128k tokens a sequence is laid out tp 8 x cp 2: at the critical batch (4
+    sequences, one per data-parallel replica) every one of the 64 GPUs is useful; CP was left out
+    of a replica's GPUs, which read 32."""
+    long = _model(layers=32, hidden=4096, heads=32, kv_heads=8, params=8e9, seq_len=131072)
+    rec = recommend(model=long, hardware=H100, gpus=64, critical_batch_tokens=4 * 131072)
+    c = rec.config
+    assert (c.tp, c.cp, c.dp, c.pp) == (8, 2, 4, 1)
+    assert rec.useful_gpus == 64

@@ -172,3 +172,19 @@ def test_replay_analyses_the_tail_a_dying_job_left_incomplete(db_url: str, tmp_p
     assert report.steps_reduced == 100
     nonfinite = [f for f in found if f["kind"] == "loss_nonfinite"]
     assert nonfinite and nonfinite[0]["onset_step"] == 90
+
+
+def test_a_replayed_recording_is_exposed_for_its_own_span_not_until_the_replay(db_url: str, tmp_path: Path) -> None:
+    """The checkpoint advisor's exposure ran from the run's start to when the collector last saw
+    it: for a recording replayed a month later, a month (and failures looked a month apart)."""
+    lines = [RunRegistration(run="old", parallelism={"world_size": 1}, started_at=1000.0).model_dump_json()]
+    records = [{"kind": "step", "step": s, "ts": 1000.0 + 10 * s, "step_seconds": 10.0} for s in range(1, 31)]
+    lines.append(json.dumps({"run": "old", "rank": 0, "incarnation": 1, "seq": 0, "records": records}))
+    path = tmp_path / "old.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    engine = db.make_engine(db_url)
+    with db.make_sessionmaker(engine)() as session:
+        report = replay_files(session, [str(path)], analyse=False)
+        _saves, _failures, exposure = queries.observed_cadence_inputs(session, run_id=report.runs[0])
+    engine.dispose()
+    assert exposure == 300.0
