@@ -60,22 +60,8 @@ def _dumps(obj: Any) -> str:
 
 # A file name that is not UTF-8 comes out of os.fsdecode with lone surrogates, which json.dumps
 # writes as \udcXX escapes: valid JSON, but no Unicode text, so the collector refused the whole
-# batch (and the rank's steps in it) for one checkpoint path. Looked for only when an escape of a
-# surrogate is in the encoded text (a pair, an emoji, is fine and stays).
-
-
-def _lone_surrogates(value: Any) -> bool:
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(value, dict):
-        return any(_lone_surrogates(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return any(_lone_surrogates(v) for v in value)
-    return False
+# batch (and the rank's steps in it) for one checkpoint path. Rewritten only when an escape of a
+# surrogate is in the encoded text (a pair, an emoji, comes through unchanged).
 
 
 def _as_utf8(value: Any) -> Any:
@@ -415,7 +401,7 @@ class BatchProcessor:
             if not records:
                 return None
             text = _dumps(records)
-            if "\\ud" in text and _lone_surrogates(records):
+            if "\\ud" in text:  # an escaped surrogate: re-encoded, which keeps a pair (an emoji) as it was
                 text = _dumps(_as_utf8(records))
             return text[1:-1], len(records)
         except Exception as exc:  # noqa: BLE001

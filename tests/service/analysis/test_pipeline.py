@@ -136,9 +136,9 @@ def test_a_generation_one_rank_failed_is_a_failed_save_whatever_the_others_recor
         saves = [{"kind": "checkpoint", "step": 3, "generation": 1, "status": "persisted", "ts": 103.5},
                  {"kind": "checkpoint", "step": 6, "generation": 2, "status": "failed" if rank else "persisted",
                   "ts": 106.5, **({"error": "rank 1: disk full"} if rank else {})}]  # fmt: skip
-        batch = _batch(rank, 0, range(10))
-        batches.store_batch(session, batch.model_copy(update={"records": [*batch.records, *Batch.model_validate(
-            {"run": "r", "rank": rank, "incarnation": 1, "seq": 1, "records": saves}).records]}))  # fmt: skip
+        batches.store_batch(session, _batch(rank, 0, range(10)))
+        batches.store_batch(session, Batch.model_validate({"run": "r", "rank": rank, "incarnation": 1, "seq": 1,
+                                                          "records": saves}))  # fmt: skip
     pipeline.process_run(session, queries.get_run(session, run_id="r"), now=200.0)
     failed = [f for f in queries.findings(session, run_id="r") if f["kind"] == "checkpoint_failed"]
     assert [(f["subject"], f["active"]) for f in failed] == [("2", True)]
