@@ -23,6 +23,7 @@ from typing import Any
 from trainvitals.service.advisors.hardware import GpuSpec, gpu_spec
 
 RECOMPUTE_MODES = ("none", "selective", "full")
+ATTENTION_KERNELS = ("fused", "eager")
 FRAMEWORKS = ("megatron", "fsdp")
 PARAMS_OVERRIDE_LIMIT = 10.0
 """An explicit `model.params` more than this factor off the architecture's count is refused."""
@@ -60,7 +61,7 @@ MODEL_KEYS = frozenset({
 })
 PARALLELISM_KEYS = frozenset({
     "gpus", "tp", "pp", "dp", "cp", "ep", "vpp", "zero", "micro_batch", "global_batch", "recompute",
-    "uneven_stages", "sequence_parallel", "overlap_dp_comm", "framework",
+    "uneven_stages", "sequence_parallel", "overlap_dp_comm", "framework", "attention",
 })
 HARDWARE_KEYS = frozenset({
     "gpu", "gpus", "gpus_per_node", "peak_tflops", "peak_fp8_tflops", "hbm_gib", "intra_node_gbps",
@@ -126,6 +127,11 @@ class ModelConfig:
         k_and_v = 2 * self.hidden * self.kv_heads * self.head_dim
         return q_and_o + k_and_v
 
+    def allows_tp(self, tp: int) -> bool:
+        """TP splits the query heads evenly, and the KV heads too or replicates each KV head on
+        tp/kv_heads ranks (GQA; the cost model's ring traffic assumes the same)."""
+        return self.heads % tp == 0 and (self.kv_heads % tp == 0 or tp % self.kv_heads == 0)
+
     @property
     def mlp_params_per_expert(self) -> int:
         return (3 if self.gated_mlp else 2) * self.hidden * self.ffn_hidden
@@ -142,6 +148,11 @@ class ModelConfig:
             + self.embedding_params
         )
         return 1.0 if self.params_override is None else self.params_override / counted
+
+    @property
+    def block_params(self) -> float:
+        """Parameters of one transformer block, all its experts included (scaled like params_total)."""
+        return self._scale * (self.attention_params_per_layer + self.experts * self.mlp_params_per_expert)
 
     @property
     def expert_params(self) -> float:
@@ -205,6 +216,9 @@ class ParallelismConfig:
     """Kernel/runtime stack, which sets the achieved GEMM efficiency: "megatron" (Megatron-LM, NeMo
     and similar 3D-parallel stacks with fused kernels) or "fsdp" (PyTorch FSDP/FSDP2 with DTensor
     TP: torchtitan, llm-foundry, KempnerForge)."""
+    attention: str = "fused"
+    """Attention kernel: "fused" (FlashAttention/SDPA: no s^2 score tensors are stored) or "eager"
+    (scores, softmax and dropout mask materialised, 5 a s^2 b bytes per layer kept without recompute)."""
 
     def __post_init__(self) -> None:
         if self.tp * self.cp * self.pp * self.dp != self.gpus:
@@ -220,6 +234,10 @@ class ParallelismConfig:
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(
                 f"parallelism.recompute: must be one of {RECOMPUTE_MODES}, got {self.recompute!r}"
+            )
+        if self.attention not in ATTENTION_KERNELS:
+            raise ValueError(
+                f"parallelism.attention: must be one of {ATTENTION_KERNELS}, got {self.attention!r}"
             )
         if self.global_batch % (self.micro_batch * self.dp):
             raise ValueError(
@@ -312,8 +330,10 @@ def _section(
     data: Mapping[str, Any], name: str, aliases: Mapping[str, str], known: frozenset[str], strict: bool
 ) -> dict[str, Any]:
     raw = data.get(name)
+    if raw is None:
+        raise ValueError(f"{name}: missing (a mapping of keys to values)")
     if not isinstance(raw, Mapping):
-        raise ValueError(f"{name}: missing or not a mapping")
+        raise ValueError(f"{name}: must be a mapping of keys to values, got {raw!r}")
     out: dict[str, Any] = {}
     for key, value in raw.items():
         canonical = aliases.get(key, key)
@@ -450,8 +470,8 @@ def _zero(sec: dict[str, Any]) -> int:
 
 def default_zero(*, tp: int, pp: int, cp: int, dp: int) -> tuple[int, str]:
     """The sharding large runs use when the config does not say (and why)."""
-    if dp == 1:
-        return 0, "one data-parallel replica: nothing to shard"
+    if dp * cp == 1:  # ZeRO shards over the data- and context-parallel ranks together
+        return 0, "one data-parallel replica without CP: nothing to shard"
     if tp * pp * cp > 1:
         return 1, "Megatron-LM/NeMo practice with model parallelism: distributed optimizer"
     return 3, "pure data parallelism: PyTorch FSDP is the usual stack"
@@ -468,14 +488,45 @@ def default_vpp(*, layers: int, pp: int, micro_batches: int) -> tuple[int, str]:
     return v, f"interleaved 1F1B, {per_stage // v} layers per virtual stage"
 
 
+def hardware_gpus(data: Mapping[str, Any]) -> int | None:
+    """`hardware.gpus` (alias `count`) when given: the world size a registration may state there."""
+    raw = data.get("hardware")
+    if not isinstance(raw, Mapping):
+        return None
+    # The later of two names wins, as in _section.
+    sec: dict[str, Any] = {HARDWARE_ALIASES.get(str(key), str(key)): value for key, value in raw.items()}
+    return _int(sec, "hardware", "gpus") if sec.get("gpus") is not None else None
+
+
+def _world_size(sec: dict[str, Any], hw_gpus: int | None) -> int:
+    gpus = _int(sec, "parallelism", "gpus", hw_gpus)
+    if hw_gpus is not None and gpus != hw_gpus:
+        raise ValueError(
+            f"hardware.gpus: {hw_gpus} != parallelism.gpus: {gpus}; give the world size once, or the same in both"
+        )
+    return gpus
+
+
+def parse_recompute(sec: dict[str, Any]) -> str:
+    recompute = sec.get("recompute")
+    if recompute is None:
+        return "selective"
+    if not isinstance(recompute, str):
+        raise ValueError(f"parallelism.recompute: must be a string, got {recompute!r}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"parallelism.recompute: must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    return recompute
+
+
 def parse_parallelism(
-    data: Mapping[str, Any], model: ModelConfig, *, strict: bool = True, gpus_fallback: int | None = None
+    data: Mapping[str, Any], model: ModelConfig, *, strict: bool = True, hw_gpus: int | None = None
 ) -> tuple[ParallelismConfig, tuple[str, ...]]:
-    """The layout and the defaults it took for unstated fields ("key: value (why)")."""
+    """The layout and the defaults it took for unstated fields ("key: value (why)"); `hw_gpus` is
+    hardware.gpus, which stands in for parallelism.gpus and must agree with it."""
     sec = _section(data, "parallelism", PARALLELISM_ALIASES, PARALLELISM_KEYS, strict)
     p = "parallelism"
     defaults: list[str] = []
-    gpus = _int(sec, p, "gpus", gpus_fallback)
+    gpus = _world_size(sec, hw_gpus)
     tp, pp, cp = _int(sec, p, "tp", 1), _int(sec, p, "pp", 1), _int(sec, p, "cp", 1)
     if gpus % (tp * pp * cp):
         raise ValueError(f"parallelism.gpus: {gpus} is not divisible by tp*pp*cp = {tp * pp * cp}")
@@ -483,6 +534,11 @@ def parse_parallelism(
     ep = _int(sec, p, "ep", 1)
     if model.heads % tp:
         raise ValueError(f"parallelism.tp: {tp} does not divide model.heads={model.heads}")
+    if not model.allows_tp(tp):
+        raise ValueError(
+            f"parallelism.tp: {tp} neither divides nor is a multiple of model.kv_heads={model.kv_heads} "
+            "(each rank needs whole KV heads, or each KV head replicated on tp/kv_heads ranks)"
+        )
     if pp > model.layers:
         raise ValueError(f"parallelism.pp: {pp} exceeds model.layers={model.layers}")
     if model.experts % ep:
@@ -495,11 +551,16 @@ def parse_parallelism(
     if "global_batch" not in sec:
         defaults.append(f"global_batch: {micro * dp} (one micro-batch per data-parallel rank)")
     global_batch = _int(sec, p, "global_batch", micro * dp)
-    recompute = sec.get("recompute", "selective")
-    if "recompute" not in sec:
+    recompute = parse_recompute(sec)
+    if sec.get("recompute") is None:
         defaults.append("recompute: selective (Megatron default with sequence parallelism)")
-    if not isinstance(recompute, str):
-        raise ValueError(f"parallelism.recompute: must be a string, got {recompute!r}")
+    attention = sec.get("attention")
+    if attention is None:
+        attention = "fused"
+        if recompute == "none":
+            defaults.append("attention: fused (FlashAttention/SDPA, every current stack: no s^2 score tensors kept)")
+    if not isinstance(attention, str):
+        raise ValueError(f"parallelism.attention: must be a string, got {attention!r}")
     if "zero" in sec and sec["zero"] is not None:
         zero = _zero(sec)
     else:
@@ -546,8 +607,39 @@ def parse_parallelism(
         sequence_parallel=sequence_parallel,
         overlap_dp_comm=overlap,
         framework=framework,
+        attention=attention,
     )
     return config, tuple(defaults)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class RecommendTarget:
+    """What the recommender reads of a parallelism section; the layout keys (tp, pp, ...) it chooses
+    itself are accepted and ignored, so a plan config can be given unchanged."""
+
+    gpus: int
+    """GPUs to lay out (parallelism.gpus, or hardware.gpus)."""
+    micro_batch: int = 1
+    """Sequences per micro-batch."""
+    global_batch: int | None = None
+    """Target sequences per step; None: the critical batch."""
+    recompute: str = "selective"
+    """Activation recomputation of every candidate."""
+
+
+def parse_recommend_parallelism(data: Mapping[str, Any]) -> RecommendTarget:
+    """The recommender's inputs, checked as strictly as `parse_parallelism` checks a plan's."""
+    hw_gpus = hardware_gpus(data)
+    sec = {} if data.get("parallelism") is None else _section(
+        data, "parallelism", PARALLELISM_ALIASES, PARALLELISM_KEYS, strict=True
+    )
+    p = "parallelism"
+    return RecommendTarget(
+        gpus=_world_size(sec, hw_gpus),
+        micro_batch=_int(sec, p, "micro_batch", 1),
+        global_batch=_int(sec, p, "global_batch") if sec.get("global_batch") is not None else None,
+        recompute=parse_recompute(sec),
+    )
 
 
 def parse_plan_input(data: Mapping[str, Any], *, strict: bool = True) -> PlanInput:
@@ -562,8 +654,5 @@ def parse_plan_input(data: Mapping[str, Any], *, strict: bool = True) -> PlanInp
             )
     model = parse_model(data, strict=strict)
     hardware = parse_hardware(data, strict=strict)
-    hw_gpus = data["hardware"].get("gpus", data["hardware"].get("count"))
-    parallelism, defaults = parse_parallelism(
-        data, model, strict=strict, gpus_fallback=hw_gpus if isinstance(hw_gpus, int) else None
-    )
+    parallelism, defaults = parse_parallelism(data, model, strict=strict, hw_gpus=hardware_gpus(data))
     return PlanInput(model=model, parallelism=parallelism, hardware=hardware, defaults=defaults)

@@ -7,7 +7,9 @@ outgrow the weights (seed 003's 128K case); EP for sparse (MoE) models; PP acros
 alone cannot hold the weights, with degrees that divide the layers first (uneven stages, and their
 cost, only when none fits); data parallelism takes whatever GPUs remain. Within a rung the sharding
 (ZeRO-1/2/3) and interleaving are the fastest fitting candidates by the cost model's own step time,
-not a fixed rule. Memory is checked against the usable share of HBM (75% by default, seed 001).
+not a fixed rule. A layout that fits but is bound by exposed data-parallel traffic is held while the
+ladder climbs on, and the fastest of the held and final layouts is the answer. Memory is checked
+against the usable share of HBM (75% by default, seed 001).
 
     >>> from trainvitals.service.advisors.model_config import parse_model, parse_hardware
     >>> cfg = {"model": {"layers": 32, "hidden": 4096, "heads": 32, "vocab": 32000, "seq_len": 4096,
@@ -34,6 +36,7 @@ from trainvitals.service.advisors.model_config import (
     default_vpp,
     parse_hardware,
     parse_model,
+    parse_recommend_parallelism,
 )
 
 STATIC_BYTES_PER_PARAM = BYTES_PARAM + BYTES_GRAD + BYTES_OPTIM  # 16 for bf16 + AdamW
@@ -227,6 +230,27 @@ def _climb(
     def best(*, tp: int = 1, cp: int = 1) -> _Choice:
         return _best((layout(tp=tp, cp=cp, zero=z) for z in (1, 2, 3)), calibration, headroom)
 
+    # A layout that fits but whose binding wall is exposed data-parallel traffic (FSDP gathering a
+    # big model across nodes every micro-batch) is held, and the ladder climbs on: the next axis
+    # (TP, PP) shrinks that traffic. The fastest held or final layout is the answer.
+    held: list[tuple[float, PlanInput]] = []
+
+    def settle(choice: _Choice) -> PlanInput | None:
+        """The answer when the ladder stops at this choice, None to climb on."""
+        assert choice.layout is not None
+        _note_choice(steps, choice)
+        result = plan(choice.layout, calibration)
+        if result.binding_wall != "dp_comm":
+            return _fastest(held, (result.tokens_per_s, choice.layout), steps)
+        held.append((result.tokens_per_s, choice.layout))
+        steps.append(LadderStep(
+            wall="exposed DP traffic",
+            axis="(climb on)",
+            detail=f"{result.step.dp_comm_exposed_s:.2f} s of {result.step.total_s:.2f} s per step waits on "
+            "data-parallel traffic; the next axis may shrink it",
+        ))
+        return None
+
     if static <= usable:
         choice = _best((layout(zero=z) for z in (0, 1)), calibration)
         if choice.layout is not None:
@@ -250,12 +274,11 @@ def _climb(
         )
         return None, steps
     choice = best()
-    if choice.layout is not None:
-        _note_choice(steps, choice)
-        return choice.layout, steps
+    if choice.layout is not None and (answer := settle(choice)) is not None:
+        return answer, steps
 
-    # TP: the largest head-dividing degree that stays inside one node.
-    tp = max(d for d in _divisors(gpus, hardware.gpus_per_node) if model.heads % d == 0)
+    # TP: the largest degree that splits the heads (KV heads whole or replicated) inside one node.
+    tp = max(d for d in _divisors(gpus, hardware.gpus_per_node) if model.allows_tp(d))
     fsdp = layout(zero=3)
     working = per_gpu_memory(fsdp) if fsdp is not None else None
     steps.append(
@@ -268,9 +291,8 @@ def _climb(
         )
     )
     choice = best(tp=tp)
-    if choice.layout is not None:
-        _note_choice(steps, choice)
-        return choice.layout, steps
+    if choice.layout is not None and (answer := settle(choice)) is not None:
+        return answer, steps
 
     # CP: a long sequence whose activations, not weights, fill the GPU (seed 003's 128K case).
     cps = [1]
@@ -291,7 +313,7 @@ def _climb(
             choice = best(tp=tp, cp=cp)
             if choice.layout is not None:
                 _note_choice(steps, choice)
-                return choice.layout, steps
+                return _fastest(held, (plan(choice.layout, calibration).tokens_per_s, choice.layout), steps), steps
 
     ep_options = [1]
     if model.experts > 1:
@@ -320,8 +342,10 @@ def _climb(
                         LadderStep(
                             wall="weights > TP alone",
                             axis="+ PP",
-                            detail=f"tp={tp} still needs {_gib(at_tp.tenants)} per GPU "
-                            f"(weights {_gib(at_tp.params)})",
+                            detail=(f"tp={tp} fits, but every data-parallel rank moves its weights each "
+                                    "micro-batch; PP divides them" if held else
+                                    f"tp={tp} still needs {_gib(at_tp.tenants)} per GPU "
+                                    f"(weights {_gib(at_tp.params)})"),
                         )
                     )
                     pp_step_added = True
@@ -331,6 +355,9 @@ def _climb(
                 if choice.layout is None:
                     continue
                 _note_choice(steps, choice)
+                final = (plan(choice.layout, calibration).tokens_per_s, choice.layout)
+                if held and _fastest(held, final, []) is not choice.layout:
+                    return _fastest(held, final, steps), steps
                 if model.layers % pp:
                     fullest = -(-model.layers // pp)
                     steps.append(
@@ -342,7 +369,22 @@ def _climb(
                         )
                     )
                 return choice.layout, steps
-    return None, steps
+    return (_fastest(held[:-1], held[-1], steps) if held else None), steps
+
+
+def _fastest(held: list[tuple[float, PlanInput]], final: tuple[float, PlanInput], steps: list[LadderStep]
+             ) -> PlanInput:
+    """The fastest of the held layouts and the final one; a step says when a held one wins."""
+    tokens, chosen = max([*held, final], key=lambda tc: tc[0])
+    if chosen is not final[1]:
+        c = chosen.parallelism
+        steps.append(LadderStep(
+            wall="exposed DP traffic",
+            axis="kept the faster layout",
+            detail=f"tp={c.tp} pp={c.pp} dp={c.dp} {_shard_name(c.zero)}: {tokens:,.0f} tok/s vs "
+            f"{final[0]:,.0f} tok/s one rung up",
+        ))
+    return chosen
 
 
 def recommend(
@@ -426,18 +468,15 @@ def recommend_from_config(
 ) -> Recommendation:
     """`recommend` from a plan-config dict (model / parallelism / hardware keys), as the CLI's
     `plan --recommend` and the HTTP API take it; ValueError names a bad or missing key."""
-    par = data.get("parallelism") or {}
-    gpus = par.get("gpus", par.get("world_size", (data.get("hardware") or {}).get("gpus")))
-    if not isinstance(gpus, int):
-        raise ValueError("parallelism.gpus: required (an integer) for a recommendation")
     model = parse_model(data)
-    global_batch = par.get("global_batch")
+    hardware = parse_hardware(data)
+    target = parse_recommend_parallelism(data)
     return recommend(
         model=model,
-        hardware=parse_hardware(data),
-        gpus=gpus,
-        micro_batch=int(par.get("micro_batch", 1)),
-        global_batch_tokens=global_batch * model.seq_len if global_batch else None,
-        recompute=str(par.get("recompute", "selective")),
+        hardware=hardware,
+        gpus=target.gpus,
+        micro_batch=target.micro_batch,
+        global_batch_tokens=target.global_batch * model.seq_len if target.global_batch else None,
+        recompute=target.recompute,
         critical_batch_tokens=critical_batch_tokens,
     )

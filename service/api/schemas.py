@@ -534,6 +534,8 @@ class ParallelismSection(_Section):
     """Data-parallel traffic overlapped with backward/forward; default true."""
     framework: Literal["megatron", "fsdp"] | None = None
     """The training stack whose efficiency applies; default from the layout."""
+    attention: Literal["fused", "eager"] | None = None
+    """Attention kernel: fused (FlashAttention/SDPA, stores no s^2 scores) or eager; default fused."""
 
 
 class HardwareSection(_Section):
@@ -574,7 +576,8 @@ class PlanRequest(_Request):
 class RecommendParallelism(_Request):
     """What the recommender reads of a parallelism section; other keys (tp, pp, ...) are ignored,
     so the body of `POST /v1/plan` can be sent as it is. Of the aliases only world_size is read
-    (for gpus), as `recommend_from_config` does."""
+    (for gpus); `recommend_from_config` itself reads them all and refuses unknown keys, which this
+    model has already dropped."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 

@@ -51,6 +51,41 @@ def test_plan_recommend(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert out["ladder"][-1]["wall"] == "weights/GPU" and out["mfu"]["predicted"] > 0
 
 
+SMALL = {"model": {"layers": 32, "hidden": 4096, "heads": 32, "vocab": 32000, "seq_len": 4096, "params": 7e9},
+         "hardware": {"gpu": "H100-SXM"}}
+
+
+@pytest.mark.parametrize(("parallelism", "message"), [
+    ({"gpus": 8, "micro_batch": 0}, "parallelism.micro_batch: must be >= 1, got 0"),
+    ({"gpus": 8, "micro_batch": -2}, "parallelism.micro_batch: must be >= 1, got -2"),
+    ({"gpus": 8, "global_batch": "512"}, "parallelism.global_batch: must be an integer, got '512'"),
+    ({"gpus": 8, "recompute": "most"}, "parallelism.recompute: must be one of"),
+    ({"gpus": 8, "bogus": 1}, "parallelism.bogus: unknown key"),
+    ([8], "parallelism: must be a mapping of keys to values, got [8]"),
+    ({"gpus": 0}, "parallelism.gpus: must be >= 1, got 0"),
+])
+def test_plan_recommend_refuses_bad_input_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], parallelism: object, message: str
+) -> None:
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({**SMALL, "parallelism": parallelism}))
+    assert main(["plan", "--config", str(path), "--recommend"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"trainvitals plan: {message}") and err.count("\n") == 1
+
+
+def test_plan_recommend_takes_null_as_unset_and_checks_the_gpu_counts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({**SMALL, "parallelism": {"gpus": 8, "micro_batch": None, "tp": 2}}))
+    assert main(["plan", "--config", str(path), "--recommend", "--json"]) == 0  # tp: a plan key, taken and not read
+    assert json.loads(capsys.readouterr().out)["config"]["micro_batch"] == 1
+    path.write_text(json.dumps({**SMALL, "parallelism": {"gpus": 8}, "hardware": {"gpu": "H100-SXM", "gpus": 16}}))
+    assert main(["plan", "--config", str(path), "--recommend"]) == 2
+    assert "hardware.gpus: 16 != parallelism.gpus: 8" in capsys.readouterr().err
+
+
 def test_advise_with_mtbf_and_tiers(capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["advise", "--json", "--stall-s", "60", "--mtbf-h", "4", "--sdc-latency-h", "1",
                "--risk", "0.05", "--tier", "peer_ram:5:node", "--tier", "pfs:60:cluster",

@@ -137,3 +137,50 @@ def test_explicit_hardware_overrides_table() -> None:
     del cfg["hardware"]["hbm_gib"]
     with pytest.raises(ValueError, match=r"hardware\.gpu: required unless"):
         parse_plan_input(cfg)
+
+
+def test_tp_must_split_the_kv_heads_or_replicate_them() -> None:
+    # GQA: each TP rank holds whole KV heads, or a KV head is replicated on tp/kv_heads ranks.
+    cfg = _cfg(gpus=6, tp=3)
+    cfg["model"].update(hidden=6144, heads=48, kv_heads=8)
+    with pytest.raises(ValueError, match=r"parallelism\.tp: 3 neither divides nor is a multiple of model\.kv_heads=8"):
+        parse_plan_input(cfg)
+    cfg["parallelism"] = {"gpus": 16, "tp": 16}  # 16 = 2 x 8: each KV head on two ranks
+    assert parse_plan_input(cfg).parallelism.tp == 16
+    cfg["parallelism"] = {"gpus": 8, "tp": 4}
+    assert parse_plan_input(cfg).parallelism.tp == 4
+
+
+def test_hardware_and_parallelism_gpus_must_agree() -> None:
+    cfg = _cfg(gpus=8)
+    cfg["hardware"]["gpus"] = 16
+    with pytest.raises(ValueError, match=r"hardware\.gpus: 16 != parallelism\.gpus: 8"):
+        parse_plan_input(cfg)
+    with pytest.raises(ValueError, match=r"hardware\.gpus: 16 != parallelism\.gpus: 8"):
+        parse_plan_input(cfg, strict=False)
+    cfg["hardware"]["gpus"] = 8
+    assert parse_plan_input(cfg).parallelism.gpus == 8
+    del cfg["parallelism"]["gpus"]
+    assert parse_plan_input(cfg).parallelism.gpus == 8  # hardware.gpus stands in for it
+    cfg["hardware"]["gpus"] = "8"
+    with pytest.raises(ValueError, match=r"hardware\.gpus: must be an integer, got '8'"):
+        parse_plan_input(cfg)
+
+
+def test_default_zero_shards_over_context_parallel_ranks() -> None:
+    # dp = 1 but cp = 2: ZeRO shards over dp*cp, so there is a group to shard over.
+    p = parse_plan_input(_cfg(gpus=2, cp=2))
+    assert p.parallelism.zero == 1 and not any("nothing to shard" in d for d in p.defaults)
+    alone = parse_plan_input(_cfg(gpus=8, tp=8))
+    assert alone.parallelism.zero == 0 and any("nothing to shard" in d for d in alone.defaults)
+
+
+def test_attention_kernel_key() -> None:
+    assert parse_plan_input(_cfg()).parallelism.attention == "fused"
+    none = parse_plan_input(_cfg(recompute="none"))
+    assert any(d.startswith("attention: fused (") for d in none.defaults)
+    assert parse_plan_input(_cfg(attention="eager")).parallelism.attention == "eager"
+    with pytest.raises(ValueError, match=r"parallelism\.attention: must be one of \('fused', 'eager'\), got 'flash'"):
+        parse_plan_input(_cfg(attention="flash"))
+    with pytest.raises(ValueError, match=r"parallelism\.attention: must be a string, got 1"):
+        parse_plan_input(_cfg(attention=1))

@@ -4,7 +4,12 @@ import dataclasses
 
 import pytest
 
-from trainvitals.service.advisors.memory import min_gpus_to_hold, per_gpu_memory, training_step_bytes
+from trainvitals.service.advisors.memory import (
+    activation_bytes_per_layer,
+    min_gpus_to_hold,
+    per_gpu_memory,
+    training_step_bytes,
+)
 from trainvitals.service.advisors.model_config import parse_plan_input
 
 GB, GIB = 1e9, 1024**3
@@ -55,11 +60,34 @@ def _plan(**par: object) -> dict:
 
 
 def test_seed000_rung2_per_gpu_numbers() -> None:
-    # tp=8, dp=32 FSDP: gathered weights 2*70e9/8 = 17.5 GB, sharded state 16*70e9/256 = 4.375 GB.
+    # tp=8, dp=32 FSDP, sharded state 16*70e9/256 = 4.375 GB. Seed 000 adds the whole model's bf16
+    # weights gathered (2*70e9/8 = 17.5 GB): FSDP without resharding after forward. FSDP's default
+    # (per-block units, reshard after forward, one block prefetched) holds two blocks and the root
+    # unit (embedding + output head) gathered.
+    counted = 80 * (2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672) + 2 * 32000 * 8192
+    root = 70e9 * 2 * 32000 * 8192 / counted
+    block = (70e9 - root) / 80
     mem = per_gpu_memory(parse_plan_input(_plan(tp=8, zero="fsdp")))
-    assert mem.params == pytest.approx(17.5e9 + 2 * 70e9 / 256)
+    assert mem.params == pytest.approx(2 * (2 * block + root) / 8 + 2 * 70e9 / 256)
+    assert mem.params < 17.5e9 / 4  # seed 000's no-reshard bound
     assert mem.grads + mem.optimizer == pytest.approx(14 * 70e9 / 256)
     assert mem.fits and mem.overhead == pytest.approx(0.25 * 80 * GIB)
+
+
+def test_fsdp_under_pipeline_keeps_the_stage_gathered() -> None:
+    # With PP, torchtitan (and Llama 3) do not reshard after forward: the stage stays gathered across
+    # micro-batches, as the cost model charges it (one gather per step).
+    piped = parse_plan_input(_plan(tp=8, pp=4, vpp=1, zero="fsdp", global_batch=256))
+    assert per_gpu_memory(piped).params == pytest.approx(2 * piped.stage_params + 2 * 70e9 / 256)
+
+
+@pytest.mark.parametrize("par", [{"gpus": 8, "tp": 8}, {"gpus": 16, "tp": 8, "pp": 2, "global_batch": 8},
+                                 {"gpus": 1}])
+def test_zero_without_a_shard_group_counts_like_ddp(par: dict) -> None:
+    # dp*cp = 1: there is no group to shard over; weights must not be counted twice at ZeRO-3.
+    ddp = per_gpu_memory(parse_plan_input(_plan(**par, zero=0)))
+    for z in (1, 2, "fsdp"):
+        assert per_gpu_memory(parse_plan_input(_plan(**par, zero=z))) == ddp
 
 
 def test_zero_stages_shard_progressively() -> None:
@@ -71,7 +99,21 @@ def test_zero_stages_shard_progressively() -> None:
 def test_recompute_modes_order_activations() -> None:
     acts = {mode: per_gpu_memory(parse_plan_input(_plan(tp=8, recompute=mode))).activations
             for mode in ("none", "selective", "full")}
-    assert acts["none"] > acts["selective"] > acts["full"]
+    # Fused attention (the default) keeps no s^2 score tensors: nothing is left for selective to drop.
+    assert acts["none"] == acts["selective"] > acts["full"]
+    eager = parse_plan_input(_plan(tp=8, recompute="none", attention="eager"))
+    # Korthikanti's 5 a s^2 b bytes per layer (heads and sequence as on this GPU), 80 layers, one micro-batch.
+    assert per_gpu_memory(eager).activations - acts["none"] == pytest.approx(5 * 64 / 8 * 8192**2 * 80)
+
+
+def test_full_recompute_without_sequence_parallelism_keeps_whole_inputs() -> None:
+    # Without SP every TP rank holds each layer's whole input; with SP a 1/tp slice of it.
+    b_s_h = 8192 * 8192
+    sp = parse_plan_input(_plan(tp=8, recompute="full"))
+    no_sp = parse_plan_input(_plan(tp=8, recompute="full", sequence_parallel=False))
+    assert activation_bytes_per_layer(sp) == 2 * b_s_h / 8
+    assert activation_bytes_per_layer(no_sp) == 2 * b_s_h
+    assert per_gpu_memory(no_sp).activations > per_gpu_memory(sp).activations + 79 * 2 * b_s_h * 7 / 8
 
 
 def test_pipeline_keeps_first_stage_activations() -> None:
