@@ -217,12 +217,21 @@ class Agent:
             self._pending_grads = self._grads.compute()
 
     @guarded()
-    def grads_ready(self) -> None:
+    def grads_ready(self, *, loss_scale: torch.Tensor | None = None) -> None:
         """Measure gradient norms now. Call it where gradients are final when that is not at
         optimizer.step() entry: closure-based optimizers (LBFGS, Lightning), or before clipping to
-        report pre-clip group norms. The optimizer hook then does not measure again this step."""
-        if self._grads is not None:
-            self._pending_grads = self._grads.compute()
+        report pre-clip group norms. The optimizer hook then does not measure again this step.
+
+        loss_scale: the gradients still hold a loss scaler's factor (fp16 with an optimizer that
+        unscales inside its own step, e.g. a fused Adam): the scaler's scale tensor
+        (`GradScaler._scale`). The norms are divided by it on the device: no sync."""
+        if self._grads is None:
+            return
+        grads = self._grads.compute()
+        if grads is not None and loss_scale is not None:
+            # float32 first: a scaled fp16 norm may already be past fp16's range.
+            grads = GradNorms(grads.norms.float() / loss_scale.to(grads.norms.device), grads.decode)
+        self._pending_grads = grads
 
     def clip_grad_norm_(
         self,
@@ -657,7 +666,7 @@ class NoopAgent:
     ) -> None:
         return None
 
-    def grads_ready(self) -> None:
+    def grads_ready(self, *, loss_scale: torch.Tensor | None = None) -> None:
         return None
 
     def clip_grad_norm_(

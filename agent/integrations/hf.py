@@ -5,9 +5,14 @@ Importing this module imports transformers; `trainvitals.agent` itself never doe
 
 from __future__ import annotations
 
+import atexit
+import functools
 import inspect
 import os
+import re
+import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -102,6 +107,18 @@ class TrainvitalsCallback(TrainerCallback):
     lr (the one this step used), tokens (when `include_num_input_tokens_seen` is on; HF counts them
     over all ranks, so the per-rank figure is that count / world size), loss and grad_norm.
 
+    Gradient norms, pre-clip at every step: grad_norm is the total HF's clip returns (the norm HF
+    logs, taken every step as the device tensor it is, not only at logging steps), and the
+    per-group norms are measured right after accelerate unscales the gradients for that clip,
+    before it clips them (`Accelerator.unscale_gradients`, which accelerate calls only there; both
+    wrapped on the Trainer's accelerator while attached, HF's behaviour unchanged). Until
+    2026-12-04 the group norms were taken at optimizer.step, after the clip (never above
+    max_grad_norm), while grad_norm came from HF's logs at logging steps only: the collector's
+    series, which prefers the job's own norm, jumped from ~max_grad_norm to the pre-clip norm at
+    each logged step. Where HF clips without accelerate's clip (DTensor gradients on several
+    meshes, SageMaker MP) or no Trainer is found, records carry no grad_norm and the group norms
+    are the optimizer step's (post-clip).
+
     Loss: every step's, at any logging interval: the per-step difference of the trainer's
     on-device loss accumulator (a tensor, no sync; the agent copies it asynchronously). HF hands
     callbacks the model and optimizer but not the trainer, so the callback finds the Trainer whose
@@ -114,7 +131,12 @@ class TrainvitalsCallback(TrainerCallback):
     Also: a `resume` event when training starts from a checkpoint, a checkpoint generation per
     `checkpoint-N` directory the Trainer saves (its stall: from the Trainer's last callback before
     the save, an evaluation excluded, to on_save; recorded deleted once `save_total_limit` removes
-    it), and close() (flush, hooks removed) at the end of training.
+    it; a search trial's at its own `run-N` directory; a `checkpoint-N` the Trainer writes without
+    on_save, enable_jit_checkpoint's on SIGTERM, at the end of train(), without a stall), and
+    close() (flush, hooks removed) at the end of training. HF calls no callback when
+    train() raises; a process that ends while train() runs (an uncaught exception, SystemExit,
+    SIGTERM) records the pending step and a `failure` event at interpreter exit, before the agent's
+    own exit pass delivers them.
     """
 
     def __init__(
@@ -148,6 +170,12 @@ class TrainvitalsCallback(TrainerCallback):
         # When the Trainer's last callback before a save ended (on_step_end, on_log, on_evaluate):
         # on_save comes right after the save, so the difference is the save's stall.
         self._before_save: float | None = None
+        self._job_norm: Any = None  # this step's total as HF's clip returned it (a device tensor)
+        self._measured = False  # the group norms of this step were measured (pre-clip)
+        self._wrapped: list[tuple[Any, str, Callable[..., Any]]] = []  # (accelerator, name, wrapper)
+        self._recorded: set[str] = set()  # checkpoint directories recorded in this train(), absolute
+        self._began_at = 0.0  # time.time() at on_train_begin
+        self._first_step = 0  # state.global_step at on_train_begin
 
     # ------------------------------------------------------------------ attach / close
 
@@ -166,6 +194,8 @@ class TrainvitalsCallback(TrainerCallback):
             registration=_merge(_auto_registration(args), self.registration),
         )
         self._attached = True
+        atexit.register(self._at_exit)  # after attach()'s own: runs before the agent's exit pass
+        self._wrap_clipping()
         if state.global_step > 0:
             # The Trainer restored its state from a checkpoint. Prefer the agent's own resume API
             # when this agent version has it (same `resume` event, and it knows the step counter).
@@ -184,6 +214,66 @@ class TrainvitalsCallback(TrainerCallback):
             self._emit()
             self.agent.close()
         self._attached = False
+        atexit.unregister(self._at_exit)
+        for accelerator, name, wrapper in self._wrapped:
+            if vars(accelerator).get(name) is wrapper:
+                delattr(accelerator, name)  # the class's method again
+        self._wrapped = []
+
+    @guarded()
+    def _at_exit(self) -> None:
+        """Interpreter exit while train() runs (it raised, or SystemExit/SIGTERM ended it): HF calls
+        no callback then. The pending step and a failure event go to the agent before its exit pass."""
+        if self._attached and self.agent is not None:
+            self._emit()
+            exc = getattr(sys, "last_value", None)  # set by Python for an uncaught exception
+            detail = (
+                f"{type(exc).__name__}: {exc}"[:4096]
+                if exc is not None
+                else "the process ended during transformers Trainer.train() (no exception reached the top)"
+            )
+            self.agent.event("failure", detail=detail)
+        self._close()
+
+    # ------------------------------------------------------------------ gradient norms, pre-clip
+
+    def _wrap_clipping(self) -> None:
+        """Wrap the Trainer's accelerator's `unscale_gradients` (measure after it) and
+        `clip_grad_norm_` (keep its result) on the instance; `_close` removes both."""
+        accelerator = getattr(self._trainer, "accelerator", None)
+        if accelerator is None:
+            return
+        for name, wrap in (("unscale_gradients", self._measuring), ("clip_grad_norm_", self._keeping)):
+            original = getattr(accelerator, name, None)
+            if callable(original):
+                wrapper = wrap(original)
+                setattr(accelerator, name, wrapper)
+                self._wrapped.append((accelerator, name, wrapper))
+
+    def _measuring(self, unscale: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(unscale)
+        def unscale_gradients(*args: Any, **kwargs: Any) -> Any:
+            result = unscale(*args, **kwargs)  # HF's and accelerate's errors stay theirs
+            self._grads_unscaled()
+            return result
+
+        return unscale_gradients
+
+    def _keeping(self, clip: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(clip)
+        def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+            total = clip(*args, **kwargs)
+            self._job_norm = total  # the pre-clip total, a device tensor: read back by the agent, no sync
+            return total
+
+        return clip_grad_norm_
+
+    @guarded()
+    def _grads_unscaled(self) -> None:
+        # The first unscale of the step is the clip's: the gradients are final and not yet clipped.
+        if self._attached and self.agent is not None and not self._measured:
+            self._measured = True
+            self.agent.grads_ready()  # one _foreach_norm, as the optimizer hook would have run: no sync
 
     # ------------------------------------------------------------------ step records
 
@@ -220,6 +310,7 @@ class TrainvitalsCallback(TrainerCallback):
         self._tokens_seen = state.num_input_tokens_seen
         self._last_logged_step = state.global_step
         self._loss_mark = None
+        self._recorded, self._began_at, self._first_step = set(), time.time(), state.global_step
         self._attach(args, state, kwargs.get("optimizer"))
 
     @guarded()
@@ -227,6 +318,7 @@ class TrainvitalsCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._emit()
+        self._job_norm, self._measured = None, False
         if not self._attached:
             self._attach(args, state, kwargs.get("optimizer"))
         # The scheduler stepped at the end of the previous step, so this is the lr this step uses
@@ -247,9 +339,12 @@ class TrainvitalsCallback(TrainerCallback):
         loss = self._tracked_loss()
         if loss is not None:
             pending["loss"] = loss
+        if self._job_norm is not None:
+            pending["grad_norm"] = self._job_norm
+        self._job_norm = None
         self._pending = pending
         # DefaultFlowCallback ran before us and decided whether HF logs this step; if it does, the
-        # log (loss, grad_norm) follows right away in on_log, before any eval or save.
+        # log (loss) follows right away in on_log, before any eval or save.
         if not control.should_log:
             self._emit()
         self._before_save = time.perf_counter()
@@ -268,8 +363,8 @@ class TrainvitalsCallback(TrainerCallback):
         if pending is not None and pending["step"] == state.global_step and "loss" in logs:
             if "loss" not in pending and state.global_step - self._last_logged_step == 1:
                 pending["loss"] = logs["loss"]  # a one-step window: the mean is this step's loss
-            if logs.get("grad_norm") is not None:
-                pending["grad_norm"] = logs["grad_norm"]
+            # Not the logged grad_norm: every step has HF's clip's own (above), or none at all. Taken
+            # at logging steps only, it mixed with the agent's post-clip norms (false spikes).
         if "loss" in logs:
             # HF zeroed its loss accumulator for this log: our snapshot restarts from zero too.
             self._last_logged_step = state.global_step
@@ -290,20 +385,64 @@ class TrainvitalsCallback(TrainerCallback):
         self._emit()  # the step record goes first, then the save that followed it
         if not self._attached or self.agent is None:
             return
-        path = os.path.join(args.output_dir or ".", f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        path = os.path.join(self._output_dir(args), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         stall = None if self._before_save is None else time.perf_counter() - self._before_save
         self._before_save = None
+        self._record_save(path, state.global_step, stall)
+
+    def _output_dir(self, args: TrainingArguments) -> str:
+        """Where the Trainer saves: a hyperparameter search trial's own directory (`run-N` under
+        output_dir: until 2026-12-04 its saves were recorded at output_dir/checkpoint-N, a path that
+        never existed), else output_dir."""
+        get = getattr(self._trainer, "_get_output_dir", None)
+        if get is not None:
+            try:
+                return str(get(getattr(self._trainer, "_trial", None)))
+            except Exception:  # noqa: BLE001 - a search backend's lookup failing: output_dir is the fallback
+                pass
+        return args.output_dir or "."
+
+    def _record_save(self, path: str, step: int, stall: float | None) -> None:
+        assert self.agent is not None
+        self._recorded.add(os.path.abspath(path))
         record = getattr(self.agent, "checkpoint_saved", None)
         if record is not None and _accepts(record, "path", "step", "stall_seconds"):
             # The stall lets the cadence advisor weigh this run's saves (until 2026-11-29 it had none).
-            record(path=path, step=state.global_step, stall_seconds=stall)
+            record(path=path, step=step, stall_seconds=stall)
         elif record is not None and _accepts(record, "path", "step"):
-            record(path=path, step=state.global_step)
+            record(path=path, step=step)
         else:
-            self.agent.event("note", step=state.global_step, detail=f"checkpoint saved: {path}")
+            self.agent.event("note", step=step, detail=f"checkpoint saved: {path}")
+
+    def _record_unannounced_saves(self, args: TrainingArguments, state: TrainerState) -> None:
+        """Checkpoints the Trainer wrote in this train() without on_save: `enable_jit_checkpoint`'s,
+        saved when SIGTERM arrives (to output_dir even in a search trial). A `checkpoint-N` with N
+        in this train()'s steps, written since it began, complete (no JIT sentinel), not recorded."""
+        for directory in dict.fromkeys((self._output_dir(args), args.output_dir or ".")):
+            try:
+                names = sorted(os.listdir(directory))
+            except OSError:
+                continue
+            for name in names:
+                match = re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", name)
+                path = os.path.join(directory, name)
+                if (
+                    match is None
+                    or not self._first_step < int(match.group(1)) <= state.global_step
+                    or os.path.abspath(path) in self._recorded
+                    or os.path.exists(os.path.join(path, "checkpoint-is-incomplete.txt"))
+                    or os.path.getmtime(path) < self._began_at - 1.0  # file times lag the clock a little
+                ):
+                    continue
+                self._record_save(path, int(match.group(1)), None)  # no stall: the save was not seen
 
     @guarded()
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._close()
+        try:
+            self._emit()
+            if self._attached and self.agent is not None:
+                self._record_unannounced_saves(args, state)
+        finally:
+            self._close()

@@ -17,6 +17,7 @@ from torch.utils.hooks import RemovableHandle
 from trainvitals.agent._agent import attach
 from trainvitals.agent._config import AgentConfig
 from trainvitals.agent._guard import ErrorBudget, guarded, warn_once
+from trainvitals.agent._optimizer import hookable_optimizer
 from trainvitals.agent._protocol import TrainingAgent
 
 # `lightning.pytorch.Callback` and `pytorch_lightning.Callback` are distinct classes (the same code
@@ -81,12 +82,16 @@ class _RecordedCheckpointIO:
 
     Why not on_save_checkpoint: Lightning calls it while building the checkpoint dict, on every
     rank, before anything is written and without the path; the write is here.
+
+    Its teardown (the strategy's, after every callback hook of the fit, the failed fit's
+    on_exception ones included) is where the callback closes the agent: `on_teardown`.
     """
 
-    def __init__(self, inner: Any, agent: TrainingAgent) -> None:
+    def __init__(self, inner: Any, agent: TrainingAgent, on_teardown: Callable[[], None]) -> None:
         self.inner = inner
         self.agent = agent
         self.writes = 0
+        self.on_teardown = on_teardown
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         self.writes += 1
@@ -96,6 +101,12 @@ class _RecordedCheckpointIO:
         with self.agent.checkpoint(step=step, path=path) as handle:
             self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
             handle.track(_async_write_done(self.inner))
+
+    def teardown(self) -> None:
+        try:
+            self.inner.teardown()  # AsyncCheckpointIO: waits for its queued writes
+        finally:
+            self.on_teardown()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -128,6 +139,18 @@ def _loss_tensor(outputs: Any) -> torch.Tensor | None:
     return None
 
 
+def _unscaled_loss_scale(trainer: Any, optimizer: Any) -> torch.Tensor | None:
+    """The loss scale the gradients still hold at on_before_optimizer_step, else None. fp16 AMP
+    unscales before that hook, except for an optimizer that unscales inside its own step (a fused
+    Adam: `_step_supports_amp_scaling`), which Lightning leaves scaled. The scale stays a device
+    tensor (read without a sync; scaler.update() changes it only after the step)."""
+    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+    if scaler is None or not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return None
+    scale = getattr(scaler, "_scale", None)  # torch's GradScaler keeps it here, set at scale()
+    return scale if isinstance(scale, torch.Tensor) else None
+
+
 def _current_lr(optimizer: torch.optim.Optimizer) -> float | None:
     if not optimizer.param_groups:
         return None
@@ -158,14 +181,21 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
     same number. Loss: the step's loss as Lightning computed it (automatic optimization: the sum of
     the micro-batches' normalized losses, i.e. their mean), kept on device. lr: the one the
     optimizer used for this step. tokens: `count_tokens(batch)` summed over the step's batches,
-    when given (it should read shapes only, never values, to stay sync free).
+    when given (it should read shapes only, never values, to stay sync free; a one-element tensor
+    it returns is summed on the device and read back with the loss). A count_tokens that raises
+    is said once; the steps where it raised are recorded without tokens.
 
     Gradient norms: of `trainer.optimizers[0]`'s step (the only optimizer in automatic
     optimization), read when Lightning's on_before_optimizer_step fires, i.e. after backward and
     AMP unscaling, before Lightning's gradient clipping (see `_GradsReadyHooks` for why not at
-    optimizer.step). The optimizer itself gets one step pre-hook, which only notes that it
-    stepped: a loss scaler (fp16's GradScaler) skips optimizer.step() on inf/NaN gradients while
-    Lightning still counts the step, and such a step is sent as skipped, not as a divergence.
+    optimizer.step). With fp16 and an optimizer that unscales inside its own step (a fused Adam),
+    Lightning does not unscale first: the norms are divided by the scaler's scale on the device
+    (no sync). The optimizer itself gets one step pre-hook (on the torch optimizer DeepSpeed's
+    holds as `.optimizer`), which only notes that it stepped: a loss scaler (fp16's GradScaler)
+    skips optimizer.step() on inf/NaN gradients while Lightning still counts the step, and such a
+    step is sent as skipped, not as a divergence. A fused optimizer skips inside its step, which
+    the hook cannot see: those steps are not sent as skipped. An optimizer with no torch
+    optimizer to hook is said once, and no step is called skipped.
 
     Checkpoints: each file Lightning writes through its CheckpointIO (ModelCheckpoint,
     `trainer.save_checkpoint`, with any CheckpointIO plugin, AsyncCheckpointIO included) is a
@@ -173,7 +203,9 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
     files (FSDP's sharded state dict, DeepSpeed) are said once, not recorded.
 
     Also: a `resume` event when fit() starts from a checkpoint, a `failure` event when fit()
-    raises, and close() (flush, hooks removed) when fit() ends.
+    raises, and close() (flush, hooks removed) when fit() ends: at the strategy's teardown, after
+    every callback hook, so the checkpoint saved on the exception (`save_on_exception`,
+    OnExceptionCheckpoint) or save_last's at on_train_end is recorded too.
     """
 
     def __init__(
@@ -184,7 +216,7 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         collector: str | None = None,
         config: AgentConfig | None = None,
         registration: dict[str, Any] | None = None,
-        count_tokens: Callable[[Any], int] | None = None,
+        count_tokens: Callable[[Any], int | torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.run = run
@@ -203,7 +235,8 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         self._applied = False  # the optimizer stepped since the last step record
         self._last_global_step = 0
         self._loss: torch.Tensor | None = None
-        self._tokens = 0
+        self._tokens: Any = None  # this step's count so far: a number or a device tensor
+        self._tokens_failed = False  # count_tokens raised on one of this step's batches
         self._lr: float | None = None
         self._strategy: Any = None
         self._recorded_io: _RecordedCheckpointIO | None = None
@@ -233,7 +266,7 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         io = strategy.checkpoint_io  # resolved by the strategy (its default, or the job's plugin)
         if isinstance(io, _RecordedCheckpointIO):  # left by an earlier fit that did not end cleanly
             io = io.inner
-        self._strategy, self._recorded_io = strategy, _RecordedCheckpointIO(io, self.agent)
+        self._strategy, self._recorded_io = strategy, _RecordedCheckpointIO(io, self.agent, self._teardown_close)
         strategy.checkpoint_io = cast(Any, self._recorded_io)  # duck-typed: the strategy only calls its methods
 
     def _check_save_recorded(self) -> None:
@@ -276,8 +309,19 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         self._close()
         self._optimizer = trainer.optimizers[0] if trainer.optimizers else None
         self._grad_hooks = _GradsReadyHooks(self._optimizer) if self._optimizer is not None else None
-        if self._optimizer is not None:
-            self._applied_hook = self._optimizer.register_step_pre_hook(self._note_applied)
+        # DeepSpeed's optimizer takes no step hooks and holds the torch one as .optimizer, whose step
+        # it calls (until 2026-12-04 the AttributeError left the whole fit without an agent).
+        hooked = hookable_optimizer(self._optimizer)
+        if hooked is not None:
+            self._applied_hook = hooked.register_step_pre_hook(self._note_applied)
+        elif self._optimizer is not None:
+            warn_once(
+                self._said,
+                ("lightning", "optimizer unhookable"),
+                f"{type(self._optimizer).__name__} takes no step hooks and holds no torch optimizer as .optimizer:"
+                " steps are recorded with their gradient norms, but a step whose update was skipped (a loss"
+                " scaler's inf/NaN skip) is not told apart",
+            )
         self.agent = attach(
             pl_module,
             cast(torch.optim.Optimizer, self._grad_hooks),  # duck-typed: see _GradsReadyHooks
@@ -289,7 +333,7 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
         )
         self._attached = True
         self._last_global_step = trainer.global_step
-        self._loss, self._tokens, self._lr = None, 0, None
+        self._loss, self._tokens, self._tokens_failed, self._lr = None, None, False, None
         if trainer.global_step > 0:
             # fit(ckpt_path=...) restored the loop state. Step numbers here are 0-based, so the
             # last completed step is global_step - 1 and the next one is global_step.
@@ -314,6 +358,9 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
     ) -> None:
         if optimizer is not self._optimizer or self._grad_hooks is None:
             return
+        scale = _unscaled_loss_scale(trainer, optimizer)
+        if scale is not None and self.agent is not None:
+            self.agent.grads_ready(loss_scale=scale)  # the hook below then does not measure again
         self._grad_hooks.fire()  # gradients are final here; the agent reads them on device
         # The lr scheduler steps before on_train_batch_end, so read the lr this step uses here.
         self._lr = _current_lr(optimizer)
@@ -334,20 +381,40 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
                 loss = self._loss + loss
             self._loss = loss
         if self.count_tokens is not None:
-            self._tokens += int(self.count_tokens(batch))
+            self._count(self.count_tokens, batch)
         # global_step counts optimizer steps: unchanged means this batch only accumulated gradients.
         if trainer.global_step == self._last_global_step:
             return
         self._last_global_step = trainer.global_step
         self.agent.step(
             loss=self._loss,
-            tokens=self._tokens if self.count_tokens is not None else None,
+            tokens=self._tokens,
             lr=self._lr,
             step=trainer.global_step - 1,
             skipped=None if self._applied_hook is None else not self._applied,
         )
         self._applied = False
-        self._loss, self._tokens, self._lr = None, 0, None
+        self._loss, self._tokens, self._tokens_failed, self._lr = None, None, False, None
+
+    def _count(self, count_tokens: Callable[[Any], int | torch.Tensor], batch: Any) -> None:
+        """Add `count_tokens(batch)` to the step's tokens. A tensor stays one (a device add; the agent
+        reads it back with the loss: an int() here was a sync per batch). A count_tokens that raises
+        leaves this step without tokens and is said once; the step itself is still recorded."""
+        try:
+            counted = count_tokens(batch)
+        except Exception as exc:  # noqa: BLE001 - the user's function, not the job's: never the job's error
+            self._tokens_failed, self._tokens = True, None
+            warn_once(
+                self._said,
+                ("lightning", "count_tokens"),
+                f"count_tokens(batch) raised {type(exc).__name__}: {str(exc)[:200]}; steps where it raises are"
+                " recorded without tokens (and without FLOPs or MFU)",
+            )
+            return
+        if isinstance(counted, torch.Tensor):
+            counted = counted.detach()
+        if not self._tokens_failed:
+            self._tokens = counted if self._tokens is None else self._tokens + counted
 
     @guarded()
     def on_save_checkpoint(
@@ -364,14 +431,20 @@ class TrainvitalsLightningCallback(*_CALLBACK_BASES):  # type: ignore[misc]
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
+        # Recorded now; closed later: Lightning runs the checkpoint callbacks' on_exception after this
+        # one, and the save of ModelCheckpoint(save_on_exception=True) / OnExceptionCheckpoint is
+        # recorded through the CheckpointIO only while the agent is attached (until 2026-12-04 it
+        # was closed here, and the crash's checkpoint had no generation).
         if self._attached and self.agent is not None:
             self.agent.event("failure", detail=f"{type(exception).__name__}: {exception}"[:4096])
-        self._close()
 
     @guarded()
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _teardown_close(self) -> None:
+        """The strategy's teardown, after every callback hook of the fit (a failed fit calls no
+        callback's teardown, only the strategy's): the crash's save, or save_last's at
+        on_train_end, is recorded by then."""
         self._close()
 
     @guarded()
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._close()  # idempotent; covers fits that end without on_train_end
+        self._close()  # idempotent; covers a strategy that did not tear its CheckpointIO down

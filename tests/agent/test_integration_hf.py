@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
     Trainer,
+    TrainerCallback,
     TrainerControl,
     TrainerState,
     TrainingArguments,
@@ -57,6 +60,8 @@ def _run(
     bind_trainer: bool = False,
     collector: str = "",
     save_total_limit: int | None = None,
+    max_grad_norm: float = 1.0,
+    preempt_at: int | None = None,
 ) -> tuple[Trainer, TrainvitalsCallback, list[Any], RunRegistration]:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
@@ -73,17 +78,35 @@ def _run(
         include_num_input_tokens_seen=True,
         lr_scheduler_type="linear",
         learning_rate=1e-3,
+        max_grad_norm=max_grad_norm,
+        enable_jit_checkpoint=preempt_at is not None,
     )
     record = tmp / f"{name}-{{rank}}.jsonl"
     config = AgentConfig(collector=collector, record_file=str(record), spill_dir=str(tmp / "spool"))
     trainer = Trainer(model=model, args=args, train_dataset=_Tokens())
     callback = TrainvitalsCallback(run=f"hf-{name}", config=config, trainer=trainer if bind_trainer else None)
     trainer.add_callback(callback)
+    if preempt_at is not None:
+        trainer.add_callback(_PreemptedAt(trainer, preempt_at))
     trainer.train(resume_from_checkpoint=resume_from)
     lines = (tmp / f"{name}-0.jsonl").read_bytes().splitlines()
     registration = RunRegistration.model_validate_json(lines[0])
     records = [r for line in lines[1:] for r in Batch.model_validate_json(line).records]
     return trainer, callback, records, registration
+
+
+class _PreemptedAt(TrainerCallback):
+    """What enable_jit_checkpoint's SIGTERM handler does `kill_wait` (3 s) after the signal: set the
+    flag on which HF's JIT callback saves and stops. Set at the start of the step after `step`."""
+
+    def __init__(self, trainer: Trainer, step: int) -> None:
+        self.trainer, self.step = trainer, step
+
+    def on_step_begin(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            handler = self.trainer.callback_handler
+            jit = next(c for c in handler.callbacks if type(c).__name__ == "JITCheckpointCallback")
+            jit.jit_manager.is_checkpoint_requested = True
 
 
 def _train_logs(trainer: Trainer) -> dict[int, dict[str, float]]:
@@ -103,12 +126,11 @@ def test_one_step_record_per_optimizer_step_matching_the_trainer_logs(tmp_path: 
         assert s.tokens == BATCH * SEQ
     assert len({s.lr for s in steps}) > 1  # the linear schedule really moved
 
-    # The agent's own gradient norm is taken at optimizer.step, after HF clipped to max_grad_norm.
+    # The agent's own gradient norms are pre-clip too: measured before HF clips to max_grad_norm.
     grads = {r.step: r for r in records if r.kind == "grad" and r.group == "__global__"}
     assert sorted(grads) == list(range(1, 13))
     for s in steps:
-        expected = min(logs[s.step]["grad_norm"], trainer.args.max_grad_norm)
-        assert math.sqrt(grads[s.step].owned_sq) == pytest.approx(expected, rel=1e-4)
+        assert math.sqrt(grads[s.step].owned_sq) == pytest.approx(logs[s.step]["grad_norm"], rel=1e-4)
     assert any(r.kind == "grad" and r.group == "transformer.h.1" for r in records)
 
     events = [r for r in records if r.kind == "event"]
@@ -158,10 +180,47 @@ def test_bound_trainer_gives_every_step_its_own_loss_between_logs(tmp_path: Path
     trainer, callback, records, _ = _run(
         tmp_path, name="bound", logging_steps=4, save_steps=100, bind_trainer=True
     )
-    steps = _each_step_has_its_own_loss(trainer, records)
-    # HF reports grad_norm only on logged steps.
-    assert [s for s in sorted(steps) if steps[s].grad_norm is not None] == [4, 8, 12]
+    _each_step_has_its_own_loss(trainer, records)
     assert callback._errors.errors == 0
+
+
+def test_every_step_has_the_pre_clip_gradient_norm_not_only_logged_ones(tmp_path: Path) -> None:
+    """HF logs grad_norm (pre-clip) every logging_steps; the agent measured at optimizer.step,
+    after HF's clip (never above max_grad_norm), and the collector prefers the job's norm where a
+    record has one: until 2026-12-04 the series sat at max_grad_norm with a jump at every logged
+    step, a false spike each time. Now every step has HF's own pre-clip total, and the group
+    norms are measured before the clip. max_grad_norm 0.05: every step of this model is clipped."""
+    trainer, callback, records, _ = _run(tmp_path, name="preclip", logging_steps=4, save_steps=100, max_grad_norm=0.05)
+    logs = _train_logs(trainer)
+    steps = {r.step: r for r in records if r.kind == "step"}
+    grads = {r.step: r for r in records if r.kind == "grad" and r.group == "__global__"}
+    assert sorted(steps) == sorted(grads) == list(range(1, 13))
+    for step, s in steps.items():
+        assert s.grad_norm is not None and s.grad_norm > 0.05 * 2  # pre-clip: well above max_grad_norm
+        assert math.sqrt(grads[step].owned_sq) == pytest.approx(s.grad_norm, rel=1e-4)
+    for step in (4, 8, 12):
+        assert steps[step].grad_norm == pytest.approx(logs[step]["grad_norm"], rel=1e-6)
+    assert "unscale_gradients" not in vars(trainer.accelerator)  # the accelerator's own methods again
+    assert "clip_grad_norm_" not in vars(trainer.accelerator)
+    assert callback._errors.errors == 0
+
+
+def test_a_train_that_raises_records_its_pending_step_and_the_failure_at_exit(tmp_path: Path) -> None:
+    """HF calls no callback when train() raises, and the step record the callback holds from
+    on_step_end to on_log was lost with it, the failure unsaid: the run looked finished. The child
+    raises at step 5 between the two (tests/agent/fault_scripts/hf_train_raises.py)."""
+    script = Path(__file__).parent / "fault_scripts" / "hf_train_raises.py"
+    record = tmp_path / "raises-{rank}.jsonl"
+    child = subprocess.run([sys.executable, str(script), str(record), str(tmp_path / "spool"), str(tmp_path / "out")],
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert child.returncode == 1 and "RuntimeError: boom at step 5" in child.stderr
+    lines = (tmp_path / "raises-0.jsonl").read_bytes().splitlines()
+    records = [r for line in lines[1:] for r in Batch.model_validate_json(line).records]
+    assert [r.step for r in records if r.kind == "step"] == [1, 2, 3, 4, 5]
+    events = [r for r in records if r.kind == "event"]
+    assert [e.event for e in events] == ["start", "failure", "stop"]
+    assert events[1].detail == "RuntimeError: boom at step 5"
+    assert "trainvitals agent error" not in child.stderr
 
 
 def test_a_callback_made_without_its_trainer_finds_it_and_gives_every_step_its_loss(tmp_path: Path) -> None:
@@ -184,7 +243,9 @@ def test_without_a_trainer_window_means_stay_out_of_step_records(
     steps = [r for r in records if r.kind == "step"]
     assert [s.step for s in steps] == list(range(1, 9))
     assert all(s.loss is None for s in steps)
-    assert [s.step for s in steps if s.grad_norm is not None] == [4, 8]
+    # Nor is the logged grad_norm: without the Trainer there is no pre-clip norm of every step, and
+    # the logged steps' alone, among post-clip ones, would look like spikes.
+    assert all(s.grad_norm is None for s in steps)
 
 
 def test_resume_from_checkpoint_is_an_event_and_step_numbers_continue(tmp_path: Path) -> None:
@@ -297,3 +358,15 @@ def test_a_restarted_trainer_retires_the_previous_processs_rotated_checkpoints(c
     assert any("overwritten at the same path by generation 8" in e for e in overwritten["errors"])
     assert before_7["target"] is None
     assert (before_11["target"]["step"], before_11["target"]["path"]) == (10, str(out / "checkpoint-10"))
+
+
+def test_a_jit_checkpoint_saved_on_sigterm_is_a_generation(tmp_path: Path) -> None:
+    """enable_jit_checkpoint: after SIGTERM the Trainer saves checkpoint-N itself, without on_save,
+    and stops: until 2026-12-04 that save, the one a preempted job resumes from, was not recorded.
+    Now train()'s end records the complete checkpoint-N directories it wrote and did not announce."""
+    _, callback, records, _ = _run(tmp_path, name="jit", max_steps=12, save_steps=100, preempt_at=5)
+    assert [r.step for r in records if r.kind == "step"] == [1, 2, 3, 4, 5, 6]  # stopped after the save
+    saves = [(c.step, c.status, Path(c.path).name) for c in records if c.kind == "checkpoint"]  # type: ignore[arg-type]
+    assert saves == [(5, "persisted", "checkpoint-5")]
+    assert Path(next(c.path for c in records if c.kind == "checkpoint")) == tmp_path / "out" / "checkpoint-5"
+    assert callback._errors.errors == 0

@@ -368,3 +368,236 @@ def test_a_strategy_that_writes_its_own_checkpoints_is_said_once(tmp_path: Path,
         "as a checkpoint generation, so `trainvitals query rollback` cannot name it; record your saves with "
         "`with callback.agent.checkpoint(step=..., path=...)` around them"
     ]
+
+
+def _crashing_fit(tmp: Path, name: str, checkpoint: Any, *, crash_at: int = 3) -> tuple[Any, Any, list[Any]]:
+    """A fit whose training_step raises at batch `crash_at`; returns the trainer, the callback and the records."""
+
+    class Boom(RuntimeError):
+        pass
+
+    class Failing(_module_class(lp)):  # type: ignore[misc]
+        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+            if batch_idx == crash_at:
+                raise Boom("loss exploded")
+            return super().training_step(batch, batch_idx)
+
+    config = AgentConfig(collector="", record_file=str(tmp / f"{name}-{{rank}}.jsonl"), spill_dir=str(tmp / "spool"))
+    callback = TrainvitalsLightningCallback(run=f"pl-{name}", config=config)
+    trainer = lp.Trainer(max_steps=12, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[callback, checkpoint])  # fmt: skip
+    torch.manual_seed(0)
+    with pytest.raises(Boom):
+        trainer.fit(Failing(), _data())
+    lines = (tmp / f"{name}-0.jsonl").read_bytes().splitlines()
+    return trainer, callback, [r for line in lines[1:] for r in Batch.model_validate_json(line).records]
+
+
+def test_the_checkpoint_saved_on_a_crash_is_a_recorded_generation(tmp_path: Path) -> None:
+    """ModelCheckpoint(save_on_exception=True) saves in its on_exception, which Lightning calls after
+    ours (checkpoint callbacks run last). Until 2026-12-04 the callback closed the agent and gave
+    the strategy its own CheckpointIO back in on_exception: the crash's checkpoint, the one a
+    restart resumes from, had no generation. A failed fit calls no callback's teardown, only the
+    strategy's, which is where the agent is closed now."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=100, save_on_exception=True)
+    trainer, callback, records = _crashing_fit(tmp_path, "crash-save", saver)
+    files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert len(files) == 1
+    assert _written(records) == [(2, "started", files[0]), (2, "persisted", files[0])]  # holds steps 0-2
+    assert [e.event for e in records if e.kind == "event"] == ["start", "failure", "stop"]
+    assert type(trainer.strategy.checkpoint_io).__name__ == "TorchCheckpointIO"  # the job's own again
+    assert len(trainer.optimizers[0]._optimizer_step_pre_hooks) == 0
+    assert callback.agent is not None and callback.agent.hooks == 0
+    assert callback._errors.errors == 0
+
+
+def test_the_save_last_checkpoint_written_at_train_end_is_recorded(tmp_path: Path) -> None:
+    """ModelCheckpoint(save_last=True) writes last.ckpt in its on_train_end, after ours: until
+    2026-12-04 the agent was closed by then."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=100, save_last=True)
+    module, callback, records, _ = _fit(tmp_path, name="last", max_steps=6, checkpoint=saver)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["last.ckpt"]
+    assert _written(records) == [(5, "started", "last.ckpt"), (5, "persisted", "last.ckpt")]
+    assert type(module.trainer.strategy.checkpoint_io).__name__ == "TorchCheckpointIO"
+    assert callback.agent is not None and callback.agent.hooks == 0
+    assert callback._errors.errors == 0
+
+
+class _ZeroLikeOptimizer:
+    """Stands in for DeepSpeed's ZeRO optimizer (DeepSpeed is not installed here and needs a GPU):
+    what Lightning's DeepSpeed strategy puts in trainer.optimizers is no torch Optimizer, takes no
+    step hooks, and holds the torch optimizer it steps as `.optimizer`."""
+
+    def __init__(self, inner: torch.optim.Optimizer | None, params: Any = None) -> None:
+        self.optimizer = inner
+        self._own = inner or torch.optim.SGD(params, lr=0.5)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._own.param_groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self._own.defaults
+
+    @property
+    def state(self) -> Any:
+        return self._own.state
+
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        self._own.step()  # the torch optimizer's update: its step pre-hooks run
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._own.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._own.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._own.load_state_dict(state_dict)
+
+
+@pytest.mark.parametrize("holds_torch_optimizer", [True, False])
+def test_an_optimizer_without_step_hooks_still_gets_every_step_recorded(
+    tmp_path: Path, caplog: Any, holds_torch_optimizer: bool
+) -> None:
+    """Lightning's DeepSpeed strategy: trainer.optimizers[0] has no register_step_pre_hook. Until
+    2026-12-04 the AttributeError ended on_train_start before attach(): no agent for the whole fit."""
+
+    class WrappedOptimizer(_module_class(lp)):  # type: ignore[misc]
+        def configure_optimizers(self) -> Any:
+            if holds_torch_optimizer:
+                return _ZeroLikeOptimizer(torch.optim.SGD(self.parameters(), lr=0.5))
+            return _ZeroLikeOptimizer(None, self.parameters())
+
+    config = AgentConfig(collector="", record_file=str(tmp_path / "zero-{rank}.jsonl"), spill_dir=str(tmp_path))
+    callback = TrainvitalsLightningCallback(run="pl-zero", config=config)
+    module = WrappedOptimizer()
+    trainer = lp.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])  # fmt: skip
+    with caplog.at_level("WARNING", logger="trainvitals"):
+        trainer.fit(module, _data())
+    lines = (tmp_path / "zero-0.jsonl").read_bytes().splitlines()
+    records = [r for line in lines[1:] for r in Batch.model_validate_json(line).records]
+    steps = [r for r in records if r.kind == "step"]
+    assert [s.step for s in steps] == [0, 1, 2, 3]
+    grads = [r for r in records if r.kind == "grad" and r.group == "__global__"]
+    assert [math.sqrt(g.owned_sq) for g in grads] == pytest.approx(module.grad_norms, rel=1e-5)
+    said = [r.getMessage() for r in caplog.records if "takes no step hooks" in r.getMessage()]
+    if holds_torch_optimizer:  # its torch optimizer's hook tells applied steps: none skipped
+        assert said == [] and not any(s.skipped for s in steps)
+        assert len(trainer.optimizers[0].optimizer._optimizer_step_pre_hooks) == 0
+    else:
+        assert said == [
+            "trainvitals agent: _ZeroLikeOptimizer takes no step hooks and holds no torch optimizer as .optimizer:"
+            " steps are recorded with their gradient norms, but a step whose update was skipped (a loss"
+            " scaler's inf/NaN skip) is not told apart"
+        ]
+    assert callback.agent is not None and callback.agent.hooks == 0
+    assert callback._errors.errors == 0
+
+
+def test_fp16_with_a_fused_optimizer_reports_unscaled_gradient_norms(tmp_path: Path) -> None:
+    """Lightning leaves unscaling to an optimizer that unscales in its own step (AdamW(fused=True)):
+    at on_before_optimizer_step the gradients still hold the loss scale. Until 2026-12-04 the norms
+    were sent 2**10 times too large here. Real fp16 autocast and a fused AdamW on CPU."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    class Fused(_module_class(lp)):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.scales: list[float] = []
+
+        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+            super().on_before_optimizer_step(optimizer)  # the scaled gradients' norm
+            self.scales.append(self.trainer.precision_plugin.scaler.get_scale())
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    config = AgentConfig(collector="", record_file=str(tmp_path / "fused-{rank}.jsonl"), spill_dir=str(tmp_path))
+    callback = TrainvitalsLightningCallback(run="pl-fused", config=config)
+    module = Fused()
+    trainer = lp.Trainer(max_steps=6, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+                         plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])  # fmt: skip
+    trainer.fit(module, _data())
+    lines = (tmp_path / "fused-0.jsonl").read_bytes().splitlines()
+    records = [r for line in lines[1:] for r in Batch.model_validate_json(line).records]
+    grads = [r for r in records if r.kind == "grad" and r.group == "__global__"]
+    assert [g.step for g in grads] == list(range(6))
+    assert all(math.isfinite(n) for n in module.grad_norms) and set(module.scales) == {2.0**10}
+    unscaled = [n / s for n, s in zip(module.grad_norms, module.scales, strict=True)]
+    assert [math.sqrt(g.owned_sq) for g in grads] == pytest.approx(unscaled, rel=1e-4)
+    assert callback._errors.errors == 0
+
+
+def test_a_count_tokens_that_raises_costs_the_tokens_not_the_steps(tmp_path: Path, caplog: Any) -> None:
+    """The user's count_tokens ran inside the guarded hook before agent.step: one that raised (here
+    on odd batches) lost those steps' records altogether, loss and gradient norm included."""
+
+    def count(batch: list[torch.Tensor]) -> int:
+        if int(batch[0][0, 0]) % 2:
+            raise KeyError("input_ids")
+        return batch[0].numel()
+
+    config = AgentConfig(collector="", record_file=str(tmp_path / "count-{rank}.jsonl"), spill_dir=str(tmp_path))
+    callback = TrainvitalsLightningCallback(run="pl-count", config=config, count_tokens=count)
+    module = _module_class(lp)()
+    trainer = lp.Trainer(max_steps=8, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])  # fmt: skip
+    with caplog.at_level("WARNING", logger="trainvitals"):
+        trainer.fit(module, _data())
+    lines = (tmp_path / "count-0.jsonl").read_bytes().splitlines()
+    steps = [r for line in lines[1:] for r in Batch.model_validate_json(line).records if r.kind == "step"]
+    assert [s.step for s in steps] == list(range(8))
+    assert [s.loss for s in steps] == pytest.approx([loss for loss, _ in module.seen], rel=1e-6)
+    firsts = [int(ids[0, 0]) for (ids,), _ in zip(_data(), range(8), strict=False)]
+    assert [s.tokens for s in steps] == [None if f % 2 else BATCH * SEQ for f in firsts]
+    assert 0 < sum(f % 2 for f in firsts) < 8
+    said = [r.getMessage() for r in caplog.records if "count_tokens" in r.getMessage()]
+    assert said == [
+        "trainvitals agent: count_tokens(batch) raised KeyError: 'input_ids'; steps where it raises are recorded"
+        " without tokens (and without FLOPs or MFU)"
+    ]
+    assert callback._errors.errors == 0
+
+
+def test_a_tensor_token_count_is_summed_on_the_device_not_read_per_batch(tmp_path: Path) -> None:
+    """count_tokens=lambda b: mask.sum() returns a tensor: int() of it was a device sync per batch.
+    It is now summed as a tensor over the step's batches and read back with the loss."""
+    seen: list[Any] = []
+
+    def count(batch: list[torch.Tensor]) -> torch.Tensor:
+        n = (batch[0] >= 0).sum()
+        seen.append(n)
+        return n
+
+    config = AgentConfig(collector="", record_file=str(tmp_path / "tt-{rank}.jsonl"), spill_dir=str(tmp_path))
+    callback = TrainvitalsLightningCallback(run="pl-tt", config=config, count_tokens=count)
+    trainer = lp.Trainer(max_steps=3, accumulate_grad_batches=2, accelerator="cpu", logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[callback])  # fmt: skip
+    calls: list[Any] = []
+    original = torch.Tensor.__int__
+
+    def spy(self: torch.Tensor) -> int:
+        if any(self is s for s in seen):
+            calls.append(self)
+        return original(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "__int__", spy)
+        trainer.fit(_module_class(lp)(), _data())
+    assert calls == []  # never read on the training thread
+    lines = (tmp_path / "tt-0.jsonl").read_bytes().splitlines()
+    steps = [r for line in lines[1:] for r in Batch.model_validate_json(line).records if r.kind == "step"]
+    assert [(s.step, s.tokens) for s in steps] == [(0, 2 * BATCH * SEQ), (1, 2 * BATCH * SEQ), (2, 2 * BATCH * SEQ)]
+    assert callback._errors.errors == 0
