@@ -158,7 +158,7 @@ ALERT_PANELS: dict[str, AlertPanel] = {
     "TrainvitalsAnalysisBehind": AlertPanel(board=p.RUN_UID, title="Analysis lag"),
     # The collector's own finding about a run; the panel counts the analysis errors it comes from.
     "TrainvitalsAnalysisFailing": AlertPanel(
-        board=p.RUN_UID, title="Analysis cycle time and errors", evidence="trainvitals_analysis_errors_total"
+        board=p.RUN_UID, title="Analysis errors", evidence="trainvitals_analysis_errors_total"
     ),
     "TrainvitalsAgentDroppingRecords": AlertPanel(board=p.RUN_UID, title="Records the agents lost, by reason"),
     # About a collector instance, not a run.

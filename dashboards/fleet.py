@@ -185,8 +185,8 @@ def build() -> dash_m.Dashboard:
             303,
             "Seconds since last step by run",
             unit=p.SECONDS,
-            description="Now minus the newest step's end time, per run: a run that stops stepping climbs here "
-            "(TrainvitalsRunStalled fires past 10x its step time, at least 120 s).",
+            description="Seconds since the collector last stored a step record, per run: a run that stops stepping "
+            "climbs here (TrainvitalsRunStalled fires past 10x its step time, at least 120 s).",
             targets=[p.prom(_per_run("trainvitals_run_seconds_since_last_step"), legend="{{run}}")],
             min_value=0,
             threshold=("green", 120, "red"),

@@ -69,6 +69,7 @@ STEPS_PER_SECOND = "suffix: steps/s"
 RECORDS_PER_SECOND = "suffix: records/s"
 BATCHES_PER_SECOND = "suffix: batches/s"
 REQUESTS_PER_SECOND = "reqps"
+ERRORS_PER_SECOND = "suffix: errors/s"
 RECORDS = "suffix: records"
 TIMES = "suffix:x"
 

@@ -41,6 +41,7 @@ def _m(metric: str, *, by: str = "", where: str = "") -> str:
 
 
 STEP_MAX = _m("trainvitals_run_rank_step_seconds", where='stat="max"')
+RUNNING = _m("trainvitals_run_info", where='status="running"')
 STEP_P50 = _m("trainvitals_run_rank_step_seconds", where='stat="p50"')
 STEP_P99 = _m("trainvitals_run_rank_step_seconds", where='stat="p99"')
 # Delivered but not yet reduced steps, in seconds of training (TrainvitalsAnalysisBehind's quantity).
@@ -164,18 +165,20 @@ def _health(board: dash_b.Dashboard) -> dash_b.Dashboard:
             102,
             "Stalled?",
             unit=p.COUNT,
-            description="Is the run stalled: no step for more than 10x the slowest rank's step time (at least "
-            "120 s; 120 s before its first reduced step). TrainvitalsRunStalled fires when this holds for 2 minutes "
-            "on a running run.",
+            description="Is the run stalled: running, and no step for more than 10x the slowest rank's step time "
+            "(at least 120 s; 120 s before its first reduced step). TrainvitalsRunStalled fires when this holds for "
+            "2 minutes. A run that is not running (finished or failed: exported for a few minutes after) reads "
+            "not running.",
             targets=[
                 p.prom(
-                    f"{_m('trainvitals_run_seconds_since_last_step')}"
-                    f" > bool (clamp_min(10 * {STEP_MAX}, 120) or vector(120))",
+                    f"(({_m('trainvitals_run_seconds_since_last_step')}"
+                    f" > bool (clamp_min(10 * {STEP_MAX}, 120) or vector(120)))"
+                    f" and {RUNNING}) or vector(-1)",
                     instant=True,
                 )
             ],
             w=4,
-            mappings=p.value_text({"0": ("stepping", "green"), "1": ("STALLED", "red")}),
+            mappings=p.value_text({"-1": ("not running", "blue"), "0": ("stepping", "green"), "1": ("STALLED", "red")}),
         )
     )
     board = board.with_panel(
@@ -183,7 +186,8 @@ def _health(board: dash_b.Dashboard) -> dash_b.Dashboard:
             103,
             "Seconds since last step",
             unit=p.SECONDS,
-            description="Now minus the end time of the newest step any rank delivered.",
+            description="Seconds since the collector last stored a step record of this run, on the collector's "
+            "clock (before the first, since the newest step's end time). The age TrainvitalsRunStalled judges.",
             targets=[p.prom(_m("trainvitals_run_seconds_since_last_step"), instant=True)],
             w=4,
             color_thresholds=p.thresholds("green", (60, "orange"), (120, "red")),
@@ -634,8 +638,8 @@ def _checkpoints(board: dash_b.Dashboard) -> dash_b.Dashboard:
             703,
             "Checkpoint records by status",
             unit=p.COUNT,
-            description="Checkpoint records by status (started, persisted, verified, failed): a rising failed line "
-            "is failed saves (TrainvitalsCheckpointFailed).",
+            description="Checkpoint records by status (started, persisted, verified, failed, deleted): a rising "
+            "failed line is failed saves (TrainvitalsCheckpointFailed).",
             targets=[p.prom(_m("trainvitals_checkpoint_records", by="status"), legend="{{status}}")],
             min_value=0,
             w=6,
@@ -790,11 +794,10 @@ def _collector_process(board: dash_b.Dashboard) -> dash_b.Dashboard:
     board = board.with_panel(
         p.timeseries(
             808,
-            "Analysis cycle time and errors",
+            "Analysis cycle time",
             unit=p.SECONDS,
-            description="Mean time of an analysis cycle (reduce + detect over every live run) and of the newest one; "
-            "errors per second are runs whose analysis raised (logged by the analysing process, retried next "
-            "cycle). Cycles longer than the analysis interval make the lag above grow.",
+            description="Mean time of an analysis cycle (reduce + detect over every live run) and of the newest one. "
+            "Cycles longer than the analysis interval make the lag above grow.",
             targets=[
                 p.prom(
                     "max(rate(trainvitals_analysis_cycle_seconds_total[$__rate_interval]))"
@@ -803,7 +806,6 @@ def _collector_process(board: dash_b.Dashboard) -> dash_b.Dashboard:
                     ref="A",
                 ),
                 p.prom("max(trainvitals_analysis_last_cycle_seconds)", legend="newest cycle", ref="B"),
-                p.prom("max(rate(trainvitals_analysis_errors_total[$__rate_interval]))", legend="errors/s", ref="C"),
             ],
             min_value=0,
             w=6,
@@ -822,6 +824,19 @@ def _collector_process(board: dash_b.Dashboard) -> dash_b.Dashboard:
             targets=[
                 p.prom(f"max by (reason) (trainvitals_run_agent_dropped_records_total{{{R}}})", legend="{{reason}}")
             ],
+            min_value=0,
+            w=6,
+        )
+    )
+    board = board.with_panel(
+        p.timeseries(
+            810,
+            "Analysis errors",
+            unit=p.ERRORS_PER_SECOND,
+            description="Runs whose analysis raised, per second, over every run this collector analyses (the "
+            "analysing process logs the run and the error; the run is retried next cycle). A run that fails "
+            "cycle after cycle is TrainvitalsAnalysisFailing.",
+            targets=[p.prom("max(rate(trainvitals_analysis_errors_total[$__rate_interval]))", legend="errors/s")],
             min_value=0,
             w=6,
         )

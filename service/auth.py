@@ -12,7 +12,9 @@ import hashlib
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy.orm import Session
 
@@ -60,10 +62,18 @@ def revoke_token(session: Session, *, token: str) -> bool:
 
 
 class TokenVerifier:
-    """Thread-safe, cached digest -> Principal lookups."""
+    """Thread-safe, cached digest -> Principal lookups.
+
+    Known and unknown tokens are cached apart, each bounded (least recently used out first): a
+    stream of made-up tokens costs a query each, but cannot push the real ones out of the cache
+    and make every agent's batch pay a query again."""
+
+    MAX_ENTRIES = 10_000
+    """Per cache: far more tokens than a collector's projects hand out."""
 
     def __init__(self, cache_seconds: float = 30.0) -> None:
-        self._cache: dict[str, tuple[float, Principal | None]] = {}
+        self._known: OrderedDict[str, tuple[float, Principal]] = OrderedDict()
+        self._unknown: OrderedDict[str, tuple[float, None]] = OrderedDict()
         self._lock = threading.Lock()
         self._ttl = cache_seconds
 
@@ -73,10 +83,13 @@ class TokenVerifier:
         Lets an async route authenticate without a database round trip (or a thread hop) on
         every request; a miss goes through `verify` in a worker thread."""
         now = time.monotonic() if now is None else now
+        key = digest(token)
         with self._lock:
-            hit = self._cache.get(digest(token))
-        if hit is not None and now - hit[0] < self._ttl:
-            return True, hit[1]
+            for cache in (self._known, self._unknown):
+                hit = cache.get(key)
+                if hit is not None and now - hit[0] < self._ttl:
+                    cache.move_to_end(key)
+                    return True, hit[1]
         return False, None
 
     def verify(self, session: Session, token: str, *, now: float | None = None) -> Principal | None:
@@ -88,7 +101,16 @@ class TokenVerifier:
         row = tokens.token_by_digest(session, digest=key)
         principal = None if row is None or row.revoked else Principal(project=row.project, scope=row.scope)
         with self._lock:
-            if len(self._cache) > 10_000:
-                self._cache.clear()
-            self._cache[key] = (now, principal)
+            self._known.pop(key, None)  # a revoked token leaves the known ones
+            self._unknown.pop(key, None)
+            if principal is None:
+                _put(self._unknown, key, (now, None), self.MAX_ENTRIES)
+            else:
+                _put(self._known, key, (now, principal), self.MAX_ENTRIES)
         return principal
+
+
+def _put(cache: OrderedDict[str, Any], key: str, value: Any, limit: int) -> None:
+    cache[key] = value
+    if len(cache) > limit:
+        cache.popitem(last=False)

@@ -226,7 +226,9 @@ def _run_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
         ["run"],
     )
     since = _gauge(
-        "trainvitals_run_seconds_since_last_step", "Seconds since any rank finished a step", ["run"]
+        "trainvitals_run_seconds_since_last_step",
+        "Seconds since the collector last stored a step record of the run (its own clock)",
+        ["run"],
     )
     loss = _gauge("trainvitals_run_loss", "Mean training loss over ranks at the complete step", ["run"])
     grad = _gauge(

@@ -194,7 +194,7 @@ class BatchWriter:
                     self._write([item], name)
                 return
             if _refused_value(exc):  # this batch's values, not the database's state
-                _answer(group, [batches.UnstorableBatchError(f"{type(exc).__name__}: {exc}"[:500])])
+                _answer(group, [batches.UnstorableBatchError(database_reason(exc))])
                 with contextlib.suppress(Exception), self._sessions() as session:
                     batches.count_unstorable(session, group[0].batch, writer=name, project=group[0].project)
                 return
@@ -244,6 +244,15 @@ def _refused_value(exc: BaseException) -> bool:
     """A refusal of a value of the batch, also as SQLAlchemy wraps one it did not expect from the
     driver (a lone surrogate in a checkpoint path, bound through the ORM's insert)."""
     return isinstance(exc, _DATA_ERRORS) or isinstance(getattr(exc, "orig", None), _DATA_ERRORS)
+
+
+def database_reason(exc: BaseException) -> str:
+    """What a client is told of a database error: the driver's class and first line, e.g.
+    "DataError: invalid byte sequence for encoding UTF8: 0x00". Never SQLAlchemy's text, which
+    carries the statement and every bound parameter (the log has them)."""
+    cause = getattr(exc, "orig", None) or exc
+    lines = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {lines[0] if lines else 'no message'}"[:300]
 
 
 def _describe(batch: AnyBatch) -> str:

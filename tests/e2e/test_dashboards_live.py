@@ -216,6 +216,10 @@ def test_every_panel_and_annotation_returns_data_from_a_real_prometheus(
         f"queries without data: {empty}; firing: {sorted(firing)}; findings: "
         f"{sorted((f['metric']['kind'], f['metric']['severity'], f['metric'].get('subject')) for f in findings)}"
     )
+    # The run has finished (exported for its grace period): "not running", not "stepping" nor, once
+    # its last step is 2 minutes old, "STALLED" (the panel had no status filter; the alert has one).
+    (stalled,) = results["dashboards"][dashboard_panels.RUN_UID]["102"]["targets"]
+    assert [float(s["value"][1]) for s in stalled["result"]] == [-1.0], stalled
     out = Path(os.environ.get("TRAINVITALS_PREVIEW_DIR") or tmp_path / "previews")
     drawn = preview.render_all(results, out)
     assert preview.problems(drawn) == []

@@ -119,3 +119,40 @@ def test_scope_grants() -> None:
     assert read.may("read", "a") and not read.may("admin", "a") and not read.may("ingest", "a")
     assert ingest.may("ingest", "a") and not ingest.may("admin", "a") and not ingest.may("read", "a")
     assert auth.ANONYMOUS.may("admin", "any")
+
+
+def test_the_token_is_checked_before_a_body_is_read(app_and_tokens) -> None:
+    """FastAPI parses a declared body before any dependency: without AuthenticatedFirst anyone made
+    the collector parse a registration or an advisor's body (this one, not JSON: 422, not 401)."""
+    client, tok = app_and_tokens
+    garbage, json_type = b"[" + b"{}," * 200_000, {"content-type": "application/json"}  # not even JSON
+    for path in ("/v1/runs", "/v1/plan", "/v1/advise/checkpoints"):
+        refused = client.post(path, content=garbage, headers=json_type)
+        assert refused.status_code == 401 and refused.json()["detail"] == "missing bearer token", (path, refused.text)
+    # With a token the body is read as before: the same garbage is the request model's 422.
+    reg = client.post("/v1/runs", content=garbage, headers={**json_type, **_h(tok["a", "ingest"])})
+    assert reg.status_code == 422 and reg.json()["message"].startswith("invalid request, nothing stored")
+
+
+def test_made_up_tokens_cannot_push_real_ones_out_of_the_cache(db_url: str, monkeypatch) -> None:
+    """Before, past 10,000 entries the whole cache was cleared, real tokens with the made-up ones:
+    a stream of bogus tokens made every agent's batch pay a query again."""
+    monkeypatch.setattr(auth.TokenVerifier, "MAX_ENTRIES", 3)
+    engine = db.make_engine(db_url)
+    with db.make_sessionmaker(engine)() as session:
+        real = [auth.create_token(session, project="a", scope="ingest") for _ in range(3)]
+        verifier = auth.TokenVerifier(cache_seconds=60)
+        for token in real:
+            assert verifier.verify(session, token, now=0.0) == auth.Principal(project="a", scope="ingest")
+        for i in range(20):
+            assert verifier.verify(session, f"tv_made_up_{i}", now=1.0) is None
+        assert all(verifier.cached(token, now=2.0) == (True, auth.Principal("a", "ingest")) for token in real)
+        # Made-up ones are bounded too, least recently used out first.
+        assert verifier.cached("tv_made_up_19", now=2.0) == (True, None)
+        assert verifier.cached("tv_made_up_0", now=2.0) == (False, None)
+        # A fourth real token pushes out the least recently used real one.
+        fourth = auth.create_token(session, project="a", scope="read")
+        verifier.cached(real[0], now=3.0)
+        assert verifier.verify(session, fourth, now=3.0) == auth.Principal(project="a", scope="read")
+        assert verifier.cached(real[1], now=3.0) == (False, None) and verifier.cached(real[0], now=3.0)[0]
+    engine.dispose()

@@ -59,8 +59,10 @@ def test_refusals_are_counted_by_reason_and_requests_timed_per_route(client: Tes
         labels = (("code", code), ("method", "POST"), ("route", "/v1/batches"))
         assert after[("trainvitals_http_requests_total", labels)] == 1
     client.get("/v1/runs/r1")
+    client.post("/v1/plan", json={})  # its router's prefix included (an included sub-router's was lost: "/plan")
     text = client.get("/metrics").text
     assert 'route="/v1/runs/{run_id}"' in text and 'route="/v1/runs/r1"' not in text
+    assert 'code="422",method="POST",route="/v1/plan"' in text
     count = after[("trainvitals_http_request_duration_seconds_count", (("method", "POST"), ("route", "/v1/batches")))]
     assert count == 5  # 200, 422, 409, 413, 422
     assert after[("trainvitals_ingest_queue_records", ())] == 0

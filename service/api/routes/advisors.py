@@ -5,23 +5,28 @@ A body of the wrong shape is refused by its request model (422 naming the field)
 advisor refuses is a ValueError naming the key (422 with that message as detail).
 
 The advisors read no project's data, but each call costs CPU: the POST routes need a read token
-(of any project; anyone when auth is off), take bodies of at most ADVISOR_BODY_MAX bytes (413
-otherwise, also for a chunked body without Content-Length) and the request models cap the sizes."""
+(of any project; anyone when auth is off), checked before the body is read, take bodies of at most 1 MiB
+(http_limits.SMALL_BODY_BYTES; 413 otherwise, also for a chunked body) and the request models
+cap the sizes."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
-from typing import Annotated, Any
+from typing import Annotated
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
-from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
+from fastapi import APIRouter, Depends, HTTPException, Query
 
 from trainvitals.service import advisors
 from trainvitals.service.advisors.cadence import MAX_SECONDS as _MAX_SECONDS
 from trainvitals.service.advisors.recommend import recommend_from_config
 from trainvitals.service.analysis import expectations
-from trainvitals.service.api.deps import KnownQueryOnly, PrincipalDep, ReadableRun, SessionDep, require
+from trainvitals.service.api.deps import (
+    AuthenticatedFirst,
+    KnownQueryOnly,
+    PrincipalDep,
+    ReadableRun,
+    SessionDep,
+    require,
+)
 from trainvitals.service.api.schemas import (
     CadenceAdvicePublic,
     CadenceRequest,
@@ -33,36 +38,6 @@ from trainvitals.service.api.schemas import (
 )
 from trainvitals.service.store import run_keys
 
-ADVISOR_BODY_MAX = 1024 * 1024
-"""Bytes: a plan or cadence request is well under 1 KiB (the collector's own limit is for batches)."""
-
-
-class _CappedBody(APIRoute):
-    """Reads the body before FastAPI does, refusing it (413) once it passes ADVISOR_BODY_MAX:
-    the app-wide BodyLimit checks only a declared Content-Length."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def capped(request: Request) -> Response:
-            declared = request.headers.get("content-length", "")
-            size = int(declared) if declared.isdigit() else 0
-            if size <= ADVISOR_BODY_MAX:
-                chunks: list[bytes] = []
-                async for chunk in request.stream():
-                    size += 0 if declared else len(chunk)
-                    if size > ADVISOR_BODY_MAX:
-                        break
-                    chunks.append(chunk)
-                else:
-                    request._body = b"".join(chunks)  # what request.body() returns (Starlette's cache)
-                    return await handler(request)
-            return JSONResponse(
-                {"detail": f"advisor request body exceeds the limit of {ADVISOR_BODY_MAX} bytes"}, status_code=413
-            )
-
-        return capped
-
 
 def _reader(principal: PrincipalDep) -> None:
     """403 unless the token has read scope (any project's: the advisors read no project's data)."""
@@ -70,15 +45,17 @@ def _reader(principal: PrincipalDep) -> None:
         require(principal, "read", principal.project)
 
 
-router = APIRouter(prefix="/v1", tags=["advisors"], dependencies=[KnownQueryOnly])
-capped = APIRouter(route_class=_CappedBody, dependencies=[Depends(_reader)])  # included below, under /v1
+router = APIRouter(prefix="/v1", tags=["advisors"], dependencies=[KnownQueryOnly], route_class=AuthenticatedFirst)
+ReaderOnly = Depends(_reader)
 
 
 def _bad(exc: Exception) -> HTTPException:
     return HTTPException(422, str(exc))
 
 
-@capped.post("/plan", summary="Predicted memory, step time and MFU for a parallelism config")
+@router.post(
+    "/plan", summary="Predicted memory, step time and MFU for a parallelism config", dependencies=[ReaderOnly]
+)
 def plan(body: PlanRequest) -> PlanPublic:
     try:
         result = advisors.plan(advisors.parse_plan_input(body.as_config()))
@@ -87,7 +64,9 @@ def plan(body: PlanRequest) -> PlanPublic:
     return PlanPublic.model_validate(result.as_dict())
 
 
-@capped.post("/plan/recommend", summary="Climb the parallelism ladder for a model and cluster")
+@router.post(
+    "/plan/recommend", summary="Climb the parallelism ladder for a model and cluster", dependencies=[ReaderOnly]
+)
 def recommend(body: RecommendRequest) -> RecommendationPublic:
     try:
         result = recommend_from_config(body.as_config())
@@ -96,7 +75,11 @@ def recommend(body: RecommendRequest) -> RecommendationPublic:
     return RecommendationPublic.model_validate(result.as_dict())
 
 
-@capped.post("/advise/checkpoints", summary="Checkpoint interval and retention from explicit inputs")
+@router.post(
+    "/advise/checkpoints",
+    summary="Checkpoint interval and retention from explicit inputs",
+    dependencies=[ReaderOnly],
+)
 def advise(body: CadenceRequest) -> CadenceAdvicePublic:
     try:
         result = advisors.advise_cadence(body.as_inputs())
@@ -105,7 +88,6 @@ def advise(body: CadenceRequest) -> CadenceAdvicePublic:
     return CadenceAdvicePublic.model_validate(result.as_dict())
 
 
-router.include_router(capped)
 
 
 @router.get("/runs/{run_id}/advice/checkpoints", summary="Cadence advice from the run's observed saves and failures")
@@ -119,8 +101,14 @@ def advise_run(
 ) -> RunCadenceAdvicePublic:
     try:
         result, saves, failures = expectations.run_checkpoint_advice(
-            session, run_id=run.run_id, registration=run.registration, mtbf_s=mtbf_s, restart_s=restart_s,
-            detect_s=detect_s, sdc_latency_s=sdc_latency_s)
+            session,
+            run_id=run.run_id,
+            registration=run.registration,
+            mtbf_s=mtbf_s,
+            restart_s=restart_s,
+            detect_s=detect_s,
+            sdc_latency_s=sdc_latency_s,
+        )
     except ValueError as exc:
         raise _bad(exc) from exc
     return RunCadenceAdvicePublic.model_validate(

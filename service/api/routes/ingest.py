@@ -14,9 +14,9 @@ from pydantic import ValidationError
 from sqlalchemy.exc import DataError
 from starlette.concurrency import run_in_threadpool
 
-from trainvitals.service.api.deps import PrincipalDep, SessionDep, authenticate, require
+from trainvitals.service.api.deps import AuthenticatedFirst, PrincipalDep, SessionDep, authenticate, require
 from trainvitals.service.api.schemas import RunRegisteredPublic
-from trainvitals.service.ingest.batch_writer import WriterBusyError
+from trainvitals.service.ingest.batch_writer import WriterBusyError, database_reason
 from trainvitals.service.ingest.decode import Batch as FastBatch
 from trainvitals.service.ingest.decode import decode_batch
 from trainvitals.service.self_metrics import refuse
@@ -24,7 +24,7 @@ from trainvitals.service.store import batches
 from trainvitals.service.store.batches import AnyBatch
 from trainvitals.wire import Batch, BatchAck, RunRegistration
 
-router = APIRouter(prefix="/v1", tags=["ingest"])
+router = APIRouter(prefix="/v1", tags=["ingest"], route_class=AuthenticatedFirst)
 
 
 # A typical batch (a few hundred records, tens of KB) decodes in well under a millisecond: on the
@@ -203,8 +203,7 @@ def register_run(
     except batches.RunConflictError as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
     except DataError as exc:  # a value PostgreSQL refuses (a NUL character in a tag): nothing stored
-        reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else "refused"
-        detail = f"the database refused a value of the registration: {reason}; nothing stored"
+        detail = f"the database refused a value of the registration: {database_reason(exc)}; nothing stored"
         raise HTTPException(422, detail) from None
     except ValueError:  # auth off, and another project has this id: say it is taken, not whose it is
         raise HTTPException(
@@ -245,7 +244,7 @@ async def post_batch(request: Request) -> Response:
     except Exception as exc:  # the database refused or is unreachable: nothing of this batch was stored
         refuse(request, "storage_error")
         raise HTTPException(
-            status.HTTP_503_SERVICE_UNAVAILABLE, f"storage failed, nothing stored, retry: {exc}"[:500]
+            status.HTTP_503_SERVICE_UNAVAILABLE, f"storage failed, nothing stored, retry: {database_reason(exc)}"
         ) from exc
     # Counted in the database by the transaction that decided the outcome (ingest_counts).
     if isinstance(outcome, batches.WrongProjectError):  # cannot happen (the key is the project's): as unknown

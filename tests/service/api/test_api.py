@@ -155,6 +155,37 @@ def test_unknown_run_and_oversized_body(client: TestClient) -> None:
     assert resp.status_code == 413 and "exceeds" in resp.json()["detail"]
 
 
+def test_routes_but_the_batch_route_take_bodies_of_1_mib(db_url: str) -> None:
+    """Before, a registration was read up to the batch limit (32 MB by default), and a chunked one
+    without any limit: it was parsed whole, before the token was checked."""
+    settings = Settings(db=db_url, run_analysis=False, auth=False, settle_seconds=0)
+    assert settings.max_body_bytes == 32 << 20
+    with TestClient(create_app(settings)) as client:
+        _only_small_bodies_but_batches(client)
+
+
+JSON = {"content-type": "application/json"}
+
+
+def _only_small_bodies_but_batches(client: TestClient) -> None:
+    pad = b'{"run": "r1", "tags": {"pad": "' + b"x" * (1 << 20) + b'"}}'
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for i in range(0, len(pad), 65536):
+            yield pad[i : i + 65536]
+
+    for content in (pad, chunks()):
+        resp = client.post("/v1/runs", content=content, headers=JSON)
+        assert resp.status_code == 413 and resp.json()["detail"].endswith(f"exceeds the limit of {1 << 20} bytes")
+    assert client.get("/v1/runs/r1").status_code == 404  # nothing registered
+    small = client.post("/v1/runs", content=pad.replace(b"x" * (1 << 20), b"x" * 1000), headers=JSON)
+    assert small.status_code == 201
+    # A batch may still be as large as the collector's limit: this one is refused for its content.
+    batch = json.dumps({**_batch(), "records": [{"kind": "step", "step": -1, "ts": 1.0}] * 60_000}).encode()
+    assert len(batch) > 2 << 20
+    assert client.post("/v1/batches", content=batch, headers=JSON).status_code == 422
+
+
 def test_chunked_body_without_length_is_held_to_the_limit_too(client: TestClient) -> None:
     client.post("/v1/runs", json={"run": "r1"})
     big = json.dumps(_batch(steps=range(4000))).encode()

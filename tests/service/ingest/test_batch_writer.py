@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from trainvitals.service.ingest.batch_writer import BatchWriter, WriterBusyError
+from trainvitals.service.ingest.batch_writer import BatchWriter, WriterBusyError, database_reason
 from trainvitals.service.main import create_app
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import batches, db, queries
@@ -180,11 +180,25 @@ def test_a_value_the_database_refuses_rejects_only_its_batch(sessions, bad) -> N
         writer.stop()
     assert outcomes[0].accepted == 4 and outcomes[2].accepted == 4
     assert isinstance(outcomes[1], batches.UnstorableBatchError)
+    # The driver's first line, not SQLAlchemy's text with the statement and the batch's parameters.
+    reason = str(outcomes[1])
+    assert reason.count("\n") == 0 and "[SQL:" not in reason and "INSERT" not in reason, reason
     assert _count(sessions, StepRow) == 4  # ranks 0 and 2; nothing of rank 1
     assert _count(sessions, DeliveredBatch) == 2
     with sessions() as s:
         counts = {(c.run_id, c.outcome): c.batches for c in queries.ingest_counts(s)}
     assert counts == {("a/r1", "stored"): 2, ("a/r1", "rejected"): 1}
+
+
+def test_a_client_is_told_the_drivers_first_line_not_the_statement(sessions) -> None:
+    """The 503 and 422 texts said str(exc): SQLAlchemy's, with the statement and every bound
+    parameter (a batch's values, or another's in a group)."""
+    with sessions() as session, pytest.raises(sqlalchemy.exc.DBAPIError) as info:
+        session.execute(sqlalchemy.text("INSERT INTO no_such_table VALUES (:secret)"), {"secret": "hunter2"})
+    assert "hunter2" in str(info.value) and "INSERT" in str(info.value)  # what was sent before
+    reason = database_reason(info.value)
+    assert reason.split(": ")[0] in ("OperationalError", "UndefinedTable") and "no_such_table" in reason, reason
+    assert "hunter2" not in reason and "INSERT" not in reason and "\n" not in reason
 
 
 def test_backpressure_refuses_past_the_pending_bound(sessions) -> None:
