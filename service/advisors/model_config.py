@@ -143,16 +143,18 @@ class ModelConfig:
     @property
     def _scale(self) -> float:
         # An explicit params count rescales every architecture-derived count proportionally.
-        counted = (
-            self.layers * (self.attention_params_per_layer + self.experts * self.mlp_params_per_expert)
-            + self.embedding_params
-        )
+        counted = self.layers * self._block_counted + self.embedding_params
         return 1.0 if self.params_override is None else self.params_override / counted
+
+    @property
+    def _block_counted(self) -> int:
+        """One transformer block's parameters as the architecture counts them, all its experts included."""
+        return self.attention_params_per_layer + self.experts * self.mlp_params_per_expert
 
     @property
     def block_params(self) -> float:
         """Parameters of one transformer block, all its experts included (scaled like params_total)."""
-        return self._scale * (self.attention_params_per_layer + self.experts * self.mlp_params_per_expert)
+        return self._scale * self._block_counted
 
     @property
     def expert_params(self) -> float:
@@ -164,10 +166,7 @@ class ModelConfig:
     @property
     def params_total(self) -> float:
         """All parameters, embeddings included (what memory holds)."""
-        return self._scale * (
-            self.layers * (self.attention_params_per_layer + self.experts * self.mlp_params_per_expert)
-            + self.embedding_params
-        )
+        return self._scale * (self.layers * self._block_counted + self.embedding_params)
 
     @property
     def params_active(self) -> float:
