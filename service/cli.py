@@ -31,13 +31,13 @@ def _session(url: str, *, migrate: bool = False) -> Iterator[Any]:
         db.upgrade(url)
     else:
         db_url.check_exists(url)
+        if (problem := db.schema_problem(url)) is not None:  # first: tables without a revision are not "no tables"
+            raise db_url.DbUrlError(f"{db_url.describe(url)}: {problem}")
         if db.current_revision(url) is None:
             raise db_url.DbUrlError(
                 f"{db_url.describe(url)} has no trainvitals tables: point --db / {db_url.ENV} at the collector's "
                 f"database, or create them with `trainvitals db upgrade --db URL`"
             )
-        if (problem := db.schema_problem(url)) is not None:
-            raise db_url.DbUrlError(f"{db_url.describe(url)}: {problem}")
     engine = db.make_engine(url)
     try:
         with db.make_sessionmaker(engine)() as session:
@@ -147,8 +147,7 @@ def _analysis_process(settings: Any) -> Iterator[None]:
 
     from trainvitals.service.store import db
 
-    if settings.migrate_on_start:
-        db.upgrade(settings.db)  # before either process touches the schema
+    db.prepare(settings.db, migrate=settings.migrate_on_start)  # before either process touches the schema
 
     def die_with_parent() -> None:
         import ctypes
@@ -199,10 +198,10 @@ def _run_uvicorn(args: argparse.Namespace, settings: Any) -> int:
         # Several processes accept on the one port, each with its own app built from the same
         # settings (handed over as TRAINVITALS_* variables): ingest scales with them, the counters
         # live in the database, and one process at a time holds the analysis lease.
-        if settings.migrate_on_start:
-            from trainvitals.service.store import db
+        from trainvitals.service.store import db
 
-            db.upgrade(settings.db)  # once, here: N processes migrating at the same time would race
+        # Once, here, or the check without migrating: each worker would otherwise fail on its own.
+        db.prepare(settings.db, migrate=settings.migrate_on_start)
         os.environ.update(settings.model_copy(update={"migrate_on_start": False}).as_env())
         uvicorn.run(
             "trainvitals.service.main:create_app",
@@ -241,8 +240,7 @@ def _analyse(args: argparse.Namespace) -> int:
     )  # fmt: skip
     if ANALYSE_PARENT_ENV not in os.environ:  # serve's child: serve has said it
         _warn_misspelt(log)
-    if settings.migrate_on_start:
-        db.upgrade(settings.db)
+    db.prepare(settings.db, migrate=settings.migrate_on_start)
     engine = db.make_engine(settings.db)
     worker = AnalysisWorker(db.make_sessionmaker(engine), settings, lease=AnalysisLease(engine))
     # The main thread polls rather than blocking in Event.wait(): a signal the kernel delivers to
@@ -585,10 +583,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     dbp = sub.add_parser("db", help="schema migrations")
     dbsub = dbp.add_subparsers(dest="db_command", required=True)
-    for name, default in (("upgrade", "head"), ("downgrade", "base")):
-        p = dbsub.add_parser(name, help=f"migrate the schema {name[:-4]} to a revision (creates the database)")
-        _add_db(p)
-        p.add_argument("--revision", default=default, help="Alembic revision")
+    up = dbsub.add_parser("upgrade", help="migrate the schema up to a revision (creates the database)")
+    _add_db(up)
+    up.add_argument("--revision", default="head", help="a revision (0005), +N, or head (the default)")
+    down = dbsub.add_parser("downgrade", help="migrate the schema down to a revision (drops what later ones added)")
+    _add_db(down)
+    # Required: `base` drops every table and its rows, so it is never a default.
+    down.add_argument(
+        "--revision", required=True, help="(required) a revision (0015), -N, or base, which drops every table"
+    )
     dbp.set_defaults(func=_db)
 
     token = sub.add_parser("token", help="bearer tokens scoped to a project")

@@ -44,8 +44,7 @@ class CollectorApp(FastAPI):
 
 def create_app(settings: Settings | None = None) -> CollectorApp:
     settings = settings or Settings()
-    if settings.migrate_on_start:
-        db.upgrade(settings.db)
+    db.prepare(settings.db, migrate=settings.migrate_on_start)
     engine = db.make_engine(settings.db)
     sessions = db.make_sessionmaker(engine)
     worker = AnalysisWorker(sessions, settings, lease=AnalysisLease(engine))

@@ -16,6 +16,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from trainvitals.service.store.db import MigrationRefused
+
 revision = "0016"
 down_revision = "0015"
 branch_labels = None
@@ -71,7 +73,9 @@ def downgrade() -> None:
         )
     ).first()
     if clash is not None:
-        raise RuntimeError(f"run id {clash.rid!r} is used by two projects: delete or rename one before downgrading")
+        raise MigrationRefused(
+            f"run id {clash.rid!r} is used by two projects: delete or rename one before downgrading"
+        )
     scoped = "run_id LIKE '%/%'"
     op.execute(
         f"INSERT INTO runs (run_id, {_RUN_COLUMNS}) SELECT substr(run_id, length(project) + 2), {_RUN_COLUMNS} "

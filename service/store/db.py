@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import sqlite3
 import time
 from collections.abc import Callable
@@ -154,25 +155,43 @@ class SchemaError(RuntimeError):
     both and the fix (one line)."""
 
 
+class MigrationRefused(SchemaError):
+    """A revision that cannot migrate this database's rows; raised inside the migration's
+    transaction, so nothing changed. The message names the rows and the fix (one line)."""
+
+
 def upgrade(url: str, revision: str = "head") -> None:
     _migrate(command.upgrade, url, revision)
 
 
-def downgrade(url: str, revision: str = "base") -> None:
+def downgrade(url: str, revision: str) -> None:
+    """No default: `base` drops every table, so it is asked for by name."""
     _migrate(command.downgrade, url, revision)
+
+
+def prepare(url: str, *, migrate: bool) -> None:
+    """What serve and analyse do at start: migrate to head, or, with TRAINVITALS_MIGRATE_ON_START=false,
+    refuse a database not at head (it started, then /v1/runs and /metrics failed on a missing column)."""
+    if migrate:
+        upgrade(url)
+        return
+    problem = schema_problem(url)
+    if problem is None and current_revision(url) is None:
+        problem = "the database has no trainvitals tables: create them with `trainvitals db upgrade --db URL`"
+    if problem is not None:
+        raise SchemaError(f"{problem}; TRAINVITALS_MIGRATE_ON_START=false, so this start does not migrate")
 
 
 def _migrate(step: Callable[[Config, str], None], url: str, revision: str) -> None:
     from alembic.util import CommandError
 
-    cfg = alembic_config(url)
+    current, ours = _state(url)
+    problem = _not_ours(current, ours) or _wrong_direction(current, revision, upgrading=step is command.upgrade)
+    if problem is not None:
+        raise SchemaError(problem)
     try:
-        step(cfg, revision)
+        step(alembic_config(url), revision)
     except CommandError as exc:
-        # Alembic's "Can't locate revision identified by '...'" is either the database (migrated by
-        # a newer trainvitals) or the revision asked for (a typo).
-        if (newer := _unknown_current(url)) is not None:
-            raise SchemaError(newer) from None
         known = _revisions()[0]
         raise SchemaError(f"{exc}: revisions are head, base, +N/-N or {known[0]}..{known[-1]}") from None
 
@@ -187,23 +206,64 @@ def _revisions() -> tuple[list[str], str]:
     return [r.revision for r in reversed(list(script.walk_revisions()))], head
 
 
-def _unknown_current(url: str) -> str | None:
-    """The line for a database at a revision this code has no migration for, else None."""
-    current = current_revision(url)
+def _state(url: str) -> tuple[str | None, set[str]]:
+    """The database's schema revision, and which of trainvitals' tables it holds. Tables first:
+    an upgrade that commits in between then shows its tables and its revision, never tables
+    without a revision."""
+    from alembic.runtime.migration import MigrationContext
+    from sqlalchemy import inspect
+
+    from trainvitals.service.store.models import Base
+
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            ours = set(inspect(conn).get_table_names()) & set(Base.metadata.tables)
+            return MigrationContext.configure(conn).get_current_revision(), ours
+    finally:
+        engine.dispose()
+
+
+def _not_ours(current: str | None, ours: set[str]) -> str | None:
+    """The line for a database trainvitals did not migrate (or a newer one did), else None."""
     known, head = _revisions()
-    if current is None or current in known:
+    if current is None:
+        if not ours:
+            return None  # empty, or another application's: upgrading creates the tables beside its own
+        return (f"the database has tables named as trainvitals' ({', '.join(sorted(ours)[:3])}, ...) but no "
+                "schema revision (no alembic_version row): `trainvitals db upgrade` did not create them; "
+                "point --db / TRAINVITALS_DB at the collector's database or at an empty one")  # fmt: skip
+    if current in known:
         return None
-    return (f"the database is at schema revision {current!r}, which this trainvitals (schema {head}) "
-            "does not know: a newer trainvitals migrated it; use that version, or another database")
+    if re.fullmatch(r"\d{4}", current) and current > head:  # trainvitals' revisions are numbered 0001, 0002, ...
+        return (f"the database is at schema revision {current!r}, which this trainvitals (schema {head}) "
+                "does not know: a newer trainvitals migrated it; use that version, or another database")
+    return (f"the database's alembic_version holds revision {current!r}, not one of trainvitals' "
+            f"({known[0]}..{head}): another application migrated it; give trainvitals a database of its own")
+
+
+def _wrong_direction(current: str | None, revision: str, *, upgrading: bool) -> str | None:
+    """Alembic does nothing, and says nothing, for an upgrade to a revision the database is past."""
+    known = _revisions()[0]
+    if current is None or current not in known or revision not in known:
+        return None
+    at, to = known.index(current), known.index(revision)
+    if upgrading and at > to:
+        return (f"the database is at schema revision {current}, past {revision}: `db upgrade` only moves "
+                f"forward; to go back, `trainvitals db downgrade --revision {revision} --db URL`")
+    if not upgrading and at < to:
+        return (f"the database is at schema revision {current}, before {revision}: `db downgrade` only moves "
+                f"back; to go forward, `trainvitals db upgrade --revision {revision} --db URL`")
+    return None
 
 
 def schema_problem(url: str) -> str | None:
     """Why a reading command cannot use this database's schema (None: it is at this code's head)."""
-    current = current_revision(url)
+    current, ours = _state(url)
+    if (problem := _not_ours(current, ours)) is not None:
+        return problem
     if current is None:
         return None  # the caller says "no trainvitals tables", with its own fix
-    if (newer := _unknown_current(url)) is not None:
-        return newer
     head = _revisions()[1]
     if current != head:
         return (f"the database is at schema revision {current}, this trainvitals reads {head}: "

@@ -481,3 +481,93 @@ def test_a_reversed_or_too_large_range_is_said(
     )
     assert main(["query", "steps", "--db", replayed, "--run", RUN, "--start", "0", "--end", "99"]) == 0
     assert len(json.loads(capsys.readouterr().out)) == 100
+
+
+# --------------------------------------------------------------------------- db upgrade / downgrade
+
+
+def test_a_refused_downgrade_is_one_line_and_changes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """0016's downgrade refuses when two projects share a run id: that was a traceback."""
+    from sqlalchemy import text
+
+    url = f"sqlite:///{tmp_path}/tv.db"
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    with engine.begin() as conn:
+        for key, project in (("d1", "default"), ("b/d1", "b")):
+            conn.execute(
+                text("INSERT INTO runs (run_id, project, registration, world_size, status, created_at, last_seen_at) "
+                     f"VALUES ('{key}', '{project}', '{{}}', 1, 'running', 1.0, 1.0)")
+            )  # fmt: skip
+    engine.dispose()
+    assert main(["db", "downgrade", "--db", url, "--revision", "0015"]) == 2
+    assert _one_line_error(capsys) == (
+        "trainvitals: run id 'd1' is used by two projects: delete or rename one before downgrading\n"
+    )
+    assert db.current_revision(url) == db._revisions()[1]  # 0018's and 0017's downgrades rolled back too
+
+
+def test_downgrade_needs_a_revision(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --revision it went to base: every table dropped, without a word."""
+    url = f"sqlite:///{tmp_path}/tv.db"
+    db.upgrade(url)
+    with pytest.raises(SystemExit) as exited:
+        main(["db", "downgrade", "--db", url])
+    assert exited.value.code == 2
+    assert "the following arguments are required: --revision" in capsys.readouterr().err
+    assert db.current_revision(url) == db._revisions()[1]
+
+
+def test_db_upgrade_says_which_way_to_go(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`db upgrade --revision 0005` on a database at 0010 did nothing and exited 0."""
+    url = f"sqlite:///{tmp_path}/tv.db"
+    db.upgrade(url, "0010")
+    assert main(["db", "upgrade", "--db", url, "--revision", "0005"]) == 2
+    assert _one_line_error(capsys) == (
+        "trainvitals: the database is at schema revision 0010, past 0005: `db upgrade` only moves forward; "
+        "to go back, `trainvitals db downgrade --revision 0005 --db URL`\n"
+    )
+    assert main(["db", "downgrade", "--db", url, "--revision", "0018"]) == 2
+    assert "at schema revision 0010, before 0018: `db downgrade` only moves back" in _one_line_error(capsys)
+    assert db.current_revision(url) == "0010"
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_tables_without_a_revision_are_named_so(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """trainvitals' tables without alembic_version (create_all, a restored dump): `db upgrade` said
+    "table checkpoints already exists (is the file a database, writable?)" on SQLite and was a
+    traceback on PostgreSQL; `query runs` said the database had no trainvitals tables."""
+    from trainvitals.service.store.models import Base
+
+    url = f"sqlite:///{tmp_path}/tv.db" if backend == "sqlite" else request.getfixturevalue("empty_pg_url")
+    engine = db.make_engine(url)
+    Base.metadata.create_all(engine)
+    engine.dispose()
+    line = (
+        "the database has tables named as trainvitals' (analysis_status, api_tokens, batches, ...) but no schema "
+        "revision (no alembic_version row): `trainvitals db upgrade` did not create them; point --db / "
+        "TRAINVITALS_DB at the collector's database or at an empty one\n"
+    )
+    for argv in (["db", "upgrade"], ["query", "runs"]):
+        assert main([*argv, "--db", url]) == 2
+        assert line in _one_line_error(capsys), argv
+
+
+def test_another_applications_alembic_version_is_named_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Another application's Alembic revision read as "a newer trainvitals migrated it"."""
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "tv.db") as conn:
+        conn.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL PRIMARY KEY)")
+        conn.execute("INSERT INTO alembic_version VALUES ('ae1027a6acf')")
+    line = (
+        "the database's alembic_version holds revision 'ae1027a6acf', not one of trainvitals' (0001..0018): "
+        "another application migrated it; give trainvitals a database of its own\n"
+    )
+    for argv in (["db", "upgrade"], ["query", "runs"]):
+        assert main([*argv, "--db", f"sqlite:///{tmp_path}/tv.db"]) == 2
+        assert line in _one_line_error(capsys), argv

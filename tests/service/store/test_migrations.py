@@ -178,10 +178,92 @@ def _scoping_case(url: str) -> None:
         conn.execute(text("INSERT INTO runs (run_id, project, registration, world_size, status, created_at, "
                           "last_seen_at) VALUES ('b/d1', 'b', '{}', 2, 'running', 1.0, 1.0)"))  # fmt: skip
     engine.dispose()
-    with pytest.raises(RuntimeError, match="run id 'd1' is used by two projects"):
+    with pytest.raises(db.MigrationRefused, match="run id 'd1' is used by two projects"):
         db.downgrade(url, "0015")
 
 
 def test_0016_moves_other_projects_runs_to_their_keys(tmp_path: Path, empty_pg_url: str) -> None:
     _scoping_case(f"sqlite:///{tmp_path / 's.db'}")
     _scoping_case(empty_pg_url)
+
+
+# Run in a process of its own, killed (SIGKILL: no exception handler, no clean-up) as 0007's batch
+# rebuild of `steps` starts copying the rows into the new table.
+_KILLED_MIDWAY = """
+import os, signal, sys
+from sqlalchemy import Engine, event
+from trainvitals.service.store import db
+
+def kill(_conn, _cursor, statement, *_rest):
+    if statement.lstrip().upper().startswith("INSERT INTO _ALEMBIC_TMP_STEPS"):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+event.listen(Engine, "before_cursor_execute", kill)
+db.upgrade(sys.argv[1])
+"""
+
+
+def test_an_upgrade_killed_midway_leaves_the_database_as_it_was(tmp_path: Path) -> None:
+    """pysqlite ran DDL outside the migration's transaction: an upgrade killed during 0007's rebuild
+    of `steps` left `_alembic_tmp_steps` committed at revision 0006, and every later start failed
+    with "table _alembic_tmp_steps already exists"."""
+    import signal
+    import subprocess
+    import sys
+
+    from sqlalchemy import text
+
+    url = f"sqlite:///{tmp_path / 'i.db'}"
+    db.upgrade(url, "0006")
+    engine = db.make_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO runs (run_id, project, registration, world_size, status, created_at, "
+                          "last_seen_at) VALUES ('r', 'default', '{}', 1, 'running', 1.0, 1.0)"))  # fmt: skip
+        conn.execute(text("INSERT INTO steps (run_id, rank, incarnation, step, ts, step_seconds) "
+                          "VALUES ('r', 0, 1, 0, 1.0, 1.0)"))  # fmt: skip
+    engine.dispose()
+    killed = subprocess.run([sys.executable, "-c", _KILLED_MIDWAY, url], capture_output=True, text=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert db.current_revision(url) == "0006"
+    assert "_alembic_tmp_steps" not in _tables(url)
+    db.upgrade(url)  # the rerun, as the next start does
+    assert db.current_revision(url) == db._revisions()[1]
+    engine = db.make_engine(url)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM steps")).scalar() == 1
+    engine.dispose()
+
+
+def test_two_upgrades_at_once_on_postgresql_both_succeed(empty_pg_url: str) -> None:
+    """Replicas, and serve with its analysis child, migrate at every start: two at once both ran
+    0018's ALTER TABLE and the second failed with a traceback (DuplicateColumn). Both are held at
+    `runs` (a lock this test takes) until both are waiting, so that they really overlap."""
+    import subprocess
+    import sys
+    import time
+
+    import psycopg
+
+    db.upgrade(empty_pg_url, "0017")
+    dsn = empty_pg_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(dsn) as holder:
+        holder.execute("LOCK TABLE runs IN ACCESS EXCLUSIVE MODE")
+        upgrades = [
+            subprocess.Popen(
+                [sys.executable, "-m", "trainvitals.service.cli", "db", "upgrade", "--db", empty_pg_url],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            for _ in range(2)
+        ]
+        try:
+            deadline = time.monotonic() + 60
+            with psycopg.connect(dsn, autocommit=True) as watcher:
+                waiting = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"  # noqa: E501
+                while watcher.execute(waiting).fetchone()[0] < 2:  # type: ignore[index]
+                    assert time.monotonic() < deadline, [p.poll() for p in upgrades]
+                    time.sleep(0.05)
+        finally:
+            holder.rollback()  # releases runs: the upgrades go on
+        results = [p.communicate(timeout=60) for p in upgrades]
+    assert [p.returncode for p in upgrades] == [0, 0], results
+    assert db.current_revision(empty_pg_url) == db._revisions()[1]
