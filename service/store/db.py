@@ -65,7 +65,7 @@ def make_engine(url: str) -> Engine:
 
 def _switch_to_wal(cur: sqlite3.Cursor) -> None:
     """Put the database in WAL mode (it stays so): a read where it already is; where it is not
-    (the migrations leave a new database in rollback mode), retried while another connection holds
+    (a database an older trainvitals migrated, or another tool made), retried while another connection holds
     a write lock. SQLite answers that case "database is locked" at once, without waiting out the
     busy timeout (it would deadlock two connections switching together): the collector's threads
     connecting at its start, or a second process, then failed at random (a CI flake)."""
