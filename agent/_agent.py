@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainvitals.agent import _attached, _sigterm
-from trainvitals.agent._arguments import AttachError, check_arguments, check_run_id, one_line
+from trainvitals.agent._arguments import AttachError, check_arguments, check_run_id, check_token, one_line
 from trainvitals.agent._checkpoint_ledger import CheckpointLedger, ledger_path
 from trainvitals.agent._checkpoints import CheckpointHandle, CheckpointRecorder, StrPath
 from trainvitals.agent._config import AgentConfig, disabled_by_env
@@ -128,6 +128,8 @@ class Agent:
         self._step = 0
         self._last_step_end = time.perf_counter()
         self._closed = False
+        # What step() says once when called after close(): a later attach() closes this agent too.
+        self._after_close = "step() after close(): not recorded; attach() again"
         # attach() before init_process_group read the rank from the environment, or took 0 of 1 where
         # the launcher sets none (mp.spawn): the first step() (or close()) holds it against the process
         # group. A rank taken that way delivers nothing until then, as no rank is known yet.
@@ -294,7 +296,7 @@ class Agent:
         if self._closed:
             # A step after close() was dropped in silence: a loop that closed the agent per epoch,
             # or before a last phase, lost the rest of the run's records.
-            warn_once(self._said, ("step", "after close"), "step() after close(): not recorded; attach() again")
+            warn_once(self._said, ("step", "after close"), self._after_close)
             return
         if self._rank_unconfirmed and self._stop_if_wrong_rank():
             return
@@ -589,6 +591,12 @@ class Agent:
             except Exception as exc:  # noqa: BLE001
                 self._errors.record("close", exc)
 
+    def _replaced(self) -> None:
+        """Closed by a later attach() of the same model or run: a step() on this agent then names
+        the agent to use, not "attach() again" (which is what the job just did)."""
+        self._after_close = "this agent was replaced by a later attach(); use the agent it returned"
+        self.close()
+
     def _release(self) -> None:
         """Closed: every hook removed, nothing left for atexit (the agent can be collected)."""
         self._closed = True
@@ -734,8 +742,8 @@ class NoopAgent:
 def attach(
     model: nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
-    *,
     run: str | None = None,
+    *,
     project: str | None = None,
     collector: str | None = None,
     config: AgentConfig | None = None,
@@ -746,6 +754,8 @@ def attach(
 
     optimizer: the one that steps; a wrapper (accelerate's, DeepSpeed's) is seen through to the
     torch optimizer it holds (agent/_optimizer.py).
+    run: the run id, also the third positional argument (`attach(model, opt, "run-1")`, which was
+    a TypeError while it was keyword-only); None: derived (agent/_dist.py), and rank 0 says how.
     project: None takes config.project ($TRAINVITALS_PROJECT), else names none: the collector
     registers the run under the token's project ('default' with auth off).
     registration: optional parts of the wire-format run registration (keys model, parallelism,
@@ -760,6 +770,7 @@ def attach(
         config = config or AgentConfig(collector=collector)
         if collector is not None:
             config.collector = collector
+        check_token(config.token)
         info = rank_info()
         chosen = RunId(run, None) if run else default_run_id(info.world_size)
         run_id = chosen.value
@@ -785,7 +796,7 @@ def attach(
             del reg["project"]  # none named: the token's, filled in by the collector (docs/agent.md)
         for earlier in _attached.earlier_agents(run_id, info.rank, model):
             logger.warning("trainvitals agent: %s", _attached.superseded_notice(earlier))
-            earlier.close()
+            earlier._replaced()
         agent = Agent(
             model=model,
             optimizer=optimizer,

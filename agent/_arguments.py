@@ -40,6 +40,18 @@ def check_arguments(model: Any, optimizer: Any) -> None:
         )
 
 
+_TOKEN = re.compile(r"[!-~]+")  # printable ASCII without spaces: what an HTTP header value carries
+
+
+def check_token(token: str | None) -> None:
+    """A token an HTTP header can carry (AgentConfig has stripped its ends); never printed."""
+    if token is not None and not _TOKEN.fullmatch(token):
+        raise AttachError(
+            "the collector token (TRAINVITALS_TOKEN or AgentConfig.token) holds a space or a control "
+            "character: pass the token exactly as `trainvitals token create` printed it"
+        )
+
+
 def check_run_id(run: str, source: str) -> None:
     """A run id the collector takes: 1-128 letters, digits and . _ : -."""
     if isinstance(run, str) and 0 < len(run) <= RUN_ID_MAX_LENGTH and re.fullmatch(RUN_ID_PATTERN, run):

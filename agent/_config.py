@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import getpass
 import os
-import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,9 +27,6 @@ def default_spill_dir() -> str:
     except Exception:  # noqa: BLE001 - no user name (a container without a passwd entry)
         user = str(os.getuid())
     return os.path.join(tempfile.gettempdir(), f"trainvitals-spool-{user}")
-
-
-_TOKEN = re.compile(r"[!-~]+")  # printable ASCII without spaces: what an HTTP header value carries
 
 
 def disabled_by_env() -> bool:
@@ -131,6 +127,9 @@ class AgentConfig:
     """Free-form run tags sent with the registration."""
 
     def __post_init__(self) -> None:
+        # The checks below raise only for values the job's code passes (a typo a first run shows);
+        # what comes from the environment or a file is taken as it is, and attach() refuses what
+        # cannot work with one line (agent/_arguments.py): a bad secret must not crash the job.
         if self.send_interval_s is not None and self.send_interval_s <= 0:
             raise ValueError("send_interval_s must be > 0 (or None: automatic)")
         if self.max_batch_records < 1 or self.queue_max_records < self.max_batch_records:
@@ -157,12 +156,10 @@ class AgentConfig:
         if self.token is not None:
             # A token read from a file or a Kubernetes secret usually ends in a newline, which no
             # HTTP header may hold: every delivery failed, with the token itself in the error line.
+            # A space or control character inside it is refused by attach() (check_token), not here:
+            # a job builds its config before attach(), and the environment's content must not raise
+            # there (not even with TRAINVITALS_DISABLE=1).
             self.token = self.token.strip() or None
-            if self.token is not None and not _TOKEN.fullmatch(self.token):
-                raise ValueError(
-                    "the collector token (TRAINVITALS_TOKEN or AgentConfig.token) holds a space or a control "
-                    "character: pass the token exactly as `trainvitals token create` printed it"
-                )
         if self.project is None:
             self.project = os.environ.get("TRAINVITALS_PROJECT") or None
         if self.auth_retry_s < 0:

@@ -301,6 +301,7 @@ class SpoolingDelivery:
         """The collector took this process's registration; note the project it filled in."""
         self._registered = True
         self._accepted.add(self._registration)
+        self._notices.registered()
         if "project" in self._registration_fields:
             return
         try:

@@ -74,6 +74,10 @@ class Notices:
         self._hold = f"up to {hold_max_bytes / (1 << 20):g} MiB"
         self._said: set[tuple[str, ...]] = set()
         self._fenced = False  # the collector refused this process as another job (409 registration)
+        # The collector refused this process's token (401, 403) and has not taken its registration
+        # since: the spool's registration then names no project the collector chose, and a replay
+        # without --project would store the run under the one it names, or 'default'.
+        self._auth_refused = False
 
     def unreachable(self, exc: OSError) -> None:
         self._say(
@@ -103,6 +107,15 @@ class Notices:
             head += " (TRAINVITALS_TOKEN: an ingest token of this collector, `trainvitals token create --scope ingest`)"
         elif reply.status == 403 and project_named and not leftover:
             head += " (the project comes from attach(project=) or TRAINVITALS_PROJECT; without either, the token's)"
+        elif reply.status == 404 and kind == "registration":
+            # Not the collector's trouble: a URL with /v1 or another path, or another service's
+            # (Prometheus, Grafana) answers 404 on every retry; the line has to name the fix.
+            head += (
+                " (TRAINVITALS_COLLECTOR must be the collector's base URL, http://host:8000: "
+                "no /v1, not Prometheus' or Grafana's)"
+            )
+        if reply.status in (401, 403) and not leftover:
+            self._auth_refused = True
         if verdict == "set_aside" and reply.status == 409 and kind == "registration":
             # Another job under this run id: the collector fences this process, so replaying the
             # set-aside batches would be refused the same way; they are kept for the record only.
@@ -122,6 +135,10 @@ class Notices:
             text = f"{head}. Training continues; batches wait in {self._spool} and are retried"
         # One line per distinct reason: a 422's field paths and run ids repeat, its indices may not.
         self._say((verdict, kind, str(reply.status), str(leftover), re.sub(r"\d+", "#", reason)), text)
+
+    def registered(self) -> None:
+        """The collector took this process's registration: its token works (again)."""
+        self._auth_refused = False
 
     def cannot_write(self, path: Path, exc: OSError) -> None:
         """The spool, the quarantine or the record file could not be written; once per file and
@@ -194,11 +211,19 @@ class Notices:
 
     def exit_report(self, *, waiting: int, set_aside: int) -> None:
         if waiting:
+            then = (
+                # `replay` has no token to say the project: the spool's registration names none (or
+                # the refused one), so without --project the run would be stored under that or 'default'.
+                "Fix the token (or the project) and rerun the job: the next start of this rank on this node "
+                f"sends them; or store them with: {replay_command(self._spool, project=True)}"
+                if self._auth_refused
+                else f"The next start of this rank on this node sends them, or store them with: "
+                f"{replay_command(self._spool)}"
+            )
             self._say(
                 ("exit_waiting",),
                 f"{waiting} batch(es) were not delivered to the collector at {self.url}; they wait in "
-                f"{self._spool}. The next start of this rank on this node sends them, or store them with: "
-                f"{replay_command(self._spool)}",
+                f"{self._spool}. {then}",
             )
         if set_aside:
             fix = (
@@ -223,10 +248,12 @@ class Notices:
         logger.warning("trainvitals agent: %s", _TOKEN_LIKE.sub("tv_<redacted>", text))
 
 
-def replay_command(path: Path) -> str:
+def replay_command(path: Path, *, project: bool = False) -> str:
     """The command that stores a spool or quarantine file. The agent cannot know the collector's
-    database (nor should a URL with its password reach a training log): the user adds it."""
+    database (nor should a URL with its password reach a training log): the user adds it.
+    project: the file's registration names no project the collector chose (an auth refusal)."""
+    named = " --project <the run's project>" if project else ""
     return (
-        f"trainvitals replay {shlex.quote(str(path))} (add --db <the collector's database URL> "
+        f"trainvitals replay {shlex.quote(str(path))}{named} (add --db <the collector's database URL> "
         "unless it is $TRAINVITALS_DB or ./trainvitals.db)"
     )

@@ -5,7 +5,9 @@ refuses").
 Retrying the same bytes cannot fix a malformed message (400, 413, 422) or a refused registration
 (409: another job's run id, or with auth off another project's); an operator can fix a token
 while the job runs, so authentication refusals (401, 403) are retried for `auth_retry_s` first.
-Everything else (5xx, 404, 429) is the collector's own trouble: retried until it answers.
+Everything else (5xx, 404, 429) is the collector's own trouble: retried until it answers. A 404
+on the registration is more likely a wrong URL (with /v1, or Prometheus'); it is retried too, and
+the notice names the fix (agent/_notices.py).
 """
 
 from __future__ import annotations

@@ -161,10 +161,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drift-rate", type=float, default=0.01)
     p.add_argument("--spike-steps", default="", help="comma-separated steps whose loss is scaled")
     p.add_argument("--spike-scale", type=float, default=30.0)
-    p.add_argument("--crash-rank", type=int, default=None)
-    p.add_argument("--crash-at", type=int, default=None)
+    p.add_argument("--crash-rank", type=int, default=None, help="rank that crashes (with --crash-at)")
+    p.add_argument("--crash-at", type=int, default=None, help="step it crashes at (with --crash-rank)")
     p.add_argument("--plan", type=Path, default=None, help="JSON merged into the run registration (see above)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # One of the two alone crashed nothing, in silence.
+    if (args.crash_rank is None) != (args.crash_at is None):
+        p.error("--crash-rank and --crash-at go together: --crash-rank R --crash-at S crashes rank R at step S")
+    if args.send_interval <= 0:
+        p.error(f"--send-interval must be > 0 seconds, not {args.send_interval:g}")  # AgentConfig would raise
+    return args
 
 
 def merged(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:

@@ -294,12 +294,23 @@ def _token(args: argparse.Namespace) -> int:
         _emit(data, args.format)
         return 0
     # Creating the first token may create the database (before the first `serve`); revoking may not.
+    # Which one it wrote to is said: run in another directory, it made a new ./trainvitals.db that
+    # no collector reads, and the agents' batches were then refused as an unknown token (401).
+    created = False
+    if args.token_command == "create":
+        from trainvitals.service.store import db
+
+        sqlite = db_url.sqlite_path(args.db)  # no file yet, or no trainvitals tables in it: a new database
+        created = (sqlite is not None and not sqlite.is_file()) or db.current_revision(args.db) is None
     with _session(args.db, migrate=args.token_command == "create") as session:
         if args.token_command == "create":
             token = auth.create_token(session, project=args.project, scope=args.scope, name=args.name)
             print(token)
+            where = db_url.describe(args.db)  # the password hidden
+            if created:
+                where += ", a new database created just now: the collector must serve this one (--db / TRAINVITALS_DB)"
             print(
-                f"(project {args.project!r}, scope {args.scope!r}: shown once, stored hashed)",
+                f"(project {args.project!r}, scope {args.scope!r}: shown once, stored hashed in {where})",
                 file=sys.stderr,
             )
             return 0
@@ -429,7 +440,11 @@ def _replay(args: argparse.Namespace) -> int:
 
         config = PipelineConfig(catch_up_steps=args.catch_up_steps)
     if missing := [f for f in args.files if not os.path.isfile(f)]:
-        print(f"trainvitals: no file {missing[0]!r}: replay takes the agent's spool or record files (.jsonl)",
+        # A shell pattern that matched nothing reaches here as itself: say so, and where spools are.
+        pattern = " (a pattern that matched no file)" if any(c in missing[0] for c in "*?[") else ""
+        print(f"trainvitals: no file {missing[0]!r}{pattern}: replay takes the agent's spool or record files "
+              "(.jsonl); a job's spools are <run>.rank<r>.jsonl on the node that ran it, in "
+              "${TMPDIR:-/tmp}/trainvitals-spool-$USER/ unless the job set TRAINVITALS_SPILL_DIR",
               file=sys.stderr)  # fmt: skip
         return 2
     with _session(args.db, migrate=True) as session:

@@ -329,6 +329,58 @@ def test_a_step_after_close_is_said_once(tmp_path: Path, caplog: pytest.LogCaptu
     ]
 
 
+def test_a_step_on_an_agent_a_later_attach_replaced_names_the_agent_to_use(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A second attach() on the same model closes the first agent; a step() on the first told the
+    user to "attach() again", which is what they had just done."""
+    model, opt = _model()
+    first = tv.attach(model, opt, run="r1", config=tv.AgentConfig(collector="", spill_dir=str(tmp_path)))
+    second = tv.attach(model, opt, run="r1", config=tv.AgentConfig(collector="", spill_dir=str(tmp_path)))
+    caplog.clear()  # the second attach()'s line that it closed the first
+    with caplog.at_level(logging.WARNING, logger="trainvitals.agent"):
+        _train(first, model, opt, 2)
+    assert [r.getMessage() for r in caplog.records] == [
+        "trainvitals agent: this agent was replaced by a later attach(); use the agent it returned"
+    ]
+    second.close()
+
+
+def test_the_run_id_may_be_the_third_positional_argument(tmp_path: Path) -> None:
+    """attach(model, opt, "run-1") raised TypeError (run was keyword-only), though attach() never raises."""
+    model, opt = _model()
+    agent = tv.attach(model, opt, "run-1", config=tv.AgentConfig(collector="", spill_dir=str(tmp_path)))
+    assert isinstance(agent, tv.Agent) and agent.run == "run-1"
+    agent.close()
+
+
+@pytest.mark.parametrize("disabled", [False, True], ids=["enabled", "TRAINVITALS_DISABLE"])
+def test_a_token_with_a_space_disables_the_agent_at_attach_not_the_job(
+    disabled: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """AgentConfig raised ValueError for such a token from the environment: the job, which builds
+    its config before attach() (examples/train_gpt.py), crashed with a traceback, even with
+    TRAINVITALS_DISABLE=1. Now attach() says it in one line (never the token) and training goes on."""
+    monkeypatch.setenv("TRAINVITALS_TOKEN", "tv_abcdef ghijkl\n")
+    if disabled:
+        monkeypatch.setenv("TRAINVITALS_DISABLE", "1")
+    model, opt = _model()
+    with caplog.at_level(logging.WARNING, logger="trainvitals.agent"):
+        config = tv.AgentConfig(collector="http://127.0.0.1:9", spill_dir=str(tmp_path))
+        agent = tv.attach(model, opt, run="r1", config=config)
+    assert isinstance(agent, tv.NoopAgent)
+    _train(agent, model, opt, 1)
+    lines = [r.getMessage() for r in caplog.records]
+    if disabled:
+        assert lines == []
+        return
+    assert lines == [
+        "trainvitals agent disabled: the collector token (TRAINVITALS_TOKEN or AgentConfig.token) holds a space "
+        "or a control character: pass the token exactly as `trainvitals token create` printed it"
+    ]
+    assert len(opt._optimizer_step_pre_hooks) == 0 and _module_hooks(model) == 0
+
+
 def test_agent_errors_never_reach_the_training_loop(tmp_path: Path) -> None:
     model, opt = _model()
     agent = tv.attach(model, opt, run="r1", config=tv.AgentConfig(collector="", spill_dir=str(tmp_path)))

@@ -9,13 +9,18 @@ free one) and the spool directory (per test, so no other run's leftovers are del
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -70,6 +75,62 @@ def test_the_readme_recipe_delivers_every_step_to_the_tokens_project(tmp_path: P
     assert runs == {"llm/quickstart": "llm"}  # the project's own run id (store/run_keys.py)
     assert steps == list(range(50))
     assert not any((tmp_path / "spool").glob("*.jsonl"))
+
+
+@pytest.mark.parametrize("holder", ["another-collector", "not-http"])
+def test_the_recipes_wait_stops_and_says_why_when_serve_cannot_listen(
+    holder: str, tmp_path: Path, unused_port: int
+) -> None:
+    """Step 1 with port 8000 taken: the wait spun forever in silence (something that is not HTTP
+    holds the port), or took another collector's /healthz for this one's and went on (the tokens
+    then went into a ./trainvitals.db no collector reads). Now it stops and shows serve's line."""
+    step1 = recipe().split("\n# 2.")[0].replace("127.0.0.1:8000", f"127.0.0.1:{unused_port}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINVITALS_")}
+    env |= {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}", "TRAINVITALS_PORT": str(unused_port)}
+    with _port_held(unused_port, answers=holder == "another-collector"):
+        proc = subprocess.Popen(
+            ["bash", "-e", "-c", step1], cwd=tmp_path, env=env, start_new_session=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()[0], "the wait did not stop"
+        finally:
+            _stop_group(proc)
+    assert f"trainvitals: 127.0.0.1:{unused_port} is already in use (another collector?" in out, out + err
+
+
+@contextlib.contextmanager
+def _port_held(port: int, *, answers: bool) -> Iterator[None]:
+    """The port held by an HTTP server that answers 200 to every GET (a collector's /healthz), or
+    by a socket that listens and never answers."""
+    if not answers:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+            sock.listen()
+            yield
+        return
+
+    class Healthy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the handler's name
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"status": "ok"}')
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Healthy)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
 
 
 def _stop_group(proc: subprocess.Popen[str]) -> None:

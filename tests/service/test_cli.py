@@ -278,6 +278,43 @@ def test_token_list_shows_everything_but_the_token(tmp_path: Path, capsys: pytes
     assert ingest not in out and read not in out and "digest" not in out
 
 
+# --------------------------------------------------------------------------- token create
+
+
+def test_token_create_names_the_database_and_says_when_it_created_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Run in another directory, `token create` made a new ./trainvitals.db in silence: the agents'
+    batches were then refused as an unknown token by the collector, which reads another database."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TRAINVITALS_DB", raising=False)
+    create = ["token", "create", "--project", "llm", "--scope", "ingest"]
+    where = f"(project 'llm', scope 'ingest': shown once, stored hashed in sqlite:///{tmp_path.resolve()}/trainvitals.db"
+    assert main(create) == 0
+    first = capsys.readouterr()
+    assert first.out.count("\n") == 1 and first.out.startswith("tv_")  # stdout: the token alone, for $(...)
+    assert first.err == (
+        f"{where}, a new database created just now: the collector must serve this one (--db / TRAINVITALS_DB))\n"
+    )
+    assert main(create) == 0
+    assert capsys.readouterr().err == f"{where})\n"
+
+
+def test_token_create_in_postgres_names_it_without_the_password(
+    empty_pg_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = empty_pg_url.replace("postgres@", "postgres:pw-s3cret@")  # the test server trusts any password
+    for _ in range(2):
+        assert main(["token", "create", "--db", url, "--project", "llm", "--scope", "read"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    masked = url.replace("pw-s3cret", "***")
+    assert err == [
+        f"(project 'llm', scope 'read': shown once, stored hashed in {masked}, a new database created just now: "
+        "the collector must serve this one (--db / TRAINVITALS_DB))",
+        f"(project 'llm', scope 'read': shown once, stored hashed in {masked})",
+    ]
+
+
 # --------------------------------------------------------------------------- query steps
 
 
@@ -423,8 +460,13 @@ def test_the_agent_variables_left_out_are_the_agents() -> None:
 
 
 def test_replay_of_a_missing_file_creates_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A glob that matched nothing reaches replay as itself: the line says so, and where spools are."""
     assert main(["replay", str(tmp_path / "spool" / "*.jsonl"), "--db", f"sqlite:///{tmp_path}/tv.db"]) == 2
-    assert _one_line_error(capsys).startswith(f"trainvitals: no file '{tmp_path}/spool/*.jsonl': replay takes")
+    err = _one_line_error(capsys)
+    assert err.startswith(
+        f"trainvitals: no file '{tmp_path}/spool/*.jsonl' (a pattern that matched no file): replay takes"
+    )
+    assert "spools are <run>.rank<r>.jsonl on the node that ran it, in ${TMPDIR:-/tmp}/trainvitals-spool-$USER/" in err
     assert not (tmp_path / "tv.db").exists()
 
 
