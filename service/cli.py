@@ -291,7 +291,7 @@ def _token(args: argparse.Namespace) -> int:
              "revoked": t.revoked}
             for t in rows
         ]  # fmt: skip
-        _emit(data, args.format)
+        _emit(data, args.format, columns=("id", "project", "scope", "name", "created", "revoked"))
         return 0
     # Creating the first token may create the database (before the first `serve`); revoking may not.
     # Which one it wrote to is said: run in another directory, it made a new ./trainvitals.db that
@@ -315,25 +315,42 @@ def _token(args: argparse.Namespace) -> int:
             )
             return 0
         if not auth.revoke_token(session, token=args.token):
-            print("no such token", file=sys.stderr)
+            print(f"trainvitals: no such token in {db_url.describe(args.db)}: pass it as `token create` printed it",
+                  file=sys.stderr)  # fmt: skip
             return 1
     print("revoked")
     return 0
 
 
-def _emit(data: Any, fmt: str) -> None:
+def _emit(data: Any, fmt: str, columns: Sequence[str] = ()) -> None:
+    """data as strict JSON (non-finite numbers null) or CSV (`columns` head it even without rows)."""
     from trainvitals.service.csv_output import to_csv
+    from trainvitals.service.json_output import to_json
 
     if fmt == "csv":
-        sys.stdout.write(to_csv(data))
+        sys.stdout.write(to_csv(data, columns=columns))
     else:
-        print(json.dumps(data, indent=2, default=str))
+        print(to_json(data))
 
 
-def _warmup_steps() -> int:
-    from trainvitals.service.settings import load
+def _columns(query: str) -> list[str]:
+    """A query's columns, in the HTTP answer's order (service/api/schemas.py, which the tests keep
+    in step with the queries); [] for the queries that answer one object."""
+    from trainvitals.service.api import schemas
+    from trainvitals.service.store import queries
 
-    return load().detector_warmup_steps
+    if query == "runs":
+        return [f.name for f in dataclasses.fields(queries.RunOverview)]
+    if query == "steps":
+        return list(queries.STEP_HISTORY_COLUMNS)
+    models: dict[str, Any] = {
+        "timeline": schemas.TensorStepPublic,
+        "worst-tensors": schemas.WorstTensorPublic,
+        "findings": schemas.FindingPublic,
+        "analysis": schemas.AnalysisFindingPublic,
+        "checkpoints": schemas.CheckpointGenerationPublic,
+    }
+    return list(models[query].model_fields) if query in models else []
 
 
 def _query(args: argparse.Namespace) -> int:
@@ -350,15 +367,18 @@ def _query(args: argparse.Namespace) -> int:
 
 
 def _answer_query(args: argparse.Namespace) -> int:
+    from trainvitals.service import settings
     from trainvitals.service.store import queries
 
     with _session(args.db) as session:
         if args.query_command == "runs":
+            # The warm-up the collector's analysis applies; that setting alone: a query must not fail
+            # on serve's (Kubernetes sets TRAINVITALS_PORT=tcp://... for a Service named trainvitals).
+            warmup = settings.load_one("detector_warmup_steps")
             data: Any = [
                 dataclasses.asdict(o)
                 for r in queries.list_runs(session)
-                # The warm-up the collector's analysis applies (TRAINVITALS_DETECTOR_WARMUP_STEPS).
-                if (o := queries.run_overview(session, run_id=r.run_id, warmup_steps=_warmup_steps())) is not None
+                if (o := queries.run_overview(session, run_id=r.run_id, warmup_steps=warmup)) is not None
             ]
         elif isinstance(run := _run_of(session, args), str):
             print(f"trainvitals: {run}", file=sys.stderr)
@@ -377,12 +397,8 @@ def _answer_query(args: argparse.Namespace) -> int:
             data = queries.tensor_timeline(
                 session, run_id=run.run_id, tensor=args.tensor, role=args.role, start=args.start, end=args.end
             )
-            if not data and not queries.has_tensor(session, run_id=run.run_id, tensor=args.tensor):
-                print(
-                    f"trainvitals: run {args.run!r} has no tensor {args.tensor!r} (names are module names, "
-                    f"e.g. layers.3.fc; `trainvitals query worst-tensors --run {args.run}` lists some)",
-                    file=sys.stderr,
-                )
+            if not data and (missing := _missing_tensor(session, args, run.run_id)) is not None:
+                print(f"trainvitals: {missing}", file=sys.stderr)
                 return 1
         elif args.query_command == "worst-tensors":
             data = queries.worst_tensors(session, run_id=run.run_id, start=args.start, end=args.end, k=args.k)
@@ -399,13 +415,13 @@ def _answer_query(args: argparse.Namespace) -> int:
         if hasattr(args, "start") and not (data["steps"] if isinstance(data, dict) else data):
             # An empty step range is an answer, not an error: the empty result on stdout, why on stderr.
             print(f"trainvitals: {_empty_range(session, args, run.run_id)}", file=sys.stderr)
-    _emit(data, args.format)
+    _emit(data, args.format, columns=_columns(args.query_command))
     return 0
 
 
 def _run_of(session: Any, args: argparse.Namespace) -> Any:
-    """The run `--run` names in `--project` (default: the one run with that id in any project), or
-    why there is none (store/run_keys.py)."""
+    """The run `--run` names in `--project` (default: the `default` project's run of that id, else the
+    one run with that id in any project), or why there is none (store/run_keys.py)."""
     from trainvitals.service.store import queries, run_keys
 
     try:
@@ -419,16 +435,49 @@ def _run_of(session: Any, args: argparse.Namespace) -> Any:
     return run
 
 
+def _missing_tensor(session: Any, args: argparse.Namespace, key: str) -> str | None:
+    """Why the run has no timeline for `--tensor` (and `--role`) at all, or None: it has one."""
+    from trainvitals.service.store import queries
+
+    roles = queries.tensor_roles(session, run_id=key, tensor=args.tensor)
+    if not roles:
+        return (
+            f"run {args.run!r} has no tensor {args.tensor!r} (names are module names, e.g. layers.3.fc; "
+            f"`trainvitals query worst-tensors --run {args.run}` lists some)"
+        )
+    if args.role is not None and args.role not in roles:
+        return (
+            f"run {args.run!r}: tensor {args.tensor!r} has roles {', '.join(roles)}, not {args.role}: "
+            "pass one of them to --role, or leave --role out"
+        )
+    return None
+
+
 def _empty_range(session: Any, args: argparse.Namespace, key: str) -> str:
+    """The line for a query that found nothing: what it asked for, and what the run has of the data
+    that query reads (reduced steps, rank step times or FP8 statistics)."""
     from trainvitals.service.store import queries
 
     bounds = ("" if b is None else str(b) for b in (args.start, args.end))
     asked = "any step" if args.start is None and args.end is None else "steps " + "..".join(bounds)
-    have = queries.reduced_step_range(session, run_id=key)
-    where = f"run {args.run!r}" + (f", tensor {args.tensor!r}" if getattr(args, "tensor", None) else "")
+    where = f"run {args.run!r}"
+    if args.query_command == "steps":
+        have = queries.reduced_step_range(session, run_id=key)
+        what, none = "the run has reduced steps", "no step of the run is reduced yet"
+    elif args.query_command == "step-times":
+        have = queries.stored_step_range(session, run_id=key)
+        what, none = "the run has step times for steps", "the run has no step times yet"
+    elif args.query_command == "timeline":
+        where += f", tensor {args.tensor!r}" + ("" if args.role is None else f" ({args.role})")
+        have = queries.tensor_step_range(session, run_id=key, tensor=args.tensor, role=args.role)
+        what, none = "the tensor has FP8 statistics for steps", "the tensor has no FP8 statistics"
+    else:  # worst-tensors
+        have = queries.tensor_step_range(session, run_id=key)
+        what = "the run has FP8 statistics for steps"
+        none = "the run has no FP8 tensor statistics (none sent, or none reduced yet)"
     if have is None:
-        return f"nothing for {where} in {asked}: no step of the run is reduced yet"
-    return f"nothing for {where} in {asked}; the run has reduced steps {have[0]}..{have[1]}"
+        return f"nothing for {where} in {asked}: {none}"
+    return f"nothing for {where} in {asked}; {what} {have[0]}..{have[1]}"
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -548,7 +597,11 @@ def _add_query(
     _add_db(p)
     if run:
         p.add_argument("--run", required=True, help="run id")
-        p.add_argument("--project", help="the run's project (default: the one run with that id in any project)")
+        p.add_argument(
+            "--project",
+            help="the run's project (default: the `default` project's run of that id, else the one run with that "
+            "id in any project)",
+        )
     _add_format(p)
     if extra is not None:
         extra(p)

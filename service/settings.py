@@ -6,7 +6,7 @@ import difflib
 import os
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, create_model
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from trainvitals.service.store.db import DEFAULT_SQLITE_URL
@@ -110,6 +110,23 @@ def load(**overrides: Any) -> Settings:
         return Settings(**overrides)
     except ValidationError as exc:
         raise ConfigError("; ".join(_problem(error, overrides) for error in exc.errors())) from None
+
+
+class _OneSetting(BaseSettings):
+    model_config = Settings.model_config
+
+
+def load_one(name: str) -> Any:
+    """One setting from its TRAINVITALS_* variable (else its default), checked as load() checks it,
+    without reading the others: a command that needs one setting must not fail on another's value
+    (`query runs` on serve's TRAINVITALS_PORT, which Kubernetes sets to tcp://IP:PORT)."""
+    field = Settings.model_fields[name]
+    definition: dict[str, Any] = {name: (field.annotation, field)}
+    only = create_model(f"Only_{name}", __base__=_OneSetting, **definition)
+    try:
+        return getattr(only(), name)
+    except ValidationError as exc:
+        raise ConfigError("; ".join(_problem(error, {}) for error in exc.errors())) from None
 
 
 def _problem(error: Any, overrides: dict[str, Any]) -> str:

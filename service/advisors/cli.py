@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +25,7 @@ from trainvitals.service.advisors.recommend import (
     Recommendation,
     recommend_from_config,
 )
+from trainvitals.service.json_output import to_json  # inf (a tier no incident reaches): null
 
 GIB = 1024**3
 
@@ -39,20 +39,6 @@ def _load_config(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: top level must be a mapping")
     return data
-
-
-def _dump(data: Any) -> str:
-    # inf (a tier no incident reaches) becomes null so the output stays strict JSON.
-    def clean(v: Any) -> Any:
-        if isinstance(v, float) and (math.isinf(v) or math.isnan(v)):
-            return None
-        if isinstance(v, dict):
-            return {k: clean(x) for k, x in v.items()}
-        if isinstance(v, list | tuple):
-            return [clean(x) for x in v]
-        return v
-
-    return json.dumps(clean(data), indent=2, sort_keys=False)
 
 
 def _format_plan(result: PlanResult) -> str:
@@ -98,13 +84,13 @@ def run_plan(args: argparse.Namespace) -> int:
         data = _load_config(args.config)
         if args.recommend:
             rec = recommend_from_config(data, critical_batch_tokens=args.critical_batch_tokens)
-            print(_dump(rec.as_dict()) if args.json else _format_recommendation(rec))
+            print(to_json(rec.as_dict()) if args.json else _format_recommendation(rec))
             return 0 if rec.feasible else 1
         result = plan(parse_plan_input(data))
     except (ValueError, OSError, yaml.YAMLError) as exc:
         print(f"trainvitals plan: {exc}", file=sys.stderr)
         return 2
-    print(_dump(result.as_dict()) if args.json else _format_plan(result))
+    print(to_json(result.as_dict()) if args.json else _format_plan(result))
     return 0 if result.memory.fits else 1
 
 
@@ -231,7 +217,7 @@ def run_advise(args: argparse.Namespace) -> int:
                     if t is not None
                 },
             }
-        print(_dump(out))
+        print(to_json(out))
     else:
         print(_format_advice(advice))
     return 0

@@ -451,6 +451,13 @@ def step_time_matrix(
     }
 
 
+STEP_HISTORY_COLUMNS = (
+    "step", "ts", "ranks", "loss", "loss_nonfinite", "grad_norm", "grad_nonfinite", "skipped_ranks",
+    "tokens", "step_seconds_p50", "step_seconds_max", "mfu",
+)  # fmt: skip
+"""What step_history answers per step, in order (StepSummary columns)."""
+
+
 def step_history(
     session: Session, *, run_id: str, start: int | None = None, end: int | None = None, limit: int = 1_000_000
 ) -> list[dict[str, Any]]:
@@ -458,10 +465,7 @@ def step_history(
     over ranks; steps not yet reduced are not here). step_seconds_max is the step's wall time
     (the slowest rank), the one MFU divides by."""
     s = StepSummary
-    q = select(
-        s.step, s.ts, s.ranks, s.loss, s.loss_nonfinite, s.grad_norm, s.grad_nonfinite, s.skipped_ranks,
-        s.tokens, s.step_seconds_p50, s.step_seconds_max, s.mfu,
-    ).where(s.run_id == run_id)  # fmt: skip
+    q = select(*(getattr(s, c) for c in STEP_HISTORY_COLUMNS)).where(s.run_id == run_id)
     q = _step_range(q, s.step, start, end).order_by(s.step).limit(limit + 1)
     rows = [dict(r._mapping) for r in session.execute(q)]
     _at_most(rows, limit, start, end, "steps")
@@ -474,6 +478,36 @@ def reduced_step_range(session: Session, *, run_id: str) -> tuple[int, int] | No
         select(func.min(StepSummary.step), func.max(StepSummary.step)).where(StepSummary.run_id == run_id)
     ).one()
     return None if first is None else (first, last)
+
+
+def stored_step_range(session: Session, *, run_id: str) -> tuple[int, int] | None:
+    """The first and last step of a run with a rank's step time stored (None: none yet)."""
+    first, last = session.execute(
+        select(func.min(StepRow.step), func.max(StepRow.step)).where(StepRow.run_id == run_id)
+    ).one()
+    return None if first is None else (first, last)
+
+
+def tensor_step_range(
+    session: Session, *, run_id: str, tensor: str | None = None, role: str | None = None
+) -> tuple[int, int] | None:
+    """The first and last step with reduced FP8 statistics of a run, or of one tensor (and role)
+    of it (None: none)."""
+    t = TensorSummary
+    q = select(func.min(t.step), func.max(t.step)).where(t.run_id == run_id)
+    if tensor is not None:
+        q = q.where(t.tensor == tensor)
+    if role is not None:
+        q = q.where(t.role == role)
+    first, last = session.execute(q).one()
+    return None if first is None else (first, last)
+
+
+def tensor_roles(session: Session, *, run_id: str, tensor: str) -> list[str]:
+    """The roles (input, weight, grad_output) a tensor of the run has FP8 statistics for."""
+    t = TensorSummary
+    q = select(t.role).where(t.run_id == run_id, t.tensor == tensor).distinct().order_by(t.role)
+    return list(session.scalars(q))
 
 
 def has_tensor(session: Session, *, run_id: str, tensor: str) -> bool:

@@ -1,5 +1,6 @@
 """The `trainvitals` CLI explains itself: --db mistakes, reads that create nothing, TRAINVITALS_DB,
-quiet pipes, help with defaults, `token list`, `query steps`, unknown tensors and empty ranges.
+quiet pipes, help with defaults, `token list`, `query steps`, unknown tensors and empty ranges, and
+what queries print (strict JSON, CSV with headers and no formulas).
 
 Through `main([...])`, the console script's entry point, in this process (capsys), or as the
 installed `trainvitals` script where the process boundary is the point (pipes, tracebacks)."""
@@ -336,13 +337,16 @@ def test_query_steps_gives_the_history(replayed: str, capsys: pytest.CaptureFixt
 def test_an_empty_step_range_is_an_empty_answer_that_says_so(
     replayed: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    for command in (["steps"], ["worst-tensors"], ["step-times"]):
-        assert main(["query", *command, "--db", replayed, "--run", RUN, "--start", "5000", "--end", "6000"]) == 0
+    have = {
+        "steps": f"; the run has reduced steps 0..{STEPS - 1}",
+        "step-times": f"; the run has step times for steps 0..{STEPS - 1}",
+        "worst-tensors": ": the run has no FP8 tensor statistics (none sent, or none reduced yet)",
+    }
+    for command, line in have.items():
+        assert main(["query", command, "--db", replayed, "--run", RUN, "--start", "5000", "--end", "6000"]) == 0
         captured = capsys.readouterr()
         assert json.loads(captured.out) in ([], {"run": RUN, "ranks": [], "steps": [], "seconds": []})
-        assert captured.err == (
-            f"trainvitals: nothing for run '{RUN}' in steps 5000..6000; the run has reduced steps 0..{STEPS - 1}\n"
-        )
+        assert captured.err == f"trainvitals: nothing for run '{RUN}' in steps 5000..6000{line}\n"
 
 
 def test_an_unknown_tensor_is_an_error(replayed: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -399,7 +403,7 @@ def test_a_bad_setting_is_one_line_naming_the_variable(
 ) -> None:
     """pydantic's ValidationError came out as a traceback from serve, analyse and `query runs`."""
     monkeypatch.setenv("TRAINVITALS_LOG_LEVEL", "INFO")
-    assert main(["query", "runs", "--db", replayed]) == 2
+    assert main(["serve", "--db", replayed]) == 2
     assert _one_line_error(capsys).startswith(
         "trainvitals: TRAINVITALS_LOG_LEVEL='INFO': should be 'debug', 'info', 'warning' or 'error': "
         "fix or unset TRAINVITALS_LOG_LEVEL"
@@ -613,3 +617,192 @@ def test_another_applications_alembic_version_is_named_so(tmp_path: Path, capsys
     for argv in (["db", "upgrade"], ["query", "runs"]):
         assert main([*argv, "--db", f"sqlite:///{tmp_path}/tv.db"]) == 2
         assert line in _one_line_error(capsys), argv
+
+
+# --------------------------------------------------------------------------- what query prints
+
+FORMULA = '=HYPERLINK("http://evil.example","click")'  # a spreadsheet runs it when the CSV is opened
+ODD = "r2"
+
+
+@pytest.fixture(scope="module")
+def odd(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A SQLite database with run ODD of project FORMULA: a non-finite gradient norm (step 5) and
+    loss (step 6), FP8 statistics of a tensor named FORMULA (input, clipping at step 10) and of
+    layers.0.fc (weight, an overflowed amax at step 20)."""
+    tmp = tmp_path_factory.mktemp("odd")
+    steps = [
+        {"kind": "step", "step": s, "ts": 1000.0 + s, "step_seconds": 0.5,
+         "loss": float("nan") if s == 6 else 2.0, "grad_norm": float("inf") if s == 5 else 1.0}
+        for s in range(40)
+    ]  # fmt: skip
+    tensors = [
+        {"kind": "tensor", "step": s, "tensor": FORMULA, "role": "input", "format": "e4m3", "amax": 1.0,
+         "headroom_bits": -1.5 if s == 10 else 2.0}
+        for s in (0, 10, 20, 30)
+    ] + [
+        {"kind": "tensor", "step": s, "tensor": "layers.0.fc", "role": "weight", "format": "e4m3",
+         "amax": float("inf") if s == 20 else 1.0, "headroom_bits": 3.0, "nonfinite": 7 if s == 20 else 0}
+        for s in (0, 10, 20, 30)
+    ]  # fmt: skip
+    reg = {"run": ODD, "project": FORMULA, "parallelism": {"world_size": 1}}
+    batch = {"run": ODD, "rank": 0, "incarnation": 1, "seq": 0, "records": steps + tensors}
+    (tmp / "odd.jsonl").write_text(json.dumps(reg) + "\n" + json.dumps(batch) + "\n")  # NaN/Infinity constants
+    url = f"sqlite:///{tmp / 'tv.db'}"
+    assert main(["replay", str(tmp / "odd.jsonl"), "--db", url]) == 0
+    return url
+
+
+def _strict_json(text: str) -> object:
+    def refuse(constant: str) -> object:
+        raise AssertionError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_query_json_is_strict_and_keeps_the_nonfinite_counts(odd: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Python's json printed Infinity and NaN, which jq and every strict parser refuse."""
+    capsys.readouterr()
+    assert main(["query", "steps", "--db", odd, "--run", ODD, "--start", "5", "--end", "6"]) == 0
+    rows = _strict_json(capsys.readouterr().out)
+    assert [(r["grad_norm"], r["grad_nonfinite"], r["loss"], r["loss_nonfinite"]) for r in rows] == [
+        (None, 1, 2.0, 0),
+        (1.0, 0, None, 1),
+    ]
+    assert main(["query", "timeline", "--db", odd, "--run", ODD, "--tensor", "layers.0.fc", "--start", "20"]) == 0
+    first = _strict_json(capsys.readouterr().out)[0]  # type: ignore[index]
+    assert (first["step"], first["amax"], first["nonfinite"]) == (20, None, 7)
+    for command in (["runs"], ["worst-tensors", "--run", ODD], ["analysis", "--run", ODD], ["findings", "--run", ODD]):
+        assert main(["query", *command, "--db", odd]) == 0
+        _strict_json(capsys.readouterr().out)
+
+
+def test_query_csv_runs_no_formula(odd: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A tensor or project named like a formula ran as one in the spreadsheet that opened the CSV."""
+    capsys.readouterr()
+    assert main(["query", "worst-tensors", "--db", odd, "--run", ODD, "--format", "csv"]) == 0
+    table = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert [(r["tensor"], r["min_headroom_bits"], r["clipped_steps"]) for r in table] == [
+        ("'" + FORMULA, "-1.5", "1"),
+        ("layers.0.fc", "3.0", "0"),
+    ]
+    assert main(["query", "runs", "--db", odd, "--format", "csv"]) == 0
+    assert [r["project"] for r in csv.DictReader(io.StringIO(capsys.readouterr().out))] == ["'" + FORMULA]
+    assert main(["query", "timeline", "--db", odd, "--run", ODD, "--tensor", "layers.0.fc", "--format", "csv"]) == 0
+    rows = {r["step"]: r for r in csv.DictReader(io.StringIO(capsys.readouterr().out))}
+    assert (rows["20"]["amax"], rows["20"]["nonfinite"], rows["20"]["shadow"]) == ("", "7", "false")
+
+
+@pytest.mark.parametrize(
+    ("command", "model"),
+    [
+        (["steps", "--start", "5000"], None),
+        (["worst-tensors"], "WorstTensorPublic"),
+        (["findings", "--active"], "FindingPublic"),
+        (["checkpoints"], "CheckpointGenerationPublic"),
+    ],
+)
+def test_an_empty_csv_answer_is_its_header(
+    replayed: str, command: list[str], model: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty answer printed a blank line, where a script expects the header to read."""
+    from trainvitals.service.api import schemas
+    from trainvitals.service.store.queries import STEP_HISTORY_COLUMNS
+
+    capsys.readouterr()
+    assert main(["query", command[0], "--db", replayed, "--run", RUN, *command[1:], "--format", "csv"]) == 0
+    columns = list(STEP_HISTORY_COLUMNS) if model is None else list(getattr(schemas, model).model_fields)
+    assert capsys.readouterr().out == ",".join(columns) + "\n"
+
+
+def test_empty_runs_and_tokens_are_their_headers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"sqlite:///{tmp_path / 'tv.db'}"
+    db.upgrade(url)
+    assert main(["query", "runs", "--db", url, "--format", "csv"]) == 0
+    assert capsys.readouterr().out.startswith("run_id,project,status,world_size,ranks,steps,")
+    assert main(["token", "list", "--db", url, "--format", "csv"]) == 0
+    assert capsys.readouterr().out == "id,project,scope,name,created,revoked\n"
+    assert main(["token", "revoke", "tv_nosuchtoken", "--db", url]) == 1
+    assert _one_line_error(capsys).startswith("trainvitals: no such token in ")
+
+
+def test_query_runs_reads_only_the_warmup_setting(
+    replayed: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`query runs` read every setting: in a pod of a namespace with a Service named trainvitals
+    it failed on TRAINVITALS_PORT=tcp://... and advised --port, a flag query does not have."""
+    capsys.readouterr()
+    monkeypatch.setenv("TRAINVITALS_PORT", "tcp://10.96.0.12:8000")
+    monkeypatch.setenv("TRAINVITALS_LOG_LEVEL", "INFO")
+    monkeypatch.setenv("TRAINVITALS_DETECTOR_WARMUP_STEPS", "7")
+    assert main(["query", "runs", "--db", replayed]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["detector_warmup_steps"] == 7
+    monkeypatch.setenv("TRAINVITALS_DETECTOR_WARMUP_STEPS", "-1")
+    assert main(["query", "runs", "--db", replayed]) == 2
+    assert _one_line_error(capsys) == (
+        "trainvitals: TRAINVITALS_DETECTOR_WARMUP_STEPS='-1': should be greater than or equal to 0: "
+        "fix or unset TRAINVITALS_DETECTOR_WARMUP_STEPS\n"
+    )
+
+
+def test_nothing_found_names_what_is_missing(replayed: str, odd: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """worst-tensors of a run without FP8 statistics, and a timeline of a role the tensor lacks,
+    said "nothing in any step; the run has reduced steps 0..N", as if the range were the cause."""
+    capsys.readouterr()
+    assert main(["query", "worst-tensors", "--db", replayed, "--run", RUN]) == 0
+    assert capsys.readouterr().err == (
+        f"trainvitals: nothing for run '{RUN}' in any step: the run has no FP8 tensor statistics "
+        "(none sent, or none reduced yet)\n"
+    )
+    argv = ["query", "timeline", "--db", odd, "--run", ODD, "--tensor", "layers.0.fc", "--role", "input"]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        f"trainvitals: run '{ODD}': tensor 'layers.0.fc' has roles weight, not input: pass one of them to --role, "
+        "or leave --role out\n"
+    )
+    assert main([*argv[:-1], "weight", "--start", "31"]) == 0
+    assert capsys.readouterr().err == (
+        f"trainvitals: nothing for run '{ODD}', tensor 'layers.0.fc' (weight) in steps 31..; the tensor has FP8 "
+        "statistics for steps 0..30\n"
+    )
+    assert main(["query", "worst-tensors", "--db", odd, "--run", ODD, "--start", "31"]) == 0
+    assert capsys.readouterr().err == (
+        f"trainvitals: nothing for run '{ODD}' in steps 31..; the run has FP8 statistics for steps 0..30\n"
+    )
+
+
+def test_step_times_quote_the_steps_they_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """step-times read the ranks' stored step times, not the reduced steps: stored but not yet
+    reduced, it said "no step of the run is reduced yet" of steps it could show."""
+    (tmp_path / "run.jsonl").write_text("\n".join(_wire_lines()[:2]) + "\n")  # steps 0..499
+    url = f"sqlite:///{tmp_path / 'tv.db'}"
+    assert main(["replay", str(tmp_path / "run.jsonl"), "--db", url, "--no-analysis"]) == 0
+    capsys.readouterr()
+    assert main(["query", "step-times", "--db", url, "--run", RUN, "--start", "600", "--end", "700"]) == 0
+    assert capsys.readouterr().err == (
+        f"trainvitals: nothing for run '{RUN}' in steps 600..700; the run has step times for steps 0..499\n"
+    )
+    assert main(["query", "steps", "--db", url, "--run", RUN, "--start", "600", "--end", "700"]) == 0
+    assert capsys.readouterr().err == (
+        f"trainvitals: nothing for run '{RUN}' in steps 600..700: no step of the run is reduced yet\n"
+    )
+
+
+def test_without_project_query_reads_the_default_projects_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--project's help said "the one run with that id in any project", but the default project's
+    run of that id comes first (store/run_keys.py), as docs/cli.md says."""
+    url = f"sqlite:///{tmp_path / 'tv.db'}"
+    for project in ("default", "other"):
+        (tmp_path / "run.jsonl").write_text("\n".join(_wire_lines()[:2]) + "\n")
+        assert main(["replay", str(tmp_path / "run.jsonl"), "--db", url, "--no-analysis", "--project", project]) == 0
+    capsys.readouterr()
+    assert main(["query", "checkpoints", "--db", url, "--run", RUN]) == 0  # not ambiguous: the default one
+    with pytest.raises(SystemExit):
+        main(["query", "checkpoints", "--help"])
+    assert "the `default` project's run of that id, else the one run with that id in any project" in " ".join(
+        capsys.readouterr().out.split()
+    )

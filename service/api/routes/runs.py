@@ -40,7 +40,7 @@ from trainvitals.service.store import queries, run_keys
 router = APIRouter(prefix="/v1/runs", tags=["post-mortem"], dependencies=[KnownQueryOnly])
 
 Format = Literal["json", "csv"]
-Reply = TypeVar("Reply", bound=BaseModel | list[Any])
+Reply = TypeVar("Reply", bound=BaseModel)
 Row = TypeVar("Row", bound=BaseModel)
 
 # Every route here can also answer text/csv: documented next to the JSON schema of its 200.
@@ -54,15 +54,20 @@ def _check_range(start: int | None, end: int | None) -> None:
         raise HTTPException(422, f"start={start} is after end={end}: need start <= end")
 
 
-def _rows(model: type[Row], rows: Iterable[Any]) -> list[Row]:
-    return [model.model_validate(row) for row in rows]
+def _reply_rows(model: type[Row], rows: Iterable[Any], fmt: Format) -> list[Row] | Response:
+    """The rows as a list of the model (FastAPI renders the JSON), or as CSV: the model's fields as
+    columns, in order, written even when there are no rows."""
+    data = [model.model_validate(row) for row in rows]
+    if fmt == "csv":
+        plain = [row.model_dump() for row in data]
+        return Response(to_csv(plain, columns=list(model.model_fields)), media_type="text/csv")
+    return data
 
 
 def _reply(data: Reply, fmt: Format) -> Reply | Response:
-    """The model as JSON (FastAPI renders it), or as CSV: columns in the model's field order."""
+    """The model as JSON (FastAPI renders it), or as CSV key,value rows."""
     if fmt == "csv":
-        plain = [row.model_dump() for row in data] if isinstance(data, list) else data.model_dump()
-        return Response(to_csv(plain), media_type="text/csv")
+        return Response(to_csv(data.model_dump()), media_type="text/csv")
     return data
 
 
@@ -79,7 +84,7 @@ def list_runs(session: SessionDep, project: ReadableProject, format: Format = "j
         )
         for r in queries.list_runs(session, project=project)
     ]
-    return _reply(runs, format)
+    return _reply_rows(RunPublic, runs, format)
 
 
 @router.get(
@@ -115,7 +120,7 @@ def worst_tensors(
 ) -> list[WorstTensorPublic] | Response:
     _check_range(start, end)
     rows = queries.worst_tensors(session, run_id=run.run_id, start=start, end=end, k=k)
-    return _reply(_rows(WorstTensorPublic, rows), format)
+    return _reply_rows(WorstTensorPublic, rows, format)
 
 
 @router.get(
@@ -144,7 +149,7 @@ def tensor_timeline(
             f"run {run_keys.run_id_of(run.run_id)!r} has no tensor {tensor!r} (names are module names, e.g. "
             "layers.3.fc; /tensors/worst lists some)",
         )
-    return _reply(_rows(TensorStepPublic, rows), format)
+    return _reply_rows(TensorStepPublic, rows, format)
 
 
 @router.get(
@@ -180,7 +185,7 @@ def findings(
     run: ReadableRun, session: SessionDep, active: bool = False, format: Format = "json"
 ) -> list[FindingPublic] | Response:
     rows = queries.findings(session, run_id=run.run_id, active_only=active)
-    return _reply(_rows(FindingPublic, rows), format)
+    return _reply_rows(FindingPublic, rows, format)
 
 
 @router.get(
@@ -207,7 +212,7 @@ def analysis(
         found = on_request.analyse_run(session, run, baseline=baseline)
     except on_request.UnknownBaselineError as exc:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from None
-    return _reply(_rows(AnalysisFindingPublic, found), format)
+    return _reply_rows(AnalysisFindingPublic, found, format)
 
 
 @router.get(
@@ -220,7 +225,7 @@ def checkpoints(
     run: ReadableRun, session: SessionDep, format: Format = "json"
 ) -> list[CheckpointGenerationPublic] | Response:
     rows = queries.checkpoint_generations(session, run_id=run.run_id)
-    return _reply(_rows(CheckpointGenerationPublic, rows), format)
+    return _reply_rows(CheckpointGenerationPublic, rows, format)
 
 
 @router.get(

@@ -5,6 +5,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
+from trainvitals.service.api import schemas
 from trainvitals.service.main import create_app
 from trainvitals.service.settings import Settings
 
@@ -382,3 +383,33 @@ def test_a_registration_the_database_refuses_is_a_422(client: TestClient) -> Non
     assert resp.status_code in (201, 422)  # SQLite stores it; PostgreSQL's JSON refuses it: never a 500
     if resp.status_code == 422:
         assert "nothing stored" in resp.json()["detail"]
+
+
+def test_read_answers_hold_non_finite_values_as_null_formulas_quoted_and_headers(client: TestClient) -> None:
+    """An overflowed amax is data (the wire takes Infinity): the JSON answers must stay strict JSON,
+    the CSV ones run no formula a tensor is named with, and an empty CSV answer is its header."""
+    formula = '=HYPERLINK("http://evil.example","click")'
+    client.post("/v1/runs", json={"run": "r1"})
+    records = [{"kind": "step", "step": 0, "ts": 1.0, "step_seconds": 0.25, "grad_norm": float("inf")}] + [
+        {"kind": "tensor", "step": 0, "tensor": name, "role": "input", "format": "e4m3", "amax": amax,
+         "headroom_bits": -1.5, "nonfinite": 4}
+        for name, amax in ((formula, 1.0), ("fc1", float("inf")))
+    ]  # fmt: skip
+    body = json.dumps({**_batch(), "records": records})  # Infinity as the agent sends it
+    assert client.post("/v1/batches", content=body, headers={"content-type": "application/json"}).status_code == 200
+    client.app.state.worker.run_once()
+
+    def strict(text: str) -> object:
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+
+    resp = client.get("/v1/runs/r1/tensors/fc1/timeline")
+    assert resp.status_code == 200
+    assert [(r["amax"], r["nonfinite"]) for r in strict(resp.text)] == [(None, 4)]
+    resp = client.get("/v1/runs/r1/tensors/worst")
+    assert resp.status_code == 200 and {r["max_amax"] for r in strict(resp.text)} == {1.0, None}
+    worst = client.get("/v1/runs/r1/tensors/worst", params={"format": "csv"}).text.splitlines()
+    quoted = '"\'=HYPERLINK(""http://evil.example"",""click"")"'  # a leading ' and RFC 4180's quotes
+    assert sorted(worst[1:]) == [f"{quoted},input,-1.5,1.0,1,,0,0", "fc1,input,-1.5,,1,,0,0"]
+    assert client.get("/v1/runs/r1/checkpoints", params={"format": "csv"}).text == (
+        ",".join(schemas.CheckpointGenerationPublic.model_fields) + "\n"
+    )
