@@ -6,9 +6,9 @@ log2(amax_t / A_{t-1}) (how far the current amax outran the scale's history).
 
 Finding kinds (subject: tensor 'fqn:role') and magnitudes:
 
-- `fp8_clipping` (page): H < 0 with a measured saturation > 1e-5 on one step of an E4M3 tensor
-  (measured only on the agent's expensive steps, every 200 by default: the measurement is the
-  evidence), or H < 0 with saturation > 1e-5 or H < -1 bit on >= 3 of 100 steps. Magnitude: worst
+- `fp8_clipping` (page): H < -0.09 bit (more than E4M3's rounding) with a measured saturation
+  > 1e-5 on one step of an E4M3 tensor (measured only on the agent's expensive steps, every 200 by
+  default: the measurement is the evidence), or H < 0 with saturation > 1e-5 or H < -1 bit on >= 3 of 100 steps. Magnitude: worst
   headroom in bits (negative).
 - `fp8_jump` (ticket): one jump of >= 2.5 bits (an ~6x amax step), or a rising rate of > 1 bit jumps.
   Magnitude: largest lag in bits.
@@ -52,6 +52,11 @@ class Fp8Config:
 
     clip_sat_frac: float = 1e-5
     """Saturated fraction that makes H < 0 a real clip (TE overflows%); below it only the top few values."""
+    clip_sat_bits: float = -0.09
+    """One step with a measured saturation pages only below this headroom: the largest value clipped
+    by more than E4M3's own rounding (half an ulp, 2^-4 relative: log2(1 + 1/16) = 0.087 bits).
+    Delayed scaling under a slowly growing amax (weights) clips by a hair on most steps (fp8.md:
+    about -0.03 bits), and one element of a small tensor is already above clip_sat_frac."""
     clip_hard_bits: float = -1.0
     """Headroom below this clips whether or not the saturation fraction was measured that step."""
     clip_window_steps: int = 100
@@ -180,7 +185,8 @@ def detect_clipping(ts: TensorSeries, run: str, quiet: np.ndarray, cfg: Fp8Confi
     # A measured saturated fraction exists only on the agent's expensive steps (every 200 by
     # default), so it can never be seen on 3 steps within 100: on an E4M3 tensor one such step is
     # the evidence (fp8.md). E5M2 does not saturate, it overflows to inf: fp8_nonfinite pages that.
-    measured = (np.nan_to_num(ts.sat_frac, nan=0.0) > cfg.clip_sat_frac)[clip] & (ts.format == "e4m3")
+    measured = (np.nan_to_num(ts.sat_frac, nan=0.0) > cfg.clip_sat_frac) & (ts.headroom_bits < cfg.clip_sat_bits)
+    measured = measured[clip] & (ts.format == "e4m3")
     hits = np.flatnonzero((counts >= cfg.clip_min_steps) | measured)
     if len(hits) == 0:
         return []

@@ -41,6 +41,7 @@ def test_quiet_tensor_has_no_findings(series, tensor) -> None:
         ([2000, 2030, 2060], -1.5, np.nan, 2060),  # hard clips, saturation not measured
         ([2000, 2030, 2060], -0.2, 1e-3, 2000),  # shallow but saturating: the first measurement pages
         ([2000], -0.2, 1e-3, 2000),  # one expensive step (sat_frac is measured every 200 steps)
+        ([2000], -0.01, 1e-4, None),  # a hair over (amax creep): less than E4M3's own rounding
         ([2000, 2030, 2060], -0.2, 1e-7, None),  # only the top few values: not clipping
         ([2000], -0.2, np.nan, None),  # shallow, saturation not measured: H < 0 alone is not a clip
         ([2000, 2030], -3.0, np.nan, None),  # two clips: a jump, not a regime
