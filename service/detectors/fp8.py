@@ -8,8 +8,8 @@ Finding kinds (subject: tensor 'fqn:role') and magnitudes:
 
 - `fp8_clipping` (page): H < -0.09 bit (more than E4M3's rounding) with a measured saturation
   > 1e-5 on one step of an E4M3 tensor (measured only on the agent's expensive steps, every 200 by
-  default: the measurement is the evidence), or H < 0 with saturation > 1e-5 or H < -1 bit on >= 3 of 100 steps. Magnitude: worst
-  headroom in bits (negative).
+  default: the measurement is the evidence), or H < 0 with saturation > 1e-5 or H < -1 bit on
+  >= 3 of 100 steps. Magnitude: worst headroom in bits (negative).
 - `fp8_jump` (ticket): one jump of >= 2.5 bits (an ~6x amax step), or a rising rate of > 1 bit jumps.
   Magnitude: largest lag in bits.
 - `fp8_headroom_trend` (ticket; page when zero headroom is forecast within 2,000 steps at a
