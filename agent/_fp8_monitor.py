@@ -53,7 +53,6 @@ _CREST_SAMPLE = 4096  # elements sampled (strided) for the median in crest_bits:
 _SAMPLE = 1 << 15
 _UNSEEN_SETS_KEPT = 8  # distinct sets of modules that missed a sampled step, kept as index tensors
 _F32_MAX = torch.finfo(torch.float32).max
-_F32_TINY = torch.finfo(torch.float32).tiny
 _F32_SUBNORMAL_MIN = float.fromhex("0x1p-149")  # the smallest positive float32
 
 ModuleFilter = Callable[[str, nn.Module], bool]
@@ -151,6 +150,21 @@ class Fp8Monitor:
         n = len(self.tensors)
         # Shadow tensors get hooks, extremes and a shadow scale; a recipe-only monitor skips that math.
         self._has_shadow = any(not t.recipe for t in self.tensors)
+        # lag and staleness of a recipe tensor follow the recipe's own L and algorithm (Megatron's
+        # L = 1, 'most_recent' is not TE's 1024, 'max'): a recipe-only monitor whose recipes agree
+        # keeps its history like them. Where the history cannot (shadow tensors beside, recipes that
+        # differ, a custom algorithm) those recipe tensors' lag and staleness are unknown (NaN).
+        own = {(state.history_len, state.amax_compute_algo) for _, state in self._recipe}
+        if not self._has_shadow and len(own) == 1:
+            ((own_len, own_algo),) = own
+            if own_algo in ("max", "most_recent"):
+                self.history_len, self.amax_algo = own_len, own_algo
+                history_len = own_len
+        unlike = [
+            i for f, state in self._recipe for i in range(f, f + len(state.roles))
+            if (state.history_len, state.amax_compute_algo) != (self.history_len, self.amax_algo)
+        ]  # fmt: skip
+        self._unlike_idx = torch.tensor(unlike, dtype=torch.long) if unlike else None
         self._fmax = torch.tensor([FP8_MAX[t.fmt] for t in self.tensors], dtype=torch.float32)
         self._min_sub = torch.tensor([FP8_MIN_SUBNORMAL[t.fmt] for t in self.tensors], dtype=torch.float32)
         self._device: torch.device | None = None
@@ -168,15 +182,19 @@ class Fp8Monitor:
         self._history = _History(history_len, n)  # in samples
         self._scale = torch.zeros(n)  # shadow: the scale a recipe would use this step (0 = none yet)
         self._scale_slots: list[torch.Tensor] = []
-        self._expensive = torch.zeros(4, n)
-        # CPU: the expensive tier's values as Python floats (its scalars are read anyway), one
-        # tensor at step end instead of four indexed writes per tensor.
-        self._expensive_host = [[0.0] * n for _ in range(4)]
+        # The expensive tier's sums over the step's calls of each tensor (micro-batches, recompute,
+        # shared modules), rows _SAT.._M; end_step() turns them into fractions.
+        self._expensive_reset = _expensive_start(n)
+        self._expensive = self._expensive_reset.clone()
+        self._expensive_slots: list[list[torch.Tensor]] = []  # [row][tensor] 0-dim views (accelerators)
+        # CPU: the same sums as Python floats (its scalars are read anyway), one tensor at step end
+        # instead of indexed writes per tensor.
+        self._expensive_host = self._expensive.tolist()
+        self._expensive_host_start = self._expensive.tolist()
         self._fmax_host = self._fmax.tolist()
         self._min_sub_host = self._min_sub.tolist()
         # Per tensor: no call yet this step (its first call writes the extremes' slots directly).
         self._fresh = bytearray(b"\x01" * n)
-        self._zeros_host = [0.0] * n
         self._all_fresh = bytes(self._fresh)
         # Shadow tensors, as indices and as a bit mask over `_fresh`'s bytes: those still fresh at
         # step end were not run this step (a MoE expert no token reached, nn.MultiheadAttention's
@@ -211,10 +229,12 @@ class Fp8Monitor:
         # First hook call: move the buffers next to the activations, once.
         self._device = device
         for attr in (
-            "_amax", "_extremes", "_scale", "_expensive", "_fmax", "_min_sub",
+            "_amax", "_extremes", "_scale", "_expensive", "_expensive_reset", "_fmax", "_min_sub",
             "_recipe_idx", "_scale_next", "_scale_used",
         ):  # fmt: skip
             setattr(self, attr, getattr(self, attr).to(device))
+        if self._unlike_idx is not None:
+            self._unlike_idx = self._unlike_idx.to(device)
         self._history.to(device)
         self._recipe_views = [
             (state, self._amax[f : f + len(state.roles)], self._scale_next[f : f + len(state.roles)],
@@ -226,6 +246,7 @@ class Fp8Monitor:
         self._hi_slots = list(self._hi.unbind(0))
         self._lo_slots = list(self._lo.unbind(0))
         self._scale_slots = list(self._scale.unbind(0))
+        self._expensive_slots = [list(row.unbind(0)) for row in self._expensive.unbind(0)]
 
     def set_every(self, every: int) -> None:
         """Measure only every `every`-th step (the agent says which through `observing`).
@@ -342,14 +363,17 @@ class Fp8Monitor:
             self._expensive_stats(i, x, lo, hi)
 
     def _expensive_stats(self, i: int, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
-        """Saturation, underflow, crest and non-finite of one call (sampled steps only; fp8.md).
+        """Saturation, underflow, crest and non-finite of one call (sampled steps only; fp8.md),
+        added to the step's sums: a tensor seen by several calls (micro-batches, recompute, a shared
+        module) is judged over all of them, counts summed, crest the worst call's.
 
         Thresholds on |x| instead of a scaled copy: |x| * s > fmax  <=>  |x| > fmax / s for s > 0
-        (s = 0, no scale yet: thresholds inf). amax is max(hi, -lo) of this call's aminmax, so
-        nothing reads x again for it. Saturation and non-finite are exact counts; on CPU, where
-        reading a scalar waits for nothing, amax settles them without a pass in the usual case (a
-        finite amax: nothing non-finite; at or below the threshold: nothing saturates). Underflow
-        and crest come from one strided sample of at most _SAMPLE elements (exact below that)."""
+        (s = 0, no scale yet: nothing saturates, and underflow is unknown, set at step end). amax is
+        max(hi, -lo) of this call's aminmax, so nothing reads x again for it. Saturation and
+        non-finite are exact counts; on CPU, where reading a scalar waits for nothing, amax settles
+        them without a pass in the usual case (a finite amax: nothing non-finite; at or below the
+        threshold: nothing saturates). Underflow and crest come from one strided sample of at most
+        _SAMPLE elements (exact below that)."""
         xf = x if x.dtype == torch.float32 else x.float()
         n = xf.numel()
         if xf.device.type != "cpu":
@@ -358,41 +382,51 @@ class Fp8Monitor:
         amax = max(hi.item(), -lo.item())  # NaN if any element is NaN (aminmax propagates it)
         s = self._scale_slots[i].item()
         sat_t = self._fmax_host[i] / s if s > 0 else math.inf
-        under_t = self._min_sub_host[i] / 2 / s if s > 0 else math.inf
         host = self._expensive_host
+        host[_N][i] += n
         finite = math.isfinite(amax)
-        if finite and amax <= sat_t:
-            host[0][i] = host[3][i] = 0.0
-        else:  # something saturates or is not finite: count exactly, over every element
+        if not (finite and amax <= sat_t):  # something saturates or is not finite: count exactly
             xa = self._abs_f32(xf)
-            host[0][i] = self._count(torch.gt, xa, sat_t).item() / n
-            host[3][i] = 0.0 if finite else n - self._count(torch.le, xa, _F32_MAX).item()  # inf, NaN
+            host[_SAT][i] += self._count(torch.gt, xa, sat_t).item()
+            if not finite:
+                host[_NONFINITE][i] += n - self._count(torch.le, xa, _F32_MAX).item()  # inf, NaN
         sample = self._abs_sample(xf)
         m = sample.numel()
+        host[_M][i] += m
         # #{0 < |x| <= t}: histc's single bin counts [smallest subnormal, t], zeros excluded, in one
         # pass over the sample (histc is slow on a whole tensor, ~50x amax: hence the sample).
+        under_t = self._min_sub_host[i] / 2 / s if s > 0 else 0.0
         if under_t >= _F32_SUBNORMAL_MIN:
-            host[1][i] = torch.histc(sample, bins=1, min=_F32_SUBNORMAL_MIN, max=min(under_t, _F32_MAX)).item() / m
-        else:
-            host[1][i] = 0.0
-        median = sample[:: max(1, m // _CREST_SAMPLE)].median().item()
-        host[2][i] = math.log2(amax / max(median, _F32_TINY)) if finite else math.nan
+            host[_UNDER][i] += torch.histc(sample, bins=1, min=_F32_SUBNORMAL_MIN, max=min(under_t, _F32_MAX)).item()
+        if finite and amax > 0:  # all zeros or non-finite: no crest from this call
+            median = sample[:: max(1, m // _CREST_SAMPLE)].median().item()
+            # Over half the values zero: the median says nothing of the spread, crest unknown (inf,
+            # left out of the record).
+            crest = math.log2(amax / median) if median > 0 else math.inf
+            if not host[_CREST][i] >= crest:  # the worst call; NaN (no call yet) gives way
+                host[_CREST][i] = crest
 
     def _expensive_stats_device(self, i: int, xf: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
-        # Accelerators: every count runs and nothing is read (no sync); the same definitions as on CPU.
+        # Accelerators: every count runs and nothing is read (no sync); the same definitions as on
+        # CPU, added in place into the step's 0-dim sums.
         n = xf.numel()
+        sums = self._expensive_slots
         s = self._scale_slots[i]
         sat_t = self._fmax[i] / s
         under_t = self._min_sub[i] / 2 / s
         amax = torch.maximum(hi, lo.neg())
         xa = xf.abs()
-        self._expensive[0, i] = torch.count_nonzero(xa > sat_t) / n
-        self._expensive[3, i] = n - torch.count_nonzero(xa <= _F32_MAX)
+        sums[_SAT][i].add_(torch.count_nonzero(xa > sat_t))
+        sums[_NONFINITE][i].add_(n - torch.count_nonzero(xa <= _F32_MAX))
+        sums[_N][i].add_(n)
         sample = self._abs_sample(xf)
         m = sample.numel()
-        self._expensive[1, i] = torch.count_nonzero((sample > 0) & (sample <= under_t)) / m
+        sums[_UNDER][i].add_(torch.count_nonzero((sample > 0) & (sample <= under_t)))
+        sums[_M][i].add_(m)
         median = sample[:: max(1, m // _CREST_SAMPLE)].median()
-        self._expensive[2, i] = torch.log2(amax / median.clamp_min(_F32_TINY))
+        # As on CPU: all zeros (0/0) or non-finite give NaN, which fmax passes over; a zero median
+        # gives inf (unknown, left out of the record).
+        torch.fmax(sums[_CREST][i], torch.log2(amax / median), out=sums[_CREST][i])
 
     def _abs_sample(self, xf: torch.Tensor) -> torch.Tensor:
         """|x| of at most _SAMPLE elements, every k-th of the flat tensor (all of them when it is no
@@ -495,15 +529,14 @@ class Fp8Monitor:
                 torch.sub(hist.newest_stamp(), hist.stamps.index_select(0, hist.argmax), out=staleness)
             else:
                 staleness.zero_()
+            if self._unlike_idx is not None:  # recipe tensors whose own history this one is not
+                rows.narrow(0, 2, 2).index_fill_(1, self._unlike_idx, math.nan)
         else:
             rows.narrow(0, 1, 3).fill_(math.nan)
         if self._recipe:
             self._recipe_headroom(amax, headroom)
         if expensive:
-            if self._device.type == "cpu":
-                rows.narrow(0, 4, 4).copy_(torch.tensor(self._expensive_host))
-            else:
-                rows.narrow(0, 4, 4).copy_(self._expensive)
+            self._expensive_rows(rows)
         unseen = self._unseen()
         if unseen is not None:
             # No record for them (records() skips the mark), and their history keeps its newest
@@ -517,10 +550,10 @@ class Fp8Monitor:
             self._fresh[:] = self._all_fresh
         if expensive:
             if self._device.type == "cpu":
-                for row in self._expensive_host:
-                    row[:] = self._zeros_host
+                for row, start in zip(self._expensive_host, self._expensive_host_start, strict=True):
+                    row[:] = start
             else:
-                self._expensive.zero_()
+                self._expensive.copy_(self._expensive_reset)
         self._step_counter += 1
         # expensive_every is in steps; sampled every `every` steps that is every expensive_every //
         # every samples (at least every sample).
@@ -528,6 +561,19 @@ class Fp8Monitor:
         self._expensive_now = self.expensive_every > 0 and self._step_counter % period == 0
         self._sync_hooks()
         return out, expensive
+
+    def _expensive_rows(self, rows: torch.Tensor) -> None:
+        """Rows 4-7 of the step's vector from the expensive sums: a handful of ops on [n] vectors.
+        A tensor no call measured (0 elements) gets NaN fractions and non-finite count: unknown."""
+        on_cpu = self._device is None or self._device.type == "cpu"
+        sums = torch.tensor(self._expensive_host) if on_cpu else self._expensive
+        sat, under, crest, nonfinite = rows.unbind(0)[4:8]
+        torch.div(sums[_SAT], sums[_N], out=sat)
+        torch.div(sums[_UNDER], sums[_M], out=under)
+        # No scale yet (s = 0, the shadow's first step): nothing flushes to zero yet, unknown.
+        under.masked_fill_(self._scale <= 0, math.nan)
+        crest.copy_(sums[_CREST])
+        nonfinite.copy_(sums[_NONFINITE]).masked_fill_(sums[_N] == 0, math.nan)
 
     def _unseen(self) -> torch.Tensor | None:
         """Indices of the shadow tensors no hook saw this step, or None (the usual case, one
@@ -614,10 +660,10 @@ class Fp8Monitor:
                 headroom_bits=_finite(values[n + i]),
                 lag_bits=_finite(values[2 * n + i]),
                 staleness_steps=_int_or_none(values[3 * n + i]),
-                sat_frac=min(1.0, max(0.0, values[4 * n + i])) if expensive else None,
-                underflow_frac=min(1.0, max(0.0, values[5 * n + i])) if expensive else None,
+                sat_frac=_fraction(values[4 * n + i]) if expensive else None,
+                underflow_frac=_fraction(values[5 * n + i]) if expensive else None,
                 crest_bits=_finite(crest),
-                nonfinite=int(values[7 * n + i]) if expensive else None,
+                nonfinite=_int_or_none(values[7 * n + i]) if expensive else None,
                 shadow=not t.recipe,
             )
             out.append(rec)
@@ -644,6 +690,22 @@ def _finite(v: float) -> float | None:
 
 def _int_or_none(v: float) -> int | None:
     return int(v) if math.isfinite(v) else None
+
+
+def _fraction(v: float) -> float | None:
+    return min(1.0, max(0.0, v)) if math.isfinite(v) else None
+
+
+# Rows of the expensive tier's per-step sums (Fp8Monitor._expensive): saturated elements,
+# underflowing sample elements, crest bits (max over calls, NaN before any), non-finite elements,
+# elements, sample elements.
+_SAT, _UNDER, _CREST, _NONFINITE, _N, _M = range(6)
+
+
+def _expensive_start(n: int) -> torch.Tensor:
+    start = torch.zeros(6, n)
+    start[_CREST] = math.nan
+    return start
 
 
 class _HookSet:

@@ -6,8 +6,10 @@ log2(amax_t / A_{t-1}) (how far the current amax outran the scale's history).
 
 Finding kinds (subject: tensor 'fqn:role') and magnitudes:
 
-- `fp8_clipping` (page): H < 0 with saturation > 1e-5, or H < -1 bit, on >= 3 of 100 steps.
-  Magnitude: worst headroom in bits (negative).
+- `fp8_clipping` (page): H < -0.09 bit (more than E4M3's rounding) with a measured saturation
+  > 1e-5 on one step of an E4M3 tensor (measured only on the agent's expensive steps, every 200 by
+  default: the measurement is the evidence), or H < 0 with saturation > 1e-5 or H < -1 bit on
+  >= 3 of 100 steps. Magnitude: worst headroom in bits (negative).
 - `fp8_jump` (ticket): one jump of >= 2.5 bits (an ~6x amax step), or a rising rate of > 1 bit jumps.
   Magnitude: largest lag in bits.
 - `fp8_headroom_trend` (ticket; page when zero headroom is forecast within 2,000 steps at a
@@ -19,8 +21,9 @@ Finding kinds (subject: tensor 'fqn:role') and magnitudes:
 - `fp8_stale_scale` (ticket): headroom > 3 bits above its own level for >= 100 steps (after a spike
   a 'max' history holds the scale low). Magnitude: excess bits.
 - `fp8_underflow_rise` (ticket): underflow fraction > 2x its own level, sustained. Magnitude: ratio.
-- `fp8_nonfinite` (page): any inf/NaN element (E5M2 overflows to inf, it does not saturate).
-  Magnitude: non-finite elements at the worst step.
+- `fp8_nonfinite` (page): any inf/NaN element (E5M2 overflows to inf, it does not saturate):
+  counted on expensive steps, or a non-finite amax on any step. Magnitude: non-finite elements at
+  the worst counted step (0 when only amax showed it).
 - `fp8_resume_bad_step` (ticket): the first step after a resume clips or is > 3 bits above the
   pre-resume headroom (a stale amax history, TE PR #567). Magnitude: headroom bits at that step.
 
@@ -49,12 +52,18 @@ class Fp8Config:
 
     clip_sat_frac: float = 1e-5
     """Saturated fraction that makes H < 0 a real clip (TE overflows%); below it only the top few values."""
+    clip_sat_bits: float = -0.09
+    """One step with a measured saturation pages only below this headroom: the largest value clipped
+    by more than E4M3's own rounding (half an ulp, 2^-4 relative: log2(1 + 1/16) = 0.087 bits).
+    Delayed scaling under a slowly growing amax (weights) clips by a hair on most steps (fp8.md:
+    about -0.03 bits), and one element of a small tensor is already above clip_sat_frac."""
     clip_hard_bits: float = -1.0
     """Headroom below this clips whether or not the saturation fraction was measured that step."""
     clip_window_steps: int = 100
     """Window of the clip count."""
     clip_min_steps: int = 3
-    """Clipped steps within the window that page (one clipped step is a jump, not a regime)."""
+    """Clipped steps within the window that page (one clipped step is a jump, not a regime), unless
+    one of them measured a saturated fraction above clip_sat_frac: that alone pages."""
     jump_bits: float = 1.0
     """lag_bits above this is a jump (amax doubled against the history)."""
     jump_big_bits: float = 2.5
@@ -173,7 +182,12 @@ def detect_clipping(ts: TensorSeries, run: str, quiet: np.ndarray, cfg: Fp8Confi
     at = ts.steps[clip]
     window = _clip_window(ts, cfg)
     counts = trailing_count(at, at, window)
-    hits = np.flatnonzero(counts >= cfg.clip_min_steps)
+    # A measured saturated fraction exists only on the agent's expensive steps (every 200 by
+    # default), so it can never be seen on 3 steps within 100: on an E4M3 tensor one such step is
+    # the evidence (fp8.md). E5M2 does not saturate, it overflows to inf: fp8_nonfinite pages that.
+    measured = (np.nan_to_num(ts.sat_frac, nan=0.0) > cfg.clip_sat_frac) & (ts.headroom_bits < cfg.clip_sat_bits)
+    measured = measured[clip] & (ts.format == "e4m3")
+    hits = np.flatnonzero((counts >= cfg.clip_min_steps) | measured)
     if len(hits) == 0:
         return []
     fired = int(at[hits[0]])
@@ -542,8 +556,11 @@ def detect_underflow_rise(ts: TensorSeries, run: str, quiet: np.ndarray, cfg: Fp
 
 
 def detect_nonfinite(ts: TensorSeries, run: str, cfg: Fp8Config) -> list[Finding]:
+    """Non-finite elements counted on the agent's expensive steps, or a non-finite amax on any step
+    (a recipe tensor reports its amax every step, and max |x| is NaN or inf exactly when some
+    element is; it arrives as a JSON NaN/Infinity and is stored as such, never as NULL)."""
     nf = np.nan_to_num(ts.nonfinite, nan=0.0)
-    bad = nf > 0
+    bad = (nf > 0) | ~np.isfinite(ts.amax)
     if not bad.any():
         return []
     at = ts.steps[bad]
@@ -555,7 +572,7 @@ def detect_nonfinite(ts: TensorSeries, run: str, cfg: Fp8Config) -> list[Finding
             severity="page",
             onset=int(at[0]),
             last=int(at[-1]),
-            magnitude=float(nf.max()),
+            magnitude=float(nf.max()),  # 0 when only the amax said so: no count that step
             summary=(
                 f"non-finite values in {subject_of(ts)} ({ts.format}) on {len(at)} steps since step {at[0]}"
                 + (" (E5M2 overflow gives inf)" if ts.format == "e5m2" else "")

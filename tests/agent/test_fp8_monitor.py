@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from trainvitals.agent._fp8_monitor import Fp8Monitor
+from trainvitals.agent._guard import ErrorBudget
 from trainvitals.wire import FP8_MAX
 
 
@@ -247,21 +248,30 @@ def test_a_bare_linear_is_named_model_not_left_nameless() -> None:
     mon.close()
 
 
-def _expensive_input_record(x: torch.Tensor, *, calls: int = 1) -> dict:
-    """The input record of an expensive step whose shadow scale is 448 (history [1.0], e4m3)."""
-    model = nn.Linear(x.shape[-1], 1, bias=False)
-    mon = Fp8Monitor(model, history_len=1, margin=0, mode="shadow", expensive_every=1)
-    ones = torch.ones(2, x.shape[-1])
-    model(ones).sum().backward()
-    mon.end_step()  # history [1.0] -> the shadow scale for the next step is 448 / 1
+def _expensive_records(*calls: torch.Tensor, first: torch.Tensor | None = None) -> dict:
+    """The records by role of an expensive step that calls a module once per tensor in `calls`
+    (micro-batches, shared weights); its shadow scale comes from a first step on `first` (default
+    ones: history [1.0], e4m3 scale 448)."""
+    width = calls[0].shape[-1]
+    model = nn.Linear(width, 1, bias=False)
+    errors = ErrorBudget()
+    mon = Fp8Monitor(model, history_len=1, margin=0, mode="shadow", expensive_every=1, errors=errors)
+    model(torch.ones(2, width) if first is None else first).sum().backward()
+    mon.end_step()
     assert mon.expensive_next
-    for _ in range(calls):  # a module called twice in a step (micro-batches, shared weights)
+    for x in calls:
         model(x).sum().backward()
     vec, expensive = mon.end_step()
     assert expensive and vec is not None
-    rec = {r["role"]: r for r in mon.records(1, vec.tolist(), expensive)}["input"]
+    recs = {r["role"]: r for r in mon.records(1, vec.tolist(), expensive)}
     mon.close()
-    return rec
+    assert errors.errors == 0  # nothing raised inside a hook
+    return recs
+
+
+def _expensive_input_record(x: torch.Tensor) -> dict:
+    """The input record of an expensive step whose shadow scale is 448 (history [1.0], e4m3)."""
+    return _expensive_records(x)["input"]
 
 
 def test_large_tensor_counts_saturation_and_non_finite_exactly_and_samples_underflow() -> None:
@@ -375,4 +385,79 @@ def test_a_module_that_did_not_run_has_no_record_and_keeps_its_history() -> None
     assert vec is not None
     recorded = {r["tensor"] for r in mon.records(0, vec.tolist(), False)}
     assert recorded == {"linear1", "linear2"}  # not self_attn.out_proj
+    mon.close()
+
+
+def test_expensive_stats_sum_over_the_calls_of_a_step() -> None:
+    """Micro-batches, recompute, shared modules: a NaN or a saturated value in the first call of a
+    step still counts when a clean call follows (the last call overwrote the first)."""
+    clean = torch.full((2, 4), 0.5)
+    bad = clean.clone()
+    bad[0, 0] = math.nan
+    bad[0, 1] = 2.0  # 2 * 448 > 448: saturates
+    rec = _expensive_records(bad, clean)["input"]
+    assert rec["nonfinite"] == 1
+    assert rec["sat_frac"] == pytest.approx(1 / 16)  # summed counts over summed elements
+    assert rec["crest_bits"] == pytest.approx(math.log2(0.5 / 0.5))  # the clean call's; the NaN one has none
+    tiny = torch.full((2, 4), 1e-7)  # 1e-7 * 448 < 2^-10: every element flushes
+    rec = _expensive_records(tiny, clean)["input"]
+    assert rec["underflow_frac"] == pytest.approx(8 / 16)
+    assert rec["nonfinite"] == 0 and rec["sat_frac"] == 0.0
+
+
+def test_an_all_zero_tensor_has_no_crest_and_keeps_the_layer_measured() -> None:
+    """log2(0 / median) raised inside the forward hook: the error lost the layer's grad_output."""
+    recs = _expensive_records(torch.zeros(2, 4))
+    assert recs["input"]["amax"] == 0.0
+    assert "crest_bits" not in recs["input"]
+    assert recs["grad_output"]["amax"] == 1.0  # d sum / d output
+    assert recs["grad_output"]["nonfinite"] == 0
+
+
+def test_crest_is_unknown_when_most_values_are_zero() -> None:
+    x = torch.zeros(2, 4)
+    x[0, :3] = 1.0  # 3 of 8 non-zero: the median is 0
+    rec = _expensive_input_record(x)
+    assert "crest_bits" not in rec  # was log2(1 / float32 tiny) = 126 bits
+    assert rec["sat_frac"] == 0.0
+
+
+def test_underflow_is_unknown_before_the_shadow_has_a_scale() -> None:
+    # The first step's amax is 0: no scale yet (s = 0), every non-zero value counted as underflow.
+    rec = _expensive_records(torch.full((2, 4), 0.5), first=torch.zeros(2, 4))["input"]
+    assert "underflow_frac" not in rec
+    assert "headroom_bits" not in rec
+    assert rec["sat_frac"] == 0.0
+
+
+def test_recipe_mode_follows_the_recipes_own_history_length_and_algorithm() -> None:
+    """Megatron's defaults (L = 1, 'most_recent') under a registration with TE's (1024, 'max'): after a
+    spike the lag is back to 0 one step later and nothing goes stale."""
+    from trainvitals.agent.fp8_emulation import DelayedScalingRecipe, convert_linears
+
+    model = _model()
+    convert_linears(model, DelayedScalingRecipe(history_len=1, amax_compute_algo="most_recent"))
+    mon = Fp8Monitor(model, mode="recipe", history_len=1024, amax_algo="max", expensive_every=0)
+    outs = [_run(mon, model, scale)[0][("0", "input")] for scale in (1.0, 1.0, 8.0, 1.0, 1.0, 1.0)]
+    assert outs[2]["lag_bits"] == pytest.approx(3.0, abs=1e-6)
+    assert outs[3]["lag_bits"] == pytest.approx(-3.0, abs=1e-6)  # log2(amax_t / A_{t-1}) = log2(1 / 8)
+    assert [o["lag_bits"] for o in outs[4:]] == pytest.approx([0.0, 0.0], abs=1e-6)
+    assert [o["staleness_steps"] for o in outs[1:]] == [0] * 5
+    mon.close()
+
+
+def test_recipe_tensors_unlike_the_monitors_history_have_unknown_lag_and_staleness() -> None:
+    """A recipe module beside a shadow module: the shared history is the registration's, not the
+    recipe's, so the recipe tensors' lag and staleness are not known (headroom still is)."""
+    from trainvitals.agent.fp8_emulation import DelayedScalingRecipe, Fp8Linear
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    model[2] = Fp8Linear.from_linear(model[2], DelayedScalingRecipe(history_len=1, amax_compute_algo="most_recent"))
+    mon = Fp8Monitor(model, mode="auto", history_len=16, amax_algo="max", expensive_every=0)
+    for _ in range(3):
+        out, _ = _run(mon, model, 1.0)
+    assert "lag_bits" not in out[("2", "input")] and "staleness_steps" not in out[("2", "input")]
+    assert out[("2", "input")]["headroom_bits"] == pytest.approx(0.0, abs=1e-6)
+    assert out[("0", "input")]["lag_bits"] == pytest.approx(0.0)  # the shadow module's own history
     mon.close()

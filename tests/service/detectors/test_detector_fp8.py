@@ -38,24 +38,35 @@ def test_quiet_tensor_has_no_findings(series, tensor) -> None:
 @pytest.mark.parametrize(
     ("clip_steps", "headroom", "sat", "expect"),
     [
-        ([2000, 2030, 2060], -1.5, np.nan, True),  # hard clips, saturation not measured
-        ([2000, 2030, 2060], -0.2, 1e-3, True),  # shallow but saturating
-        ([2000, 2030, 2060], -0.2, 1e-7, False),  # only the top few values: not clipping
-        ([2000, 2030], -3.0, np.nan, False),  # two clips: a jump, not a regime
-        ([2000, 2150, 2300], -2.0, np.nan, False),  # three clips, but not within 100 steps
+        ([2000, 2030, 2060], -1.5, np.nan, 2060),  # hard clips, saturation not measured
+        ([2000, 2030, 2060], -0.2, 1e-3, 2000),  # shallow but saturating: the first measurement pages
+        ([2000], -0.2, 1e-3, 2000),  # one expensive step (sat_frac is measured every 200 steps)
+        ([2000], -0.01, 1e-4, None),  # a hair over (amax creep): less than E4M3's own rounding
+        ([2000, 2030, 2060], -0.2, 1e-7, None),  # only the top few values: not clipping
+        ([2000], -0.2, np.nan, None),  # shallow, saturation not measured: H < 0 alone is not a clip
+        ([2000, 2030], -3.0, np.nan, None),  # two clips: a jump, not a regime
+        ([2000, 2150, 2300], -2.0, np.nan, None),  # three clips, but not within 100 steps
     ],
 )
-def test_clipping(series, tensor, clip_steps: list[int], headroom: float, sat: float, expect: bool) -> None:
+def test_clipping(series, tensor, clip_steps: list[int], headroom: float, sat: float, expect: int | None) -> None:
     h = _h()
     s = np.full(N, np.nan)
     h[clip_steps] = headroom
     s[clip_steps] = sat
     found = _by_kind(_run(series, [tensor(h, sat=s)]))
-    assert ("fp8_clipping" in found) is expect
-    if expect:
+    assert ("fp8_clipping" in found) is (expect is not None)
+    if expect is not None:
         f = found["fp8_clipping"]
-        assert f.severity == "page" and f.onset_step == 2000 and f.detected_step == 2060
+        assert f.severity == "page" and f.onset_step == 2000 and f.detected_step == expect
         assert f.subject_kind == "tensor" and f.subject == "layers.3.fc:input" and f.magnitude == headroom
+
+
+def test_one_measured_saturation_of_an_e5m2_gradient_is_not_a_clip(series, tensor) -> None:
+    """E5M2 overflows to inf rather than saturating (fp8_nonfinite's case): one step stays a jump."""
+    h, s = _h(), np.full(N, np.nan)
+    h[2000], s[2000] = -0.2, 1e-3
+    found = _by_kind(_run(series, [tensor(h, sat=s, fmt="e5m2", role="grad_output")]))
+    assert "fp8_clipping" not in found
 
 
 @pytest.mark.parametrize("every", [20, 40, 80])
@@ -144,6 +155,17 @@ def test_stale_scale_and_underflow_rise(series, tensor) -> None:
     assert found["fp8_stale_scale"].onset_step == 2000 and found["fp8_stale_scale"].detected_step == 2099
     assert found["fp8_underflow_rise"].onset_step == 2000
     assert found["fp8_underflow_rise"].magnitude > 5
+
+
+@pytest.mark.parametrize("amax", [np.nan, np.inf])
+def test_a_nonfinite_amax_between_expensive_steps_pages(series, tensor, amax: float) -> None:
+    """Recipe tensors report amax every step; the element count only every 200 steps (NaN between)."""
+    nf = np.full(N, np.nan)
+    nf[::200] = 0
+    t = tensor(_h(), nonfinite=nf, fmt="e5m2", role="grad_output")
+    t.amax[3101] = amax
+    (f,) = [f for f in _run(series, [t]) if f.kind == "fp8_nonfinite"]
+    assert f.severity == "page" and f.onset_step == 3101 and f.magnitude == 0
 
 
 def test_nonfinite_e5m2_gradient_pages(series, tensor) -> None:
