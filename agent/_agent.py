@@ -31,7 +31,7 @@ from trainvitals.agent._grad_norms import GradNorms, GradNormTracker
 from trainvitals.agent._guard import ErrorBudget, guarded, logger, warn_once
 from trainvitals.agent._model_facts import BackwardShares, derive_into
 from trainvitals.agent._optimizer import hookable_optimizer, unhookable_notice
-from trainvitals.agent._position import FLOPS_CONVENTION, Position, flops_per_token, position_of
+from trainvitals.agent._position import FLOPS_CONVENTION, Position, flops_per_token, model_parallel_share, position_of
 from trainvitals.agent._protocol import TrainingAgent
 from trainvitals.agent._sample import DeviceStack
 from trainvitals.agent._timing import StepTimer
@@ -106,7 +106,8 @@ class Agent:
         # Frozen parameters cost no weight gradients: FLOPs per token follow what trains
         # (agent/_position.py), counted again when the set of gradients changes (an unfreeze).
         self._model_dims: dict[str, Any] = registration.get("model", {})
-        self._flops_per_token = flops_per_token(self._model_dims)
+        self._flops_share = model_parallel_share(parallelism)  # this rank's part of the batch's FLOPs
+        self._flops_per_token = flops_per_token(self._model_dims, share=self._flops_share)
         self._backward = BackwardShares(model, parallelism)
         self._shares = (1.0, 1.0)
         self._counted_grads: tuple[int, ...] | None = None
@@ -398,8 +399,10 @@ class Agent:
         if shares == self._shares:
             return
         self._shares = shares
-        self._flops_per_token = flops_per_token(self._model_dims, trained=shares[0], reach=shares[1])
-        full = flops_per_token(self._model_dims)
+        self._flops_per_token = flops_per_token(
+            self._model_dims, trained=shares[0], reach=shares[1], share=self._flops_share
+        )
+        full = flops_per_token(self._model_dims, share=self._flops_share)
         if self._flops_per_token is not None and full and self.rank == 0:
             self.event(
                 "note",

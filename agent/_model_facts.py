@@ -43,6 +43,10 @@ _CONFIG_NAMES: dict[str, tuple[str, ...]] = {
     "seq_len": ("max_position_embeddings", "n_positions"),
 }
 _HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "heads")
+# Mixture of experts, HF config names (Mixtral, Qwen-MoE/OLMoE, DeepSeek, ...): experts per layer and
+# the experts each token is routed to. A token passes through k of E experts: N counts those only.
+_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_ROUTED = ("num_experts_per_tok", "moe_topk", "num_selected_experts")
 # Roles in _param_sizes: an nn.Embedding table (not in N), and a token embedding tied to a head (in
 # N: its matmul runs at the end of forward); any other parameter has the role "".
 _TABLE, _TIED = "table", "tied"
@@ -102,9 +106,29 @@ def model_dims(model: nn.Module | None, parallelism: dict[str, Any]) -> dict[str
     for key, value in _from_modules(inner, heads=not sliced).items():
         dims.setdefault(key, value)
     counts = _param_counts(inner, sliced=sliced)
-    if counts is not None and min(counts) >= 1:
-        dims["params"], dims["non_embedding_params"] = counts
+    if counts is not None:
+        total, n = counts[0], counts[1] - _idle_expert_params(inner, getattr(inner, "config", None))
+        if min(total, n) >= 1:
+            dims["params"], dims["non_embedding_params"] = total, n
     return dims
+
+
+def _idle_expert_params(model: nn.Module, config: object) -> int:
+    """The expert parameters a token does not pass through: (E - k) / E of those under a module
+    named `experts` (an nn.ModuleList of experts, or fused expert weights), when the config names
+    E and k; 0 for a dense model or one whose routing the config does not tell (N then counts every
+    expert, and the MFU of an MoE reads E/k too high on its expert share: pass
+    model.non_embedding_params). Shared experts (`shared_experts`) run on every token: counted."""
+    experts = next((v for name in _EXPERTS if (v := _positive_int(getattr(config, name, None)))), None)
+    routed = next((v for name in _ROUTED if (v := _positive_int(getattr(config, name, None)))), None)
+    if experts is None or routed is None or routed >= experts:
+        return 0
+    size = sum(
+        int(ds) if isinstance(ds := getattr(p, "ds_numel", None), int) else p.numel()
+        for name, p in model.named_parameters()
+        if "experts" in name.split(".")
+    )
+    return size * (experts - routed) // experts
 
 
 def _a_stage(parallelism: dict[str, Any]) -> bool:
@@ -204,7 +228,7 @@ def _param_counts(model: nn.Module, *, sliced: bool) -> tuple[int, int] | None:
 
     Non-embedding is N of 6N + 12LHQT: every parameter that does a matmul per token, so all but
     the nn.Embedding tables, with a head tied to the token embedding counted back in (its matmul
-    is done every token)."""
+    is done every token). An MoE's idle experts come off in model_dims (_idle_expert_params)."""
     sizes = _param_sizes(model, sliced=sliced)
     if sizes is None:
         return None

@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-FLOPS_CONVENTION = (
-    "6N+12LHQT per token (PaLM app. B), N non-embedding, causal not halved, no recompute;"
-    " frozen params: no weight grads"
-)
+from trainvitals.wire.conventions import FLOPS_CONVENTION
+
+__all__ = ["FLOPS_CONVENTION", "Position", "flops_per_token", "model_parallel_share", "position_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,15 +30,26 @@ def position_of(rank: int, parallelism: dict[str, Any]) -> Position:
     return Position(pp_stage=rank // (tp * cp * dp), tp_rank=rank % tp, dp_rank=(rank // (tp * cp)) % dp)
 
 
-def flops_per_token(model: dict[str, Any], *, trained: float = 1.0, reach: float = 1.0) -> float | None:
+def model_parallel_share(parallelism: dict[str, Any]) -> float:
+    """The share of a batch's model FLOPs one rank does: 1 / (tp x pp). Every rank of a
+    tensor-parallel group and every pipeline stage sees the same tokens, and each does its part of
+    the model's work on them; the collector sums the ranks' FLOPs (the wire's "of this rank"), so a
+    rank reporting the whole model's would count the batch tp x pp times (MFU tp x pp too high)."""
+    return 1.0 / (int(parallelism.get("tp") or 1) * int(parallelism.get("pp") or 1))
+
+
+def flops_per_token(
+    model: dict[str, Any], *, trained: float = 1.0, reach: float = 1.0, share: float = 1.0
+) -> float | None:
     """PaLM appendix B, 6N + 12 L H Q T (H*Q = the attention width, = hidden), with backward's
     parts apart so that frozen parameters count what they cost: forward 2N + 4LHQT; backward's
     activation gradients 2N + 8LHQT over the share `reach` it passes through, and its weight
     gradients 2N over the `trained` share (agent/_model_facts.py, BackwardShares). Full training
-    (1, 1) is 6N + 12LHQT; a LoRA job's ~4N, which 6N read as 1.5x the work done."""
+    (1, 1) is 6N + 12LHQT; a LoRA job's ~4N, which 6N read as 1.5x the work done. `share`: this
+    rank's part of it (model_parallel_share)."""
     n = model.get("non_embedding_params")
     layers, hidden, seq = model.get("layers"), model.get("hidden"), model.get("seq_len")
     if not (n and layers and hidden and seq):
         return None
     attention = layers * hidden * seq
-    return (2.0 + 2.0 * reach + 2.0 * trained) * n + (4.0 + 8.0 * reach) * attention
+    return ((2.0 + 2.0 * reach + 2.0 * trained) * n + (4.0 + 8.0 * reach) * attention) * share

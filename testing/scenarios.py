@@ -1022,8 +1022,8 @@ def _step_records(sc: Scenario, rank: int, rows: np.ndarray) -> list[Any]:
                 compute_seconds=float(rs.compute_seconds[i, rank]),
                 wait_seconds=float(rs.wait_seconds[i, rank]),
                 loss=loss,
-                tokens=int(s.tokens[i] / lay.world),
-                flops=float(s.flops[i] / lay.world),
+                tokens=int(s.tokens[i] / lay.dp),  # its replica's batch, as every stage of it reports
+                flops=float(s.flops[i] / lay.world),  # its own part of the job's FLOPs
                 grad_norm=float(s.grad_norm[i]),
                 pp_stage=stage,
                 dp_rank=rank % lay.dp,

@@ -26,6 +26,16 @@ FP8_MAX: Final[dict[str, float]] = {"e4m3": 448.0, "e5m2": 57344.0}
 DEFAULT_FORMATS: Final[dict[str, Fp8Format]] = {"input": "e4m3", "weight": "e4m3", "grad_output": "e5m2"}
 """The usual hybrid recipe: E4M3 forward, E5M2 for gradients."""
 
+FLOPS_CONVENTION: Final = (
+    "6N+12LHQT per token (PaLM app. B), N non-embedding, causal not halved, no recompute;"
+    " frozen params: no weight grads"
+)
+"""How the agent counts a step's model FLOPs (agent/_position.py), and the convention the collector
+restates the cost model's MFU prediction in before comparing (service/analysis/expectations.py).
+N non-embedding: every parameter that does a matmul per token, so all but the input embedding
+table, with an output head counted (tied or not: its matmul runs every token); MoE: the active
+experts' only (the parameters a token passes through)."""
+
 DEFAULT_PROJECT: Final = "default"
 """The project of a registration that names none (and of every run when the collector runs without
 auth); its runs are stored under their bare run id (service/store/run_keys.py)."""

@@ -574,6 +574,7 @@ class DetectorInputs:
                 )  # fmt: skip
             )
         rid = run.run_id
+        expected = expectations.mfu_expectation(reg)  # the cost model once, not per field
         checkpoints = generation_events(queries.checkpoint_generations(session, run_id=rid))
         events = [
             RunEvent(event=e.event, ts=e.ts, step=e.step, detail=e.detail, rank=e.rank)
@@ -587,8 +588,9 @@ class DetectorInputs:
             ranks=self._ranks.series(),
             checkpoints=checkpoints,
             events=events,
-            expected_mfu=expectations.expected_mfu(reg),
-            expected_mfu_low=expectations.expected_mfu_low(reg),
+            expected_mfu=None if expected is None else expected.predicted,
+            expected_mfu_low=None if expected is None else expected.low,
+            mfu_convention=None if expected is None else expected.convention,
             peak_flops_total=peak_flops_total,
             checkpoint_interval_seconds=(reg.get("checkpoint") or {}).get("interval_seconds"),
             warmup_steps=reg.get("detector_warmup_steps"),

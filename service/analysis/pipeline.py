@@ -120,6 +120,7 @@ def reduce_steps(
         [r for r in rows if r.step >= start],
         peak_flops_total=reduction.peak_flops_total(run.registration),
         agent_grad_norms=global_norms,
+        batch_copies=reduction.batch_copies(run.registration),
     )
     tensors = summaries.tensor_summaries(session, run_id=rid, first=start, last=upto)
     windows = reduction.summarize_rank_windows(rows, window=w)

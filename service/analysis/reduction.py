@@ -6,6 +6,11 @@ Rules (DESIGN.md "Shape"):
 - step time: distribution over ranks; the job's pace is the slowest rank (synchronous training);
 - amax: max over ranks and TP shards; headroom: min; gradient norms: sqrt of the sum over ranks of
   owned sums of squares (each element counted once);
+- tokens: each batch once. Every rank of a tensor-parallel group and every pipeline stage reports
+  the batch it worked on, so the ranks' sum is divided by the registered tp x pp (`batch_copies`);
+  FLOPs are summed as they are, each rank's being its own part (the agent reports 1/(tp x pp) of
+  the batch's, agent/_position.py). A job running TP or PP without registering it counts its
+  tokens (and, with the agent's FLOPs, its MFU) tp x pp times: docs/agent.md says to register them;
 - MFU: job FLOPs of the step / (slowest rank's step time x total peak FLOP/s). Computed here
   only; the summary stores it with its denominator (`peak_flops_total`) for every other reader.
 
@@ -66,6 +71,12 @@ def peak_flops_total(registration: dict[str, Any]) -> float | None:
     return float(peak) * int(count) if peak and count else None
 
 
+def batch_copies(registration: dict[str, Any]) -> int:
+    """Ranks that report the same batch: tp x pp of the registration (1 where it gives none)."""
+    par = registration.get("parallelism") or {}
+    return max(1, int(par.get("tp") or 1) * int(par.get("pp") or 1))
+
+
 def _col(rows: Sequence[StepIn], name: str) -> np.ndarray:
     return np.array([np.nan if (v := getattr(r, name)) is None else v for r in rows], dtype=np.float64)
 
@@ -102,8 +113,10 @@ def _group_quantiles(values: np.ndarray, starts: np.ndarray, counts: np.ndarray,
 
 
 def summarize_steps(rows: Sequence[StepIn], *, peak_flops_total: float | None,
-                    agent_grad_norms: dict[int, tuple[float, int]] | None = None) -> list[dict[str, Any]]:
-    """One summary dict per step (keys = StepSummary columns except run_id)."""
+                    agent_grad_norms: dict[int, tuple[float, int]] | None = None,
+                    batch_copies: int = 1) -> list[dict[str, Any]]:
+    """One summary dict per step (keys = StepSummary columns except run_id); `batch_copies`: the
+    ranks that report one batch (module docstring, tokens)."""
     kept = sorted(newest_incarnation(rows), key=lambda r: (r.step, r.rank))
     if not kept:
         return []
@@ -122,7 +135,7 @@ def summarize_steps(rows: Sequence[StepIn], *, peak_flops_total: float | None,
     loss = _group_reduce(np.where(bad_loss, np.nan, raw_loss), starts, counts, "mean")
     loss_nonfinite = np.add.reduceat(bad_loss.astype(np.int64), starts)
     skipped_ranks = np.add.reduceat(_col(kept, "skipped"), starts)  # never NULL: a count
-    tokens = _group_reduce(_col(kept, "tokens"), starts, counts, "sum")
+    tokens = _group_reduce(_col(kept, "tokens"), starts, counts, "sum") / batch_copies
     flops = _group_reduce(_col(kept, "flops"), starts, counts, "sum")
     ts = _group_reduce(_col(kept, "ts"), starts, counts, "max")
     # The job's own (pre-clip) total: every rank reports the same one, take any.

@@ -52,3 +52,15 @@ class Finding:
     def key(self) -> tuple[str, str, str, str]:
         """Identity of a finding across detector runs: the same problem updates one row."""
         return (self.run, self.kind, self.subject_kind, self.subject)
+
+
+def current_episode(episodes: list[Finding]) -> list[Finding]:
+    """One finding per subject from its episodes in step order: the one open now, else the latest
+    that paged (a post-mortem must see the page), else the latest. Earlier episodes were this
+    finding live; the first one may have resolved long ago."""
+    if not episodes:
+        return []
+    if episodes[-1].active:
+        return [episodes[-1]]
+    paged = [f for f in episodes if f.severity == "page"]
+    return [paged[-1] if paged else episodes[-1]]

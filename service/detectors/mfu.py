@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._stats import nanmedian, runs_of_true
-from .findings import Finding
+from .findings import Finding, current_episode
 from .series import RunSeries
 from .suppression import Suppression
 
@@ -67,6 +67,7 @@ def detect_mfu_gap(series: RunSeries, sup: Suppression, cfg: MfuConfig) -> list[
         after = np.arange(n_win) > valid[cfg.own_windows - 1]
         own_test = after & (np.nan_to_num(gap, nan=-np.inf) > own + cfg.own_gap_excess)
     flag = (np.nan_to_num(gap, nan=-np.inf) > threshold) | own_test
+    episodes: list[Finding] = []
     for a, b in runs_of_true(flag):
         if b - a < cfg.persist_windows:
             continue
@@ -76,7 +77,8 @@ def detect_mfu_gap(series: RunSeries, sup: Suppression, cfg: MfuConfig) -> list[
         onset = int(s.steps[a * w])
         measured = float(win[b - 1])
         band = f", band floor {low:.1%}" if low is not None else ""
-        return [
+        convention = f"; FLOPs as {series.mfu_convention}" if series.mfu_convention else ""
+        episodes.append(
             Finding(
                 kind="mfu_gap",
                 severity="ticket",
@@ -88,10 +90,10 @@ def detect_mfu_gap(series: RunSeries, sup: Suppression, cfg: MfuConfig) -> list[
                 magnitude=mag,
                 summary=(
                     f"MFU {measured:.1%} vs expected {series.expected_mfu:.1%}{band} (gap {mag:.0%}) "
-                    f"since step {onset}"
+                    f"since step {onset}{convention}"
                 ),
                 active=active,
                 detected_step=int(s.steps[(fired + 1) * w - 1]),
             )
-        ]
-    return []
+        )
+    return current_episode(episodes)  # the gap open now (or the latest), not the run's first

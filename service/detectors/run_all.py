@@ -80,7 +80,8 @@ def detect_on_data_reads(series: RunSeries, config: DetectorConfig) -> tuple[obj
     windows) and the scalars the registration gives. A data detector that starts reading another
     field of the series adds it here."""
     return (
-        series.run, series.events, series.expected_mfu, series.expected_mfu_low, series.peak_flops_total,
+        series.run, series.events, series.expected_mfu, series.expected_mfu_low, series.mfu_convention,
+        series.peak_flops_total,
         series.warmup_steps, series.tensors[0].history_len if series.tensors else None, config,
     )  # fmt: skip
 

@@ -134,6 +134,8 @@ class RunSeries:
     domain); the MFU-gap detector's absolute test fires only below it. None: a configured MFU."""
     peak_flops_total: float | None = None
     """Sum over devices of the declared peak FLOP/s, to turn flops/step_seconds into MFU."""
+    mfu_convention: str | None = None
+    """The FLOP convention the expected and the measured MFU are both counted in (quoted with a gap)."""
     checkpoint_interval_seconds: float | None = None
     """Configured or recommended; None: overdue checks stay silent."""
     now: float | None = None

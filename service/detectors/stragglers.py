@@ -1,12 +1,16 @@
 """Straggler detectors: a slow rank among the ranks doing the same work, intermittent slowness, and a
 whole pipeline stage being slower (stage imbalance, not a rank fault).
 
-Cohort = ranks of the same pipeline stage. Per window of steps, each rank's median compute time is
-compared with its cohort: r = t / median(cohort), robust z = (t - median) / (1.4826 MAD) with the
-MAD floored at 1% of the median (near-identical ranks must not give infinite z). Compute time is used
-rather than step time because in synchronous training every rank's step lasts as long as the
-slowest one's: the slow rank shows high compute and low wait, the ranks waiting on it the reverse.
-Without a compute/wait split the step time is used and a single slow rank cannot be singled out.
+Cohort = ranks of the same pipeline stage. Per window of steps, each rank's median own time (step
+less collective wait: compute plus data loading) is compared with its cohort: r = t / median(cohort),
+robust z = (t - median) / (1.4826 MAD) with the MAD floored at 1% of the median (near-identical
+ranks must not give infinite z). Own time is used rather than step time because in synchronous
+training every rank's step lasts as long as the slowest one's: the slow rank (a slow GPU or a slow
+data loader) shows high own time and low wait, the ranks waiting on it the reverse. Without a wait
+the compute time is used (a slow loader then goes unseen); without a compute/wait split the step
+time, and a single slow rank cannot be singled out. A stage with fewer than `min_cohort` (3) ranks
+has no robust median to compare with: its ranks are not judged, nor is the stage in imbalance,
+and the run says so (`stragglers_unjudged`) rather than skip them silently.
 
 Finding kinds (subject: rank, or stage) and magnitudes:
 
@@ -14,6 +18,7 @@ Finding kinds (subject: rank, or stage) and magnitudes:
   steps, `Finding.paged_step`): r of the rank (e.g. 1.31). Onsets reach back into the warm-up.
 - `straggler_intermittent` (same severity rule): fraction of the rank's steps that were slow.
 - `stage_imbalance` (ticket): the stage's median time / median of the other stages.
+- `stragglers_unjudged` (info): the number of ranks in stages too small to judge.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import numpy as np
 from scipy import stats
 
 from ._stats import MAD_TO_SIGMA, nanmedian, runs_of_true
-from .findings import Finding, Severity
+from .findings import Finding, Severity, current_episode
 from .series import RankSteps, RunSeries
 from .suppression import Suppression
 
@@ -44,7 +49,8 @@ class StragglerConfig:
     persist_windows: int = 3
     """Consecutive flagged windows before a straggler is reported."""
     min_cohort: int = 3
-    """Smaller cohorts have no meaningful median; they are skipped."""
+    """Smaller cohorts have no meaningful median: their ranks are not judged (said as
+    `stragglers_unjudged`, never with statistics made up for two ranks)."""
     tail_ratio: float = 1.3
     """A step is 'slow' for the intermittent test when it takes this multiple of the cohort median."""
     tail_windows: int = 6
@@ -77,9 +83,15 @@ class StragglerConfig:
 
 
 def _work_time(rs: RankSteps) -> tuple[np.ndarray, str]:
-    # The arrays themselves, not copies (78 MB each at 16,384 ranks x 600 steps): nothing here
-    # writes into them, and the live worker's are read-only.
+    """Each rank's own time: its step less the time it waited on its peers in collectives, i.e.
+    compute plus data loading (the agent's compute is step - data - wait). A rank held up by its
+    data loader is as much a straggler as a slow GPU: its peers wait on it in the next collective."""
     if rs.compute_seconds.size and np.isfinite(rs.compute_seconds).mean() > 0.5:
+        if rs.wait_seconds.size and np.isfinite(rs.wait_seconds).mean() > 0.5:
+            # One [steps, ranks] array per cycle (78 MB at 16,384 ranks x 600 steps); NaN where a
+            # rank's wait is unknown, as a missing compute was.
+            return np.subtract(rs.step_seconds, rs.wait_seconds, dtype=float), "own (compute + data loading)"
+        # The array itself, not a copy: nothing here writes into it, and the worker's is read-only.
         return np.asarray(rs.compute_seconds, dtype=float), "compute"
     return np.asarray(rs.step_seconds, dtype=float), "step"
 
@@ -131,17 +143,6 @@ def _paged_row(
     return int(rows[hits[0]]) if len(hits) else None
 
 
-def _pick(episodes: list[Finding]) -> list[Finding]:
-    """One finding per rank (the key): the episode open now, else the latest that paged (a
-    post-mortem must see the page), else the latest. Earlier episodes were this finding live."""
-    if not episodes:
-        return []
-    if episodes[-1].active:
-        return [episodes[-1]]
-    paged = [f for f in episodes if f.severity == "page"]
-    return [paged[-1] if paged else episodes[-1]]
-
-
 def _severity(paged_row: int | None) -> Severity:
     return "ticket" if paged_row is None else "page"
 
@@ -151,7 +152,8 @@ def _backdate(step_r: np.ndarray, first: int, cfg: StragglerConfig) -> int:
     above `ratio` (warm-up steps included: the cohort comparison needs no baseline)."""
     k = cfg.onset_lookback_steps
     i = first
-    while i >= k and np.nanmedian(step_r[i - k : i]) > cfg.ratio:
+    # Near the run's start the lookback is what there is: a rank slow from step 0 reads "since 0".
+    while i > 0 and np.nanmedian(step_r[max(0, i - k) : i]) > cfg.ratio:
         i -= 1
     return i
 
@@ -269,11 +271,44 @@ def detect_stragglers(series: RunSeries, sup: Suppression, cfg: StragglerConfig)
                         paged_step=None if paged is None else int(rs.steps[paged]),
                     )
                 )
-            out += _pick(episodes)  # one finding per rank
+            out += current_episode(episodes)  # one finding per rank
 
     out += _intermittent(series, rs, t, t_all, step_cohort_med, all_cohort_med, cohorts, persistent, basis, cfg)
     out += _stage_imbalance(series, rs, win_med, cohorts, rows_of, last_step, cfg)
+    out += _unjudged(series, rs, cohorts, cfg)
     return out
+
+
+def _unjudged(series: RunSeries, rs: RankSteps, cohorts: dict[int, np.ndarray], cfg: StragglerConfig) -> list[Finding]:
+    """`stragglers_unjudged` (info): the stages too small for a cohort, whose ranks the detectors
+    above never compare, said once per run instead of silently. A one-rank job has no peers at all."""
+    if len(rs.ranks) < 2:
+        return []
+    small = {int(st): int(np.sum(rs.pp_stage == st)) for st in np.unique(rs.pp_stage) if int(st) not in cohorts}
+    if not small:
+        return []
+    named = [f"{n} rank{'s' if n > 1 else ''}" + ("" if st < 0 else f" in pipeline stage {st}")
+             for st, n in list(small.items())[:4]]  # fmt: skip
+    more = len(small) - len(named)
+    where = ", ".join(named) + (f" and {sum(list(small.values())[4:])} in {more} more stages" if more else "")
+    return [
+        Finding(
+            kind="stragglers_unjudged",
+            severity="info",
+            run=series.run,
+            subject_kind="run",
+            subject="",
+            onset_step=int(rs.steps[0]),
+            last_step=int(rs.steps[-1]),
+            magnitude=float(sum(small.values())),
+            summary=(
+                f"not checked for stragglers: {where} (fewer than {cfg.min_cohort} ranks doing the same "
+                "work have no robust median to compare a rank with)"
+            ),
+            active=True,
+            detected_step=int(rs.steps[min(cfg.window_steps, len(rs.steps)) - 1]),
+        )
+    ]
 
 
 def _page_note(rs: RankSteps, paged: int | None, cfg: StragglerConfig) -> str:
@@ -356,7 +391,7 @@ def _intermittent(
                         paged_step=None if paged is None else int(rs.steps[paged]),
                     )
                 )
-            out += _pick(episodes)  # one finding per rank
+            out += current_episode(episodes)  # one finding per rank
     return out
 
 
@@ -384,6 +419,7 @@ def _stage_imbalance(
         others = nanmedian(np.delete(sm, i, axis=1), axis=1)
         ratio = sm[:, i] / others
         flag = np.nan_to_num(ratio) > cfg.stage_ratio
+        episodes: list[Finding] = []
         for a, b in runs_of_true(flag):
             if b - a < cfg.persist_windows:
                 continue
@@ -395,7 +431,7 @@ def _stage_imbalance(
             # The pipeline runs at its slowest stage's pace: balanced, this time would shrink by 1 - 1/r.
             gpu_h = float(np.nansum(job)) * (1 - 1 / mag) * len(rs.ranks) / 3600.0
             onset = int(rs.steps[rows_of[a][0]])
-            out.append(
+            episodes.append(
                 Finding(
                     kind="stage_imbalance",
                     severity="ticket",
@@ -415,5 +451,5 @@ def _stage_imbalance(
                     detected_step=int(rs.steps[rows_of[fired_w][-1]]),
                 )
             )
-            break
+        out += current_episode(episodes)  # one finding per stage
     return out

@@ -181,3 +181,36 @@ def test_a_model_that_cannot_be_read_registers_what_the_job_passed(monkeypatch: 
     body: dict[str, Any] = {"model": {"hidden": 8}}
     _model_facts.derive_into(body, TinyGPT())
     assert body == {"model": {"hidden": 8}}
+
+
+class _Moe(nn.Module):
+    """A Mixtral-style layer: a router and 4 expert MLPs (a ModuleList named `experts`), a shared
+    expert that runs on every token."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(d, 4, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, 4 * d), nn.Linear(4 * d, d)) for _ in range(4))
+        self.shared_experts = nn.Linear(d, d)
+
+
+class TinyMoE(nn.Module):
+    def __init__(self, *, top_k: int | None, d: int = 16, layers: int = 2) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(num_local_experts=4, num_experts_per_tok=top_k, hidden_size=d)
+        self.embed = nn.Embedding(100, d)
+        self.layers = nn.ModuleList(_Moe(d) for _ in range(layers))
+        self.head = nn.Linear(d, 100, bias=False)
+
+
+def test_an_moe_counts_the_experts_a_token_passes_through() -> None:
+    """N of 6N is what a token passes through: top-1 of 4 experts counts a quarter of the expert
+    MLPs (all four read the MFU of their share 4x too high); the router, the shared expert, attention
+    and the head in full. Without top-k in the config every expert is counted, as before."""
+    model = TinyMoE(top_k=1)
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for layer in model.layers for p in layer.experts.parameters())
+    dims = model_dims(model, {"world_size": 1})
+    assert dims["params"] == total
+    assert dims["non_embedding_params"] == total - 100 * 16 - experts * 3 // 4
+    assert model_dims(TinyMoE(top_k=None), {"world_size": 1})["non_embedding_params"] == total - 100 * 16

@@ -195,3 +195,27 @@ def test_shares_follow_parameters_replaced_after_they_were_listed() -> None:
     tables = model.tok_emb.weight.numel() + model.pos_emb.weight.numel()
     n = sum(p.numel() for p in model.parameters()) - tables
     assert shares.read() == pytest.approx((model.lm_head.weight.numel() / n,) * 2)
+
+
+def test_a_model_parallel_rank_reports_its_share_of_the_batchs_flops(collector, tmp_path) -> None:
+    """tp=2 x pp=2: each of the four ranks that see a batch does a quarter of its model FLOPs, and the
+    collector sums the ranks' (reported whole by each, MFU read 4x what the job did)."""
+    from pathlib import Path
+
+    import trainvitals.agent as tv
+    from trainvitals.wire import Batch
+
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = tv.AgentConfig(collector=collector.url, spill_dir=str(tmp_path / "spool"),
+                            record_file=str(tmp_path / "rec-{rank}.jsonl"))  # fmt: skip
+    registration = {
+        "model": {"non_embedding_params": 100, "layers": 2, "hidden": 8, "seq_len": 4},
+        "parallelism": {"world_size": 4, "tp": 2, "pp": 2},
+    }
+    agent = tv.attach(model, opt, run="share", config=config, registration=registration)
+    agent.step(loss=1.0, tokens=16)
+    agent.close()
+    lines = Path(tmp_path / "rec-0.jsonl").read_bytes().splitlines()
+    (step,) = [r for line in lines[1:] for r in Batch.model_validate_json(line).records if r.kind == "step"]
+    assert step.flops == pytest.approx(16 * (6 * 100 + 12 * 2 * 8 * 4) / 4)

@@ -32,7 +32,7 @@ SCRAPE_BUDGET_S = 5.0
 
 # The worst case of one run's series with the default settings (top_k 10, max_grad_groups 256),
 # family by family, as docs/metrics.md states it.
-TOP_K, GRAD_GROUPS, FINDING_KINDS, EVENTS, ROLES = 10, 256, 23, 11, 3
+TOP_K, GRAD_GROUPS, FINDING_KINDS, EVENTS, ROLES = 10, 256, 24, 11, 3
 PER_RUN_BOUND = (
     26  # one series each: run_info, run_world_size_ranks, ... ingest_records
     + 5  # rank_step_seconds stats

@@ -95,3 +95,63 @@ def test_an_out_of_domain_prediction_cannot_page_a_healthy_large_run(series) -> 
     assert _run_band(series, slow, e.predicted, e.low) != []
     wider = mfu_expectation({**point.config, "parallelism": {**par, "gpus": 65536, "dp": 512}})
     assert wider is not None and not wider.in_domain and wider.low is not None and wider.low < e.low
+
+
+def test_the_gap_reported_is_the_one_open_now_not_the_runs_first(series) -> None:
+    """A gap that closed long ago and a new one open now: the finding is the new one (active, its
+    onset), not the first episode, which a live collector would show as resolved."""
+    sec = np.ones(4000)
+    sec[1200:2000] *= 1.6  # first gap, closed at 2000
+    sec[3000:] *= 1.6  # second gap, open at the newest step
+    (f,) = _run(series, sec, 0.41)
+    assert f.active and f.onset_step == 3000 and f.last_step == 3999
+
+
+def _llama_1b(**model: object) -> dict:
+    """Llama 3.2 1B's shape (128k vocabulary: the embeddings are a fifth of its 6N) on 8 H100s."""
+    return {
+        "model": {"layers": 16, "hidden": 2048, "heads": 32, "kv_heads": 8, "ffn_hidden": 8192, "vocab": 128256,
+                  "seq_len": 2048, **model},
+        "parallelism": {"world_size": 8, "micro_batch": 4, "global_batch": 64},
+        "hardware": {"gpu_type": "H100-SXM", "gpu_count": 8},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("given_n", [False, True])
+def test_a_run_at_exactly_the_predicted_speed_has_no_gap(series, given_n: bool) -> None:
+    """The prediction and the measurement count FLOPs the same way: a run at the cost model's
+    predicted tokens/s, its MFU measured as the agent counts it (6N + 12LHQT, N non-embedding: the
+    input table out, the head in), reads the predicted MFU, and no gap fires. The cost model counts
+    N with the embeddings (its calibration tables do): compared as they were, this run read 0.85 of
+    the prediction and fired."""
+    from trainvitals.service.advisors.cost_model import plan
+    from trainvitals.service.advisors.model_config import parse_plan_input
+    from trainvitals.service.analysis.expectations import mfu_expectation
+    from trainvitals.wire.conventions import FLOPS_CONVENTION
+
+    m = _llama_1b()["model"]
+    attention = 2 * m["hidden"] ** 2 + 2 * m["hidden"] * (m["hidden"] // 4)
+    n = m["layers"] * (attention + 3 * m["hidden"] * m["ffn_hidden"]) + m["vocab"] * m["hidden"]  # the head
+    reg = _llama_1b(non_embedding_params=n) if given_n else _llama_1b()
+    tokens_per_s = plan(parse_plan_input(reg, strict=False)).tokens_per_s
+    measured = tokens_per_s * (6 * n + 12 * m["layers"] * m["hidden"] * m["seq_len"]) / (8 * 989e12)
+    e = mfu_expectation(reg)
+    assert e is not None and e.predicted == pytest.approx(measured, rel=1e-9)
+    assert e.convention == FLOPS_CONVENTION
+    s = series(3000)
+    s.peak_flops_total = PEAK
+    s.steps.flops = np.full(3000, measured * PEAK)
+    s.steps.step_seconds = np.ones(3000)
+    s.steps.mfu = s.steps.flops / PEAK
+    s.expected_mfu, s.expected_mfu_low, s.mfu_convention = e.predicted, e.low, e.convention
+    assert detect_mfu_gap(s, suppression_for(s, SuppressionConfig()), MfuConfig()) == []
+    s.steps.mfu = s.steps.mfu * 0.5  # a real gap says how both sides were counted
+    (f,) = detect_mfu_gap(s, suppression_for(s, SuppressionConfig()), MfuConfig())
+    assert f"FLOPs as {FLOPS_CONVENTION}" in f.summary
+
+
+def test_a_job_counting_its_own_way_is_told_both_conventions() -> None:
+    from trainvitals.service.analysis.expectations import mfu_expectation
+
+    e = mfu_expectation({**_llama_1b(), "flops_convention": "torch FlopCounterMode"})
+    assert e is not None and "'torch FlopCounterMode' (measured)" in e.convention and "(predicted)" in e.convention

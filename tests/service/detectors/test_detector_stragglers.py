@@ -116,3 +116,59 @@ def test_a_short_contention_stretch_is_a_ticket_not_a_page(series, ranks) -> Non
     (f,) = found["straggler_intermittent"]
     assert f.subject == "6" and f.severity == "ticket" and f.paged_step is None
     assert "ticket: costs the job < 5%" in f.summary
+
+
+def test_stage_imbalance_reports_the_episode_open_now(series, ranks) -> None:
+    """Stage 1 slow for a while, balanced again, then slow again: the finding is the open episode,
+    not the first (resolved) one."""
+    c = _compute()
+    c[200:500, 4:] *= 1.3
+    c[1000:, 4:] *= 1.3
+    found = _detect(series, ranks, c)
+    (f,) = found["stage_imbalance"]
+    assert f.active and f.onset_step == 1000 and f.last_step == N - 1
+
+
+def test_a_rank_held_up_by_its_data_loader_is_the_straggler(series) -> None:
+    """Rank 5's input pipeline takes 0.3 s more per step; its compute is like its peers'. The others
+    wait for it in the gradient all-reduce (their wait grows, its own does not): rank 5 is named."""
+    from trainvitals.service.detectors.series import RankSteps
+
+    compute = _compute()
+    data = np.full_like(compute, 0.05)
+    data[1000:, 5] += 0.3
+    job = (compute + data).max(axis=1) + 0.1
+    s = series(N)
+    s.ranks = RankSteps(
+        steps=np.arange(N, dtype=np.int64), ranks=np.arange(len(STAGES), dtype=np.int64),
+        step_seconds=np.repeat(job[:, None], len(STAGES), axis=1), compute_seconds=compute,
+        wait_seconds=job[:, None] - compute - data, pp_stage=np.asarray(STAGES, dtype=np.int64),
+    )  # fmt: skip
+    found = [f for f in detect_stragglers(s, suppression_for(s, SuppressionConfig()), StragglerConfig())
+             if f.kind == "straggler"]  # fmt: skip
+    assert [f.subject for f in found] == ["5"]
+    assert 1000 <= found[0].onset_step <= 1010 and "data loading" in found[0].summary
+
+
+def test_stages_too_small_to_judge_are_said_not_skipped_silently(series, ranks) -> None:
+    """A stage of 2 ranks has no robust median: its ranks are not judged, and the run says so (an
+    info finding), while the 4-rank stage is judged as before. One rank alone says nothing."""
+    c = _compute()[:, :6]
+    c[1000:, 5] *= 1.3  # slow, but in a stage of two: not judged
+    s = series(N)
+    s.ranks = ranks(c, [0, 0, 0, 0, 1, 1])
+    found = detect_stragglers(s, suppression_for(s, SuppressionConfig()), StragglerConfig())
+    (note,) = [f for f in found if f.kind == "stragglers_unjudged"]
+    assert note.severity == "info" and "2 ranks in pipeline stage 1" in note.summary
+    assert not [f for f in found if f.kind == "straggler"]
+    s.ranks = ranks(c[:, :1], [0])
+    assert detect_stragglers(s, suppression_for(s, SuppressionConfig()), StragglerConfig()) == []
+
+
+def test_an_onset_can_reach_the_runs_first_steps(series, ranks) -> None:
+    """Slow from step 2: the onset walks back with the lookback shortened near the start (it stopped
+    at step 8, the lookback's length)."""
+    c = _compute()
+    c[2:, 5] *= 1.3
+    (f,) = _detect(series, ranks, c)["straggler"]
+    assert f.onset_step <= 4
