@@ -578,7 +578,7 @@ def _analysis_families(status: AnalysisStatus | None, now: float) -> Iterator[Me
         "Seconds spent in analysis cycles (rate over the cycles' rate: the mean cycle time)",
     )
     errors = CounterMetricFamily(
-        "trainvitals_analysis_errors", "Runs whose analysis raised in a cycle (retried next cycle; logged)"
+        "trainvitals_analysis_errors", "Runs whose analysis raised in a cycle, and failed cycles (retried; logged)"
     )
     last = _gauge("trainvitals_analysis_last_cycle_seconds", "Duration of the newest analysis cycle", [])
     since = _gauge(

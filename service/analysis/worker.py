@@ -5,7 +5,11 @@ of the analysis lease (store/lease.py) runs cycles. Each run is processed in its
 try block, so one bad run cannot stop the others. A run whose analysis raises is retried every cycle,
 and every failure is visible where someone looks: a log line naming the run (the traceback on the
 first failure in a row, or when the error changes), an open `analysis_failed` finding of the run
-(exported like any finding, its magnitude the failures in a row), and the errors counter.
+(exported like any finding, its magnitude the failures in a row), and the errors counter. A cycle
+that fails outside any run (the database unreachable) is logged, counted, and retried with backoff.
+
+Each run's writes are fenced (store/lease.py `fence`): a holder whose lease ended mid-cycle, or
+whose run was deleted meanwhile, rolls them back rather than overwrite the new holder's.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from trainvitals.service.analysis import pipeline
 from trainvitals.service.analysis.detector_inputs import DetectorInputs
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import analysis_status, detector_blocks, findings, queries, summaries
-from trainvitals.service.store.lease import AnalysisLease
+from trainvitals.service.store.lease import AnalysisLease, LeaseLost, RunGone, fence
 
 logger = logging.getLogger("trainvitals.service")
 
@@ -68,6 +72,7 @@ class AnalysisWorker:
         errors_before = self.errors
         total = 0
         with self._session_factory() as session:
+            fence(session, lease=self._lease, run_id=None)
             runs = queries.live_runs(
                 session,
                 now=now,
@@ -81,11 +86,18 @@ class AnalysisWorker:
         for run_id in run_ids:
             with self._session_factory() as session:
                 try:
+                    fence(session, lease=self._lease, run_id=run_id)
                     run = queries.get_run(session, run_id=run_id)
                     if run is not None:
                         inputs = self._inputs.setdefault(run_id, DetectorInputs(blocks=True))
                         total += pipeline.process_run(session, run, now=now, config=self._config, inputs=inputs)
                     self._last_error.pop(run_id, None)
+                except RunGone:  # deleted meanwhile: its writes are dropped, and so is what was kept of it
+                    session.rollback()
+                    self._inputs.pop(run_id, None)
+                except LeaseLost:  # the cycle ends here: _loop says so and lets the lease go
+                    session.rollback()
+                    raise
                 except Exception as exc:  # noqa: BLE001 - keep analysing the other runs
                     session.rollback()
                     self._inputs.pop(run_id, None)  # read it whole next time
@@ -96,6 +108,18 @@ class AnalysisWorker:
         self.cycles += 1
         self._record_cycle(time.perf_counter() - started, self.errors - errors_before)
         return total
+
+    def _lease_lost(self) -> None:
+        """Another process may have analysed since the lease ended: none of this cycle's later
+        writes may overwrite its (store/lease.py fence). The next cycle asks for the lease again."""
+        logger.warning(
+            "analysis lease lost mid-cycle (%s): the rest of the cycle's writes were dropped; "
+            "another collector process may be analysing",
+            self._holder,
+        )
+        self._inputs.clear()
+        if self._lease is not None:
+            self._lease.release()
 
     def _failed(self, run_id: str, exc: Exception, now: float) -> None:
         """One run's analysis raised: its finding, then one log line naming it (every time)."""
@@ -127,19 +151,50 @@ class AnalysisWorker:
     def _loop(self) -> None:
         interval = self._settings.analysis_interval_seconds
         pause = interval
+        failures = 0  # cycles in a row that raised outside any run's analysis
         try:
             while not self._stop.wait(pause):
                 started = time.monotonic()
-                # Only the lease holder analyses; the others keep checking, to take over if it dies.
-                if self._lease is None or self._lease.acquire():
-                    self.run_once()
-                else:
-                    # Another process analyses meanwhile: what this one kept goes stale.
-                    self._inputs.clear()
+                try:
+                    self._cycle()
+                    failures = 0
+                except LeaseLost:
+                    self._lease_lost()
+                except Exception as exc:  # noqa: BLE001 - the database may be back next cycle
+                    failures += 1
+                    self._cycle_failed(exc, retry_in=backoff(interval, failures))
                 pause = pause_after_cycle(interval, time.monotonic() - started)
+                if failures:
+                    pause = backoff(interval, failures)
         finally:
             if self._lease is not None:
                 self._lease.release()
+
+    def _cycle(self) -> None:
+        # Only the lease holder analyses; the others keep checking, to take over if it dies.
+        if self._lease is None:
+            self.run_once()
+            return
+        taken = self._lease.taken
+        if not self._lease.acquire():
+            self._inputs.clear()  # another process analyses meanwhile: what this one kept goes stale
+            return
+        if self._lease.taken != taken:  # taken anew: another process may have analysed since
+            self._inputs.clear()
+        self.run_once()
+
+    def _cycle_failed(self, exc: Exception, *, retry_in: float) -> None:
+        """A cycle raised outside any one run (the database unreachable, a dropped connection):
+        one line, the errors counter, and a cycle after `retry_in` seconds."""
+        self._inputs.clear()  # a cycle stopped half-way: read every run whole next time
+        self.errors += 1
+        error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        logger.error("analysis cycle failed (%s); retried in %.3g s", error, retry_in)
+        try:
+            with self._session_factory() as session:
+                analysis_status.record_errors(session, errors=1)
+        except Exception:  # noqa: BLE001 - most likely the same database error
+            logger.debug("recording the analysis cycle's failure failed", exc_info=True)
 
     def start(self) -> None:
         if self._thread is None:
@@ -151,6 +206,14 @@ class AnalysisWorker:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+
+
+MAX_BACKOFF_S = 60.0
+
+
+def backoff(interval: float, failures: int) -> float:
+    """The wait after `failures` failed cycles in a row: doubling from one interval, at most a minute."""
+    return min(interval * 2 ** min(failures - 1, 16), max(MAX_BACKOFF_S, interval))
 
 
 def pause_after_cycle(interval: float, cycle_seconds: float) -> float:

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from trainvitals.service.analysis import pipeline
 from trainvitals.service.store import batches, queries, run_keys
+from trainvitals.service.store.lease import AnalysisLease
 from trainvitals.wire import Batch, RunRegistration
 
 
@@ -35,6 +36,7 @@ class ReplayReport:
     errors: list[str] = field(default_factory=list)
     runs: list[str] = field(default_factory=list)
     steps_reduced: int = 0
+    analysis: str = "not asked"
 
 
 def replay_lines(
@@ -99,7 +101,18 @@ def replay_files(
 
     replay_lines(session, lines(), report, project=project)
     config = config or pipeline.PipelineConfig()
-    if analyse:
+    if not analyse:
+        return report
+    # A collector's analysis process may hold the lease on this database: two analysers would race
+    # on the same summaries and findings, so the replayed runs are then left to it.
+    lease = AnalysisLease(session.get_bind().engine)
+    if not lease.acquire():
+        report.analysis = (
+            "skipped: a collector holds the analysis lease on this database and analyses the replayed runs "
+            "at its next cycle (judged as of now); stop it first to analyse them here as of their own end"
+        )
+        return report
+    try:
         for run_id in report.runs:
             run = queries.get_run(session, run_id=run_id)
             if run is not None:
@@ -109,4 +122,7 @@ def replay_files(
                 end = queries.last_step_time(session, run_id=run_id)
                 now = end + pipeline.settle_seconds_for(run, config) if end is not None else time.time()
                 report.steps_reduced += pipeline.process_run(session, run, now=now, config=config)
+    finally:
+        lease.release()
+    report.analysis = "done"
     return report

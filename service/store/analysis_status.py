@@ -31,6 +31,14 @@ def record_cycle(session: Session, *, seconds: float, errors: int, now: float, h
     session.commit()
 
 
+def record_errors(session: Session, *, errors: int) -> None:
+    """Count errors of a cycle that did not finish (committed); its time is not a cycle's."""
+    added = update(AnalysisStatus).where(AnalysisStatus.id == _ROW).values(errors=AnalysisStatus.errors + errors)
+    if session.execute(added).rowcount == 0:  # type: ignore[attr-defined]
+        session.add(AnalysisStatus(id=_ROW, cycles=0, cycle_seconds_total=0.0, errors=errors))
+    session.commit()
+
+
 def read(session: Session) -> AnalysisStatus | None:
     """The counters, or None before the first cycle."""
     return session.scalar(select(AnalysisStatus).where(AnalysisStatus.id == _ROW))

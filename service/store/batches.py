@@ -452,11 +452,15 @@ _LATE_DATA = (
 )
 # A batch's run: seen now (parameters: key, now), or seen and finished (rank 0's stop event).
 _RUNS = table_of(Run)
-_SEEN = update(_RUNS).where(_RUNS.c.run_id == bindparam("key")).values(last_seen_at=bindparam("now"))
+# Never back in time: replicas' clocks differ, and a slower one's batch may be stored last.
+_SEEN = update(_RUNS).where(_RUNS.c.run_id == bindparam("key")).values(
+    last_seen_at=case((_RUNS.c.last_seen_at > bindparam("now"), _RUNS.c.last_seen_at), else_=bindparam("now"))
+)
 _FINISHED = _SEEN.values(status="finished")
 # ... and it brought step records: the stall age (runs.last_step_at) starts again.
-_STEPPED = _SEEN.values(last_step_at=bindparam("now"))
-_STEPPED_AND_FINISHED = _FINISHED.values(last_step_at=bindparam("now"))
+_LATER_STEP = case((_RUNS.c.last_step_at > bindparam("now"), _RUNS.c.last_step_at), else_=bindparam("now"))
+_STEPPED = _SEEN.values(last_step_at=_LATER_STEP)
+_STEPPED_AND_FINISHED = _FINISHED.values(last_step_at=_LATER_STEP)
 
 
 # SQLite has one writer at a time. Threads of this process colliding on its lock would wait in

@@ -306,8 +306,11 @@ def count_step_rows(session: Session, *, run_id: str) -> int:
 
 
 def delete_run(session: Session, *, run_id: str) -> bool:
-    """Delete a run and every record of it; returns False when there was no such run."""
-    if session.get(Run, run_id) is None:
+    """Delete a run and every record of it; returns False when there was no such run.
+
+    The run's row is locked first: an analysis write of the run (store/lease.py fence) either
+    finishes before the delete starts or finds the run gone, so no summary outlives it."""
+    if session.get(Run, run_id, with_for_update=True) is None:
         return False
     for model in (
         StepRow,
