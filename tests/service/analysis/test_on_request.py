@@ -2,6 +2,7 @@
 the live pipeline); named per request by the HTTP analysis route and `trainvitals query analysis`;
 an unknown baseline or another project's run is a 404 / a one-line CLI error, never read."""
 
+import json
 from pathlib import Path
 
 import pytest
