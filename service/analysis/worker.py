@@ -36,7 +36,7 @@ class AnalysisWorker:
     """Usage::
 
     worker = AnalysisWorker(sessionmaker, settings, lease=AnalysisLease(engine))
-    worker.start()   # or worker.run_once() synchronously (tests, replay; no lease asked)
+    worker.start()   # or worker.run_once() synchronously (tests, replay; takes the lease first, if one is asked)
     worker.stop()
     """
 
@@ -66,7 +66,19 @@ class AnalysisWorker:
         self._holder = f"{socket.gethostname()}:{os.getpid()}"
 
     def run_once(self) -> int:
-        """One pass over live runs; returns steps reduced."""
+        """One pass over live runs, once this process holds the lease (when one is asked); returns
+        steps reduced (0 while another process holds the lease)."""
+        # Only the lease holder analyses; the others keep asking, to take over if it dies.
+        if self._lease is not None:
+            taken = self._lease.taken
+            if not self._lease.acquire():
+                self._inputs.clear()  # another process analyses meanwhile: what this one kept goes stale
+                return 0
+            if self._lease.taken != taken:  # taken anew: another process may have analysed since
+                self._inputs.clear()
+        return self._analyse_live_runs()
+
+    def _analyse_live_runs(self) -> int:
         now = self._clock()
         started = time.perf_counter()
         errors_before = self.errors
@@ -156,7 +168,7 @@ class AnalysisWorker:
             while not self._stop.wait(pause):
                 started = time.monotonic()
                 try:
-                    self._cycle()
+                    self.run_once()
                     failures = 0
                 except LeaseLost:
                     self._lease_lost()
@@ -169,19 +181,6 @@ class AnalysisWorker:
         finally:
             if self._lease is not None:
                 self._lease.release()
-
-    def _cycle(self) -> None:
-        # Only the lease holder analyses; the others keep checking, to take over if it dies.
-        if self._lease is None:
-            self.run_once()
-            return
-        taken = self._lease.taken
-        if not self._lease.acquire():
-            self._inputs.clear()  # another process analyses meanwhile: what this one kept goes stale
-            return
-        if self._lease.taken != taken:  # taken anew: another process may have analysed since
-            self._inputs.clear()
-        self.run_once()
 
     def _cycle_failed(self, exc: Exception, *, retry_in: float) -> None:
         """A cycle raised outside any one run (the database unreachable, a dropped connection):
@@ -206,6 +205,8 @@ class AnalysisWorker:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        if self._lease is not None:  # run_once called synchronously took it too: another process may analyse now
+            self._lease.release()
 
 
 MAX_BACKOFF_S = 60.0

@@ -194,10 +194,10 @@ def test_a_holder_that_takes_the_lease_again_reads_its_runs_afresh(maker, db_url
         assert lease.acquire() and lease.taken == taken  # still held
         worker.run_once()
         kept = worker._inputs["r"]
-        worker._cycle()
+        worker.run_once()
         assert worker._inputs["r"] is kept  # held all along: what it read stays good
         lease.release()  # as when the lease session ends between two cycles
-        worker._cycle()
+        worker.run_once()
         assert lease.taken == taken + 1 and worker._inputs["r"] is not kept  # taken anew: read afresh
     finally:
         lease.release()
