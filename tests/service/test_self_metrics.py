@@ -77,7 +77,7 @@ def test_unauthenticated_agents_are_counted_as_such(db_url: str) -> None:
         assert registry.get_sample_value("trainvitals_ingest_refused_total", {"reason": "unauthenticated"}) == 1
 
 
-def test_the_exposition_is_the_classic_text_format_without_created_series(client: TestClient) -> None:
+def test_the_exposition_is_the_classic_text_format_without_created_series(client: TestClient, promtool_check) -> None:
     """Every Prometheus parses text version 0.0.4; prometheus_client 0.26 answered version=1.0.0
     whatever the scraper accepted. Its `_created` series (undocumented, one per counter and
     histogram child) are not exported."""
@@ -87,3 +87,5 @@ def test_the_exposition_is_the_classic_text_format_without_created_series(client
         assert answer.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8", accept
         assert "_created" not in answer.text
         assert "trainvitals_http_requests_total{" in answer.text
+        checked = promtool_check(answer.text)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
