@@ -118,7 +118,8 @@ class TrainvitalsCollector(Collector):
                     sn.checkpoints.advice = self._advice_for(session, r, now)
             counts = queries.ingest_counts(session, project=project)
             analysis = analysis_status.read(session)
-        _disambiguate(snaps)
+        if project is None:
+            _label_by_key(snaps)
         yield from _run_families(snaps)
         yield from _omitted_families(omitted)
         yield from _fp8_families(snaps)
@@ -183,16 +184,14 @@ def _exported_runs(runs: list[Run], severity: dict[str, int], now: float) -> tup
     return kept, omitted
 
 
-def _disambiguate(snaps: list[snapshot.RunSnapshot]) -> None:
-    """Label runs by their run id, but by their key where two exported runs of different projects
-    share one (a scrape of every project, auth off, of runs registered while it was on): two runs
-    must never be one series."""
-    seen: dict[str, int] = {}
+def _label_by_key(snaps: list[snapshot.RunSnapshot]) -> None:
+    """In a scrape of every project (auth off), label each run by its key (the bare run id in the
+    default project, `<project>/<run id>` in any other): runs of two projects may share an id
+    (registered while auth was on) and must never be one series. Always, not only while two are
+    live: a label that changed when another project's run came and went would make every series
+    of the run a new one and restart its alerts' `for:`. A project's scrape labels by run id."""
     for sn in snaps:
-        seen[sn.label] = seen.get(sn.label, 0) + 1
-    for sn in snaps:
-        if seen[sn.label] > 1:
-            sn.label = sn.run_id
+        sn.label = sn.run_id
 
 
 def _omitted_families(omitted: dict[str, int]) -> Iterator[Metric]:

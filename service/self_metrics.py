@@ -86,9 +86,8 @@ class ProcessMetrics(Collector):
             self.refused.labels(reason or _REASON_BY_STATUS.get(status, "other")).inc()
 
     def collect(self) -> Iterator[Metric]:
-        yield from self.request_seconds.collect()
-        yield from self.requests.collect()
-        yield from self.refused.collect()
+        for family in (*self.request_seconds.collect(), *self.requests.collect(), *self.refused.collect()):
+            yield _without_created(family)
         if self._queue_records is not None:
             depth = GaugeMetricFamily(
                 "trainvitals_ingest_queue_records",
@@ -103,6 +102,14 @@ class ProcessMetrics(Collector):
             )
             limit.add_metric([], self._queue_limit)
             yield limit
+
+
+def _without_created(family: Metric) -> Metric:
+    """The family without prometheus_client's `_created` samples (a timestamp per child, which
+    docs/metrics.md does not list). Dropped here rather than by disable_created_metrics(), a
+    process-wide switch that would change the exposition of anything else in the process."""
+    family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+    return family
 
 
 class RequestMetrics:

@@ -650,7 +650,7 @@ def store_batches(
         tail.append(
             _count(
                 writer,
-                [(batch.run, batch.run in runs) for batch, _ in items],
+                [batch.run if batch.run in runs else run_keys.no_run_key(project) for batch, project in items],
                 outcomes,
                 [built[i] if i in stored_set else None for i in range(len(items))],
             )
@@ -663,8 +663,8 @@ def count_unstorable(session: Session, batch: AnyBatch, *, writer: str, project:
     """Count a batch the database refused (its transaction rolled back) as rejected (under its
     run's key: project as for store_batches)."""
     batch = _keyed(session, [(batch, project)], None)[0][0][0]
-    known = session.get(Run, batch.run) is not None
-    _execute_and_commit(session, [_count(writer, [(batch.run, known)], [UnstorableBatchError()])])
+    key = batch.run if session.get(Run, batch.run) is not None else run_keys.no_run_key(project)
+    _execute_and_commit(session, [_count(writer, [key], [UnstorableBatchError()])])
 
 
 _COUNTED = ("batches", "records", *(f"{kind}_records" for kind in RECORD_TABLES))
@@ -678,17 +678,19 @@ _KIND_INDEX = {kind: 2 + i for i, kind in enumerate(RECORD_TABLES)}  # position 
 
 
 def retire_counts(session: Session, *, run_id: str) -> None:
-    """Move a run's ingest counters to the '' run (batches of no known run), for a run being
-    deleted (not committed): left under its id they would add to a run registered again under it,
-    and deleted they would make the collector-wide trainvitals_ingest_batches_total go down, which
-    Prometheus reads as a counter reset."""
+    """Move a run's ingest counters to its project's no-run key (run_keys.no_run_key), for a run
+    being deleted (not committed): left under its id they would add to a run registered again under
+    it, and deleted they would make trainvitals_ingest_batches_total go down, which Prometheus reads
+    as a counter reset; in the project's key they stay in that project's view of /metrics too."""
+    run = session.get(Run, run_id)
+    retired = run_keys.no_run_key(run.project if run is not None else None)
     t = IngestCount
     columns = [getattr(t, c) for c in _COUNTED]
     rows = session.execute(select(t.outcome, t.writer, *columns).where(t.run_id == run_id)).all()
     session.execute(delete(t).where(t.run_id == run_id))
     if rows:
         params = [
-            {"run_id": "", "outcome": outcome, "writer": writer, **dict(zip(_COUNTED, counts, strict=True))}
+            {"run_id": retired, "outcome": outcome, "writer": writer, **dict(zip(_COUNTED, counts, strict=True))}
             for outcome, writer, *counts in rows
         ]
         session.execute(_COUNT_UPSERT, params)
@@ -696,22 +698,23 @@ def retire_counts(session: Session, *, run_id: str) -> None:
 
 def _count(
     writer: str,
-    runs: list[tuple[str, bool]],
+    keys: list[str],
     outcomes: Sequence[BatchOutcome | None],
     stored_rows: Sequence[BatchRows | None] | None = None,
 ) -> Statement:
     """The statement adding this group's outcomes to the writer's counter rows (run in the same
     transaction: exact).
 
+    keys: per item, its counter rows' key: its run's, or for a run not registered its project's
+    no-run key (an unknown run's id is whatever the sender typed: not worth a row each).
     stored_rows: per item, the rows a stored batch wrote (None for the others): counted per kind."""
     totals: dict[tuple[str, str], list[int]] = {}
-    for i, ((run_id, known), outcome) in enumerate(zip(runs, outcomes, strict=True)):
+    for i, (run_id, outcome) in enumerate(zip(keys, outcomes, strict=True)):
         if isinstance(outcome, BatchAck):
             key = (run_id, "duplicate" if outcome.duplicate else "stored")
             records = outcome.accepted
         else:
-            # An unknown run's id is whatever the sender typed: not a label worth a row each.
-            key = (run_id if known else "", "rejected")
+            key = (run_id, "rejected")
             records = 0
         acc = totals.setdefault(key, [0] * len(_COUNTED))
         acc[0] += 1

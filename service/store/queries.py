@@ -710,9 +710,10 @@ class IngestCountRow(NamedTuple):
 
 
 def ingest_counts(session: Session, *, project: str | None = None) -> list[IngestCountRow]:
-    """Ingest outcomes summed over every writer of every collector process, per run.
+    """Ingest outcomes summed over every writer of every collector process, per run key.
 
-    project: only that project's runs (batches of unknown runs belong to no project)."""
+    project: only that project's: its runs' and its no-run key's (run_keys.no_run_key: its
+    deleted runs' counts, its batches refused for a run it has not registered)."""
     q = select(
         IngestCount.run_id,
         IngestCount.outcome,
@@ -720,7 +721,8 @@ def ingest_counts(session: Session, *, project: str | None = None) -> list[Inges
         func.sum(IngestCount.records),
     ).group_by(IngestCount.run_id, IngestCount.outcome)
     if project is not None:
-        q = q.join(Run, Run.run_id == IngestCount.run_id).where(Run.project == project)
+        own = select(Run.run_id).where(Run.project == project)
+        q = q.where(or_(IngestCount.run_id.in_(own), IngestCount.run_id == run_keys.no_run_key(project)))
     return [IngestCountRow(r[0], r[1], int(r[2] or 0), int(r[3] or 0)) for r in session.execute(q)]
 
 

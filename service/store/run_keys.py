@@ -38,6 +38,13 @@ def run_key(project: str, run: str) -> str:
     return run if project == DEFAULT_PROJECT else f"{project}{SEPARATOR}{run}"
 
 
+def no_run_key(project: str | None) -> str:
+    """The ingest_counts key of a project's batches that belong to no run of it: a deleted run's
+    counts, and batches refused for a run the project has not registered. Never a run's key (a run
+    id is not empty); '' when no project is known (auth off)."""
+    return "" if project is None else f"{project}{SEPARATOR}"
+
+
 def run_id_of(key: str) -> str:
     """The run id a key stores (what users, URLs and metric labels name)."""
     return key.rpartition(SEPARATOR)[2]

@@ -114,7 +114,7 @@ class RunSnapshot:
     run_id: str
     """The run's key (store/run_keys.py)."""
     label: str
-    """Its `run` label: the run id (exposition.py makes it the key when two projects' runs share it)."""
+    """Its `run` label: the run id (exposition.py makes it the key in a scrape of every project)."""
     project: str
     status: str
     world_size: int

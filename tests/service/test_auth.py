@@ -2,6 +2,7 @@
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from trainvitals.service import auth
 from trainvitals.service.main import create_app
@@ -156,3 +157,29 @@ def test_made_up_tokens_cannot_push_real_ones_out_of_the_cache(db_url: str, monk
         assert verifier.verify(session, fourth, now=3.0) == auth.Principal(project="a", scope="read")
         assert verifier.cached(real[1], now=3.0) == (False, None) and verifier.cached(real[0], now=3.0)[0]
     engine.dispose()
+
+
+def test_a_projects_batch_counter_never_goes_down_and_counts_its_refused_batches(app_and_tokens) -> None:
+    """The shipped scrape config uses a project's read token. Deleting a run made that view's
+    trainvitals_ingest_batches_total go down (a counter reset: rate() spikes), and a batch refused
+    for a run the project has not registered counted in no project's view."""
+    client, tok = app_and_tokens
+
+    def batches(project: str) -> dict[str, float]:
+        text = client.get("/metrics", headers=_h(tok[project, "read"])).text
+        return {
+            s.labels["outcome"]: s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "trainvitals_ingest_batches_total"
+        }
+
+    assert client.post("/v1/runs", json={"run": "ra"}, headers=_h(tok["a", "ingest"])).status_code == 201
+    assert client.post("/v1/batches", json=BATCH, headers=_h(tok["a", "ingest"])).json()["accepted"] == 1
+    assert client.post("/v1/batches", json=BATCH, headers=_h(tok["a", "ingest"])).json()["duplicate"] is True
+    assert client.post("/v1/batches", json={**BATCH, "run": "ghost"}, headers=_h(tok["a", "ingest"])).status_code == 409
+    before = batches("a")
+    assert before == {"stored": 1, "duplicate": 1, "rejected": 1}
+    assert client.delete("/v1/runs/ra", headers=_h(tok["a", "admin"])).status_code == 204
+    assert batches("a") == before
+    assert batches("b") == {"stored": 0, "duplicate": 0, "rejected": 0}  # none of A's in B's view

@@ -75,3 +75,17 @@ def test_unauthenticated_agents_are_counted_as_such(db_url: str) -> None:
         # The operator's scrape of the collector's own families needs a token that is not a project's.
         registry = client.app.state.registry  # type: ignore[attr-defined]
         assert registry.get_sample_value("trainvitals_ingest_refused_total", {"reason": "unauthenticated"}) == 1
+
+
+def test_the_exposition_is_the_classic_text_format_without_created_series(client: TestClient, promtool_check) -> None:
+    """Every Prometheus parses text version 0.0.4; prometheus_client 0.26 answered version=1.0.0
+    whatever the scraper accepted. Its `_created` series (undocumented, one per counter and
+    histogram child) are not exported."""
+    client.post("/v1/runs", json={"run": "r1"})
+    for accept in (None, "application/openmetrics-text; version=1.0.0", "text/plain"):
+        answer = client.get("/metrics", headers={"Accept": accept} if accept else {})
+        assert answer.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8", accept
+        assert "_created" not in answer.text
+        assert "trainvitals_http_requests_total{" in answer.text
+        checked = promtool_check(answer.text)
+        assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Iterator
 
 from fastapi import APIRouter, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.core import Metric
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -17,6 +17,10 @@ from trainvitals.service.self_metrics import ProcessMetrics
 from trainvitals.service.store import queries
 
 router = APIRouter(tags=["ops"])
+
+# The classic text format, whatever the Accept header: every Prometheus parses it, and
+# generate_latest writes it. (prometheus_client 0.26's CONTENT_TYPE_LATEST says version=1.0.0.)
+_CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
 
 @router.get("/healthz", summary="Liveness: the process serves and the database answers")
@@ -40,13 +44,13 @@ def _ping(sessionmaker: sessionmaker[Session]) -> None:
 )
 def metrics(request: Request, principal: PrincipalDep) -> Response:
     if principal.project is None:
-        return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(request.app.state.registry), media_type=_CONTENT_TYPE)
     if principal.scope != "read":
         require(principal, "read", principal.project)
     state = request.app.state
     return Response(
         generate_latest(_ProjectView(state.collector, state.process_metrics, principal.project)),
-        media_type=CONTENT_TYPE_LATEST,
+        media_type=_CONTENT_TYPE,
     )
 
 

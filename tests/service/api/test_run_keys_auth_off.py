@@ -31,7 +31,25 @@ def test_a_projects_run_is_found_by_its_id_and_ids_stay_unique(client: TestClien
     assert (overview["run_id"], overview["project"], overview["step_records"]) == ("x", "team-a", 4)
     taken = client.post("/v1/runs", json={"run": "x"})  # the default project
     assert taken.status_code == 409 and "taken by another project" in taken.json()["detail"]
-    assert 'run="x"' in client.get("/metrics").text
+    assert 'run="team-a/x"' in client.get("/metrics").text  # a scrape of every project: the run's key
+
+
+def test_a_runs_label_stays_when_another_projects_run_with_its_id_appears(client: TestClient, db_url: str) -> None:
+    """The label was the run id until a run of another project with the same id was live, then the
+    key, then the id again: every series of the run became a new one and alerts' `for:` restarted."""
+    assert client.post("/v1/runs", json={"run": "x", "project": "a"}).status_code == 201
+    assert client.post("/v1/runs", json={"run": "d"}).status_code == 201  # the default project's
+    alone = client.get("/metrics").text
+    assert 'trainvitals_run_world_size_ranks{run="a/x"}' in alone
+    assert 'trainvitals_run_world_size_ranks{run="d"}' in alone  # the default project's keys are bare ids
+    engine = db.make_engine(db_url)  # as a collector with auth on would store it
+    with db.make_sessionmaker(engine)() as session:
+        batches.register_run(session, RunRegistration(run="x", project="b"))
+    engine.dispose()
+    both = client.get("/metrics").text
+    assert 'trainvitals_run_world_size_ranks{run="a/x"}' in both
+    assert 'trainvitals_run_world_size_ranks{run="b/x"}' in both
+    assert 'trainvitals_run_world_size_ranks{run="d"}' in both
 
 
 def test_an_id_several_projects_hold_is_asked_about_never_guessed(client: TestClient, db_url: str) -> None:
