@@ -18,6 +18,7 @@ import contextlib
 import errno
 import os
 import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -84,9 +85,36 @@ class Spool:
         return self._size() == 0
 
     def append(self, line: bytes) -> bool:
-        """Append one message (or several, newline-separated, with one fsync); False when full.
-        Raises OSError when the file cannot be written, having left it as it was."""
-        return _append(self.path, line, self.max_bytes)
+        """Append one message (or several, newline-separated, with one fsync); False when full:
+        max_bytes undelivered. Raises OSError when the file cannot be written, having left it as
+        it was."""
+        # The file keeps its delivered lines until everything is delivered: they count against
+        # the cap no more, and once they are max_bytes the file is rewritten without them.
+        if self._offset >= self.max_bytes:
+            self._cut_delivered()
+        return _append(self.path, line, self.max_bytes + self._offset)
+
+    def _cut_delivered(self) -> None:
+        """Rewrite the file as its first line (the registration, which replay needs) and its
+        undelivered lines: a copy of at most max_bytes, in the exporter thread, once per
+        max_bytes delivered without the spool emptying. On an error the file stays as it was."""
+        first = self.first_line()
+        if first is None or self._offset < len(first) + 1:
+            return
+        tmp = self.path.with_name(self.path.name + ".cut")
+        try:
+            with open(self.path, "rb") as src, open(tmp, "wb") as dst:
+                dst.write(first + b"\n")
+                src.seek(self._offset)
+                shutil.copyfileobj(src, dst)
+                dst.flush()
+                os.fsync(dst.fileno())
+            os.replace(tmp, self.path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            return
+        self._offset = len(first) + 1
 
     def first_line(self) -> bytes | None:
         """The file's first line (the registration it was written under), if the file exists."""

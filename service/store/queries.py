@@ -10,11 +10,12 @@ Reads of raw per-rank rows apply the newest-incarnation rule (incarnations.py)."
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sized
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from sqlalchemy import case, delete, func, or_, select
+from sqlalchemy import case, delete, func, or_, select, text
 from sqlalchemy.orm import Session
 
 from trainvitals.service.store import batches, run_keys
@@ -305,34 +306,76 @@ def count_step_rows(session: Session, *, run_id: str) -> int:
     return int(session.scalar(select(func.count()).select_from(StepRow).where(StepRow.run_id == run_id)) or 0)
 
 
+_RUN_TABLES: tuple[type[Any], ...] = (
+    StepRow,
+    TensorStatRow,
+    GradStatRow,
+    CheckpointRow,
+    EventRow,
+    DeliveredBatch,
+    StepSummary,
+    TensorSummary,
+    GradSummary,
+    RankWindow,
+    FindingRow,
+    ReductionState,
+    RefusedIncarnation,
+    DetectorBlock,
+)
+"""Every table with rows of a run, but `runs` itself."""
+
+DELETE_CHUNK_ROWS = 10_000
+"""Rows per transaction of delete_run's chunks: on SQLite each holds the one write lock, which
+ingest of every run waits for (10,000 rows: tens of ms)."""
+
+DELETE_PAUSE_S = 0.1
+"""On SQLite, the pause between two chunks of delete_run, the lock free."""
+
+
 def delete_run(session: Session, *, run_id: str) -> bool:
     """Delete a run and every record of it; returns False when there was no such run.
 
-    The run's row is locked first: an analysis write of the run (store/lease.py fence) either
-    finishes before the delete starts or finds the run gone, so no summary outlives it."""
-    if session.get(Run, run_id, with_for_update=True) is None:
+    Its records go first in transactions of DELETE_CHUNK_ROWS rows each, committed one by one: as
+    one transaction, a big run's delete held SQLite's write lock for minutes, and every run's
+    ingest answered 503 meanwhile. Then, in one transaction, whatever came in since (ingest or the
+    analysis may still write) and the run's row. That row is locked first: an analysis write of
+    the run (store/lease.py fence) either finishes before it or finds the run gone, so no summary
+    outlives it."""
+    if session.get(Run, run_id) is None:
         return False
-    for model in (
-        StepRow,
-        TensorStatRow,
-        GradStatRow,
-        CheckpointRow,
-        EventRow,
-        DeliveredBatch,
-        StepSummary,
-        TensorSummary,
-        GradSummary,
-        RankWindow,
-        FindingRow,
-        ReductionState,
-        RefusedIncarnation,
-        DetectorBlock,
-    ):
+    session.commit()
+    # SQLite's busy handler retries after sleeps of up to 100 ms: a writer waiting for the lock
+    # would miss a shorter gap between two chunks, and wait out the whole delete.
+    pause = DELETE_PAUSE_S if session.get_bind().dialect.name == "sqlite" else 0.0
+    for model in _RUN_TABLES:
+        while _delete_chunk(session, model.__tablename__, run_id) >= DELETE_CHUNK_ROWS:
+            time.sleep(pause)
+    if session.get(Run, run_id, with_for_update=True) is None:
+        session.commit()
+        return False  # a concurrent delete of the run finished first
+    for model in _RUN_TABLES:
         session.execute(delete(model).where(model.run_id == run_id))
     batches.retire_counts(session, run_id=run_id)
     session.execute(delete(Run).where(Run.run_id == run_id))
     session.commit()
     return True
+
+
+def _delete_chunk(session: Session, table: str, run_id: str) -> int:
+    """Delete up to DELETE_CHUNK_ROWS rows of the run from `table` (committed); returns how many.
+    By the row's physical address, found through the table's index on run_id: every table here
+    has one. On PostgreSQL a partitioned table's ctids repeat across partitions, hence the
+    run_id test on the DELETE too (it may then take a few more rows of the run)."""
+    if session.get_bind().dialect.name == "postgresql":
+        sql = (
+            f"DELETE FROM {table} WHERE run_id = :run AND ctid = ANY(ARRAY("
+            f"SELECT ctid FROM {table} WHERE run_id = :run LIMIT :n))"
+        )
+    else:
+        sql = f"DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table} WHERE run_id = :run LIMIT :n)"
+    deleted = session.execute(text(sql), {"run": run_id, "n": DELETE_CHUNK_ROWS}).rowcount  # type: ignore[attr-defined]
+    session.commit()
+    return int(deleted)
 
 
 def rank_step_seconds(session: Session, *, run_id: str) -> list[tuple[int, float, float, float]]:

@@ -46,6 +46,7 @@ from sqlalchemy import (
     delete,
     func,
     insert,
+    or_,
     select,
     text,
     update,
@@ -460,10 +461,10 @@ def replace_summaries(
     tensors: list[dict[str, Any]],
     windows: list[dict[str, Any]],
 ) -> None:
-    """Replace the summaries of steps first..last (rank windows: from window start windows_from)
-    and record them as reduced, in one transaction (committed). claimed: what `claim_steps`
-    returned before the rows were read; dirty_from is cleared only if no ingest re-dirtied a step
-    since."""
+    """Replace the summaries of the steps of first..last that were rebuilt (rank windows: from window
+    start windows_from), the others kept, and record first..last as reduced, in one transaction
+    (committed). claimed: what `claim_steps` returned before the rows were read; dirty_from is
+    cleared only if no ingest re-dirtied a step since."""
     rid = run_id
     conn = session.connection()  # Core statements: the ORM bulk path costs ~3x more per row
     # Every row is built before the first DELETE. On SQLite that statement takes the database's one
@@ -475,10 +476,25 @@ def replace_summaries(
         for model, rows in ((StepSummary, steps), (GradSummary, grads), (TensorSummary, tensors), (RankWindow, windows))
         if rows
     ]
-    for model, lo in ((StepSummary, first), (GradSummary, first), (TensorSummary, first), (RankWindow, windows_from)):
-        table = table_of(model)
-        col = table.c.window_start if model is RankWindow else table.c.step
-        conn.execute(delete(table).where(table.c.run_id == rid, col >= lo, col <= last))
+    # Only the steps rebuilt, each table on its own (rank windows: the (window, rank)s rebuilt): a
+    # step whose raw rows retention dropped (docs/deployment.md) is not rebuilt, and its summaries
+    # stay. A late row below that horizon rewrites from its step on, and a range delete there took
+    # every summary of the steps above it. Read from the rows before the first DELETE, as above.
+    deletes: list[tuple[Table, Any, int, list[int], tuple[Any, ...]]] = [
+        (table_of(model), table_of(model).c.step, first, sorted({row["step"] for row in rows}), ())
+        for model, rows in ((StepSummary, steps), (GradSummary, grads), (TensorSummary, tensors))
+    ]
+    ranks_of: dict[int, set[int]] = {}
+    for row in windows:
+        ranks_of.setdefault(row["window_start"], set()).add(row["rank"])
+    starts_of: dict[tuple[tuple[int, int], ...], list[int]] = {}
+    for start, ranks in sorted(ranks_of.items()):
+        starts_of.setdefault(_spans(sorted(ranks)), []).append(start)
+    w = table_of(RankWindow)
+    for spans, starts in starts_of.items():  # one entry unless ranks miss windows: every rank's rows
+        deletes.append((w, w.c.window_start, windows_from, starts, (or_(*(w.c.rank.between(a, b) for a, b in spans)),)))
+    for table, col, lo, keys, where in deletes:
+        _delete_keys(conn, table, rid, col, lo, keys, *where)
     for write in inserts:
         write()
     t = _STATE
@@ -494,6 +510,32 @@ def replace_summaries(
     state = session.get(ReductionState, rid)
     if state is not None:
         session.expire(state)  # written with Core above: an ORM reader reloads it
+
+
+_DELETE_KEYS = 500
+"""Steps per DELETE of replace_summaries: a late batch's rewrite can span a run's whole history."""
+
+
+def _delete_keys(
+    conn: Connection, table: Table, run_id: str, col: Any, lo: int, keys: list[int], *where: Any
+) -> None:
+    """Delete the run's rows whose `col` is one of `keys` (sorted), at least lo."""
+    for i in range(0, len(keys), _DELETE_KEYS):  # within SQLite's bound parameters
+        part = keys[i : i + _DELETE_KEYS]
+        # The bounds keep the index's range scan; the keys say which steps in it go.
+        bounds = (col >= max(lo, part[0]), col <= part[-1])
+        conn.execute(delete(table).where(table.c.run_id == run_id, *bounds, col.in_(part), *where))
+
+
+def _spans(values: list[int]) -> tuple[tuple[int, int], ...]:
+    """Sorted distinct values as (first, last) runs of consecutive ones: a job's ranks, one run."""
+    spans: list[tuple[int, int]] = []
+    for v in values:
+        if spans and spans[-1][1] == v - 1:
+            spans[-1] = (spans[-1][0], v)
+        else:
+            spans.append((v, v))
+    return tuple(spans)
 
 
 def _rows_for(conn: Connection, table: Table, run_id: str, rows: list[dict[str, Any]]) -> Callable[[], object]:

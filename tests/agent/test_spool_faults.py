@@ -278,6 +278,26 @@ def test_an_append_after_a_torn_line_starts_a_new_line(tmp_path: Path) -> None:
     assert spool.path.read_bytes() == b'{"n": 0}\n{"n": 2}\n'
 
 
+def test_the_cap_counts_only_undelivered_bytes_and_delivered_ones_are_cut_off(tmp_path: Path) -> None:
+    """A spool never emptied (the collector takes some batches, then fails again) kept its
+    delivered lines, and counted them against the cap: 400 bytes delivered of a 500-byte cap left
+    room for 100 pending ones. The cap is on what waits; once the delivered part reaches the cap,
+    the file is rewritten without it but its registration line, which replay needs."""
+    spool = Spool(tmp_path / "s.jsonl", max_bytes=500)
+    registration, batch = b'{"run": "r1"}', b'{"seq": 0, "x": "' + b"y" * 80 + b'"}'  # 14 and 100 bytes a line
+    assert spool.append(registration)
+    for _ in range(4):
+        assert spool.append(batch)
+    spool.mark_delivered(list(spool.pending())[3].end)  # the registration and 3 batches: 314 bytes
+    for _ in range(4):  # 500 bytes pending: room for them, not for one more
+        assert spool.append(batch)
+    assert len(spool) == 500 and not spool.append(batch)
+    spool.mark_delivered(list(spool.pending())[1].end)  # 514 bytes delivered: past the cap
+    assert spool.append(batch)
+    assert spool.path.read_bytes() == registration + b"\n" + (batch + b"\n") * 4
+    assert [item.line for item in spool.pending()] == [batch] * 4 and len(spool) == 400
+
+
 def test_a_spool_holding_only_a_torn_line_is_emptied(tmp_path: Path) -> None:
     path = tmp_path / "s.jsonl"
     path.write_bytes(b'{"run": "r1", "paral')

@@ -113,6 +113,39 @@ def test_replicas_behind_nginx_agree(empty_pg_url: str, tmp_path: Path) -> None:
         assert so.view(bases[0], read, RUN, "overview")["last_step"] == STEPS - 1
 
 
+def test_retention_judges_each_run_by_its_own_state(empty_pg_url: str) -> None:
+    """keep_steps > 0 with a stopped run (docs/deployment.md, Retention): its last steps, never
+    reduced further, pin no partition once it is idle, and a partition a live run still needs is
+    skipped, not the end of the pass."""
+    from trainvitals.service.store import db
+
+    db.upgrade(empty_pg_url)
+    dsn = PG_DSN + empty_pg_url.rsplit("/", 1)[1]
+    _partition_as_documented(dsn)
+    now = time.time()
+    # (run, last seen, reduced_upto, steps stored in id order): ids 1-16 the stopped run's steps
+    # 0-15 (last seen 2 days ago), 17-26 run "slow" (not reduced at all), 27-96 run "live" steps 0-69.
+    runs = [("stopped", now - 2 * 86400, 15, range(16)), ("slow", now, -1, range(10)), ("live", now, 69, range(70))]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        ident = 0
+        for run, seen, reduced, steps in runs:
+            conn.execute(
+                "INSERT INTO runs (run_id, project, registration, world_size, status, created_at, last_seen_at)"
+                " VALUES (%s, 'p', '{}', 1, 'running', %s, %s)", (run, seen, seen))
+            conn.execute("INSERT INTO reduction_state (run_id, reduced_upto) VALUES (%s, %s)", (run, reduced))
+            for step in steps:
+                ident += 1
+                conn.execute(
+                    "INSERT INTO steps (id, run_id, rank, incarnation, step, ts, step_seconds)"
+                    " VALUES (%s, %s, 0, 1, %s, %s, 1.0)", (ident, run, step, now))
+        dropped = [r[0] for r in conn.execute("SELECT trainvitals_drop_reduced_partitions('steps', 5)")]
+        # p0 (ids 1-16): the stopped run's steps 11-15 are within 5 of its reduced step, but it is
+        # idle. p1 (17-32): "slow" is not reduced. p2-p4 (33-80): steps 6-53 of "live", reduced to
+        # 69. p5 (81-96): its steps 54-69, some within 5 steps, and p5 may take more rows.
+        assert dropped == ["steps_p0", "steps_p2", "steps_p3", "steps_p4"]
+        assert conn.execute("SELECT min(id), max(id), count(*) FROM steps").fetchone() == (17, 96, 32)
+
+
 def _partition_as_documented(dsn: str) -> None:
     """The first SQL block of docs/deployment.md, with 16-id partitions instead of its sizes, and
     partitions created ahead as its cron job does."""

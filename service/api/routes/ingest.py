@@ -11,7 +11,7 @@ import msgspec
 from fastapi import APIRouter, HTTPException, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
-from sqlalchemy.exc import DataError
+from sqlalchemy.exc import DataError, OperationalError
 from starlette.concurrency import run_in_threadpool
 
 from trainvitals.service.api.deps import AuthenticatedFirst, PrincipalDep, SessionDep, authenticate, require
@@ -188,6 +188,19 @@ _BATCH_BODY = {
 }
 
 
+STORAGE_RETRY_AFTER_S = 5
+"""Retry-After of a storage failure: a database that is down or full takes more than a second."""
+
+
+def _storage_failed(exc: BaseException) -> HTTPException:
+    """503 for a database that failed to store a request (nothing of it is stored)."""
+    return HTTPException(
+        status.HTTP_503_SERVICE_UNAVAILABLE,
+        f"storage failed, nothing stored, retry: {database_reason(exc)}",
+        headers={"Retry-After": str(STORAGE_RETRY_AFTER_S)},
+    )
+
+
 @router.post("/runs", status_code=status.HTTP_201_CREATED, summary="Register a run (idempotent)")
 def register_run(
     registration: RunRegistration, session: SessionDep, principal: PrincipalDep, response: Response
@@ -202,6 +215,8 @@ def register_run(
         created = batches.register_run(session, registration, unique_ids=principal.project is None)
     except batches.RunConflictError as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
+    except OperationalError as exc:  # the database is down, full or locked: a 503, never a 500
+        raise _storage_failed(exc) from None
     except DataError as exc:  # a value PostgreSQL refuses (a NUL character in a tag): nothing stored
         detail = f"the database refused a value of the registration: {database_reason(exc)}; nothing stored"
         raise HTTPException(422, detail) from None
@@ -243,9 +258,7 @@ async def post_batch(request: Request) -> Response:
         outcome = await asyncio.wrap_future(future)
     except Exception as exc:  # the database refused or is unreachable: nothing of this batch was stored
         refuse(request, "storage_error")
-        raise HTTPException(
-            status.HTTP_503_SERVICE_UNAVAILABLE, f"storage failed, nothing stored, retry: {database_reason(exc)}"
-        ) from exc
+        raise _storage_failed(exc) from exc
     # Counted in the database by the transaction that decided the outcome (ingest_counts).
     if isinstance(outcome, batches.WrongProjectError):  # cannot happen (the key is the project's): as unknown
         outcome = batches.UnknownRunError(f"run {batch.run!r} is not registered: POST /v1/runs first")

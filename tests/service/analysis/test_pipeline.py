@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from trainvitals.service.analysis import pipeline
 from trainvitals.service.store import batches, db, detector_blocks, queries, summaries
@@ -205,3 +205,33 @@ def test_sqlite_late_data_takes_the_write_lock_after_the_reads(
     finally:
         engine.dispose()
     assert probe.locked == [False, False]
+
+
+def test_a_late_row_below_dropped_raw_rows_keeps_the_summaries_of_the_steps_without_raw_rows(session) -> None:
+    """Retention (docs/deployment.md) dropped the raw rows of steps 0-149, then a replay brings
+    one rank's step 5 again: the reduction rebuilds the steps that have raw rows (5 and 150-199)
+    and keeps the summaries of 6-149, which it cannot rebuild. Step 5 is rebuilt from the late row
+    alone: its summary counts one rank."""
+    from sqlalchemy import delete
+
+    from trainvitals.service.store.models import GradStatRow, TensorStatRow
+
+    _register(session)
+    for rank in range(2):
+        batches.store_batch(session, _batch(rank, 0, range(200)))
+    assert _reduce(session) == 200
+    before = {m: session.scalar(select(func.count()).select_from(m)) for m in _SUMMARIES}
+    for raw in (StepRow, GradStatRow, TensorStatRow):
+        session.execute(delete(raw).where(raw.step < 150))
+    session.commit()
+    batches.store_batch(session, _batch(0, 1, range(5, 6)))  # a replayed batch: a new seq
+    assert _reduce(session) == 51  # step 5 and 150-199
+    steps = dict(session.execute(select(StepSummary.step, StepSummary.ranks)).all())
+    assert sorted(steps) == list(range(200))
+    assert steps[5] == 1 and all(steps[s] == 2 for s in range(200) if s != 5)
+    assert {m: session.scalar(select(func.count()).select_from(m)) for m in _SUMMARIES} == before
+    windows = session.execute(select(RankWindow.window_start, RankWindow.rank, RankWindow.steps)).all()
+    assert {(w, r): n for w, r, n in windows if w in (50, 100)} == {(w, r): 50 for w in (50, 100) for r in range(2)}
+
+
+_SUMMARIES = (StepSummary, GradSummary, TensorSummary, RankWindow)

@@ -413,3 +413,25 @@ def test_read_answers_hold_non_finite_values_as_null_formulas_quoted_and_headers
     assert client.get("/v1/runs/r1/checkpoints", params={"format": "csv"}).text == (
         ",".join(schemas.CheckpointGenerationPublic.model_fields) + "\n"
     )
+
+
+def test_a_storage_failure_is_a_503_with_retry_after_on_registration_and_ingest(tmp_path) -> None:
+    """The database fails under the collector (here a table gone; a full disk alike): the
+    registration answered 500 with no text, the batch 503 with no Retry-After. Both are 503 with
+    the driver's line and a Retry-After for HTTP clients and proxies (the agent backs off itself)."""
+    import sqlite3
+
+    from trainvitals.service.store import db
+
+    url = f"sqlite:///{tmp_path / 'tv.db'}"
+    db.upgrade(url)
+    app = create_app(Settings(db=url, run_analysis=False, auth=False))
+    with TestClient(app, raise_server_exceptions=False) as c:
+        assert c.post("/v1/runs", json={"run": "r1"}).status_code == 201
+        with sqlite3.connect(tmp_path / "tv.db") as conn:
+            conn.execute("ALTER TABLE steps RENAME TO steps_gone")
+            conn.execute("ALTER TABLE runs RENAME TO runs_gone")
+        for response in (c.post("/v1/runs", json={"run": "r2"}), c.post("/v1/batches", json=_batch())):
+            assert response.status_code == 503, response.text
+            assert response.headers.get("retry-after") == "5"
+            assert "OperationalError: no such table" in response.json()["detail"]

@@ -175,6 +175,40 @@ def test_delete_run_removes_every_record(session) -> None:
     assert queries.delete_run(session, run_id="r1") is False
 
 
+def test_a_big_runs_delete_commits_between_chunks_and_ingest_writes_through(session, monkeypatch) -> None:
+    """DELETE /v1/runs/{run} of a big run is many short transactions, not one: on SQLite that one
+    held the database's write lock for minutes, and every run's ingest answered 503. Between two
+    of them another run's batch is stored; at the end every record of the run is gone."""
+    from sqlalchemy import event
+    from sqlalchemy.orm import Session
+
+    monkeypatch.setattr(queries, "DELETE_CHUNK_ROWS", 10)
+    batches.register_run(session, RunRegistration(run="r1"))
+    batches.store_batch(session, _steps(0, range(0, 45), seq=0))
+    batches.register_run(session, RunRegistration(run="r2"))
+    other = Session(session.get_bind())
+    left: list[int] = []
+
+    def ingest_between_chunks(committed: Session) -> None:
+        left.append(other.scalar(select(func.count()).select_from(StepRow).where(StepRow.run_id == "r1")) or 0)
+        other.commit()
+        if len(left) == 2:  # after the first chunk: a writer that one transaction would block
+            r2 = _steps(0, range(0, 3), seq=0).model_copy(update={"run": "r2"})
+            assert batches.store_batch(other, r2).accepted == 6  # 3 step and 3 grad records
+
+    event.listen(session, "after_commit", ingest_between_chunks)
+    try:
+        assert queries.delete_run(session, run_id="r1") is True
+    finally:
+        event.remove(session, "after_commit", ingest_between_chunks)
+        other.close()
+    assert left[:6] == [45, 35, 25, 15, 5, 0] and left[-1] == 0
+    assert queries.count_step_rows(session, run_id="r1") == 0
+    assert session.scalar(select(func.count()).select_from(GradStatRow).where(GradStatRow.run_id == "r1")) == 0
+    assert [r.run_id for r in queries.list_runs(session)] == ["r2"]
+    assert queries.count_step_rows(session, run_id="r2") == 3
+
+
 def test_a_deleted_runs_counts_leave_it_and_stay_in_the_collectors_totals(session) -> None:
     """Its ingest counters stayed under its id: the run registered again under it (a replay after
     the delete) was shown the old records with its own. Deleted, the collector-wide batch counter
