@@ -86,9 +86,9 @@ def test_one_group_decides_each_batch_on_its_own(sessions) -> None:
     assert counts == {
         ("a/r1", "stored"): (3, 12),  # the earlier store_batch and this group's two (a's key)
         ("a/r1", "duplicate"): (2, 0),
-        ("", "rejected"): (2, 0),  # unknown runs: not a label per typo
+        ("a/", "rejected"): (2, 0),  # unknown runs, under the sender's project: not a label per typo
     }
-    assert project_a == {("a/r1", "stored"), ("a/r1", "duplicate")}
+    assert project_a == {("a/r1", "stored"), ("a/r1", "duplicate"), ("a/", "rejected")}
 
 
 def _first_session_held(sessions):
