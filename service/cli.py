@@ -424,6 +424,14 @@ def _run_of(session: Any, args: argparse.Namespace) -> Any:
     one run with that id in any project), or why there is none (store/run_keys.py)."""
     from trainvitals.service.store import queries, run_keys
 
+    # A scrape of every project (auth off) labels another project's run by its key, `team-a/x`:
+    # what on-call copies from an alert. A run id never holds the separator, so the key is its
+    # project and id.
+    project, separator, run_id = args.run.rpartition(run_keys.SEPARATOR)
+    if separator:
+        if args.project is not None and args.project != project:
+            return f"--run {args.run!r} names project {project!r} and --project names {args.project!r}: drop one"
+        args.run, args.project = run_id, project
     try:
         key = run_keys.resolve(session, args.run, args.project)
     except run_keys.AmbiguousRunError as exc:
@@ -596,7 +604,7 @@ def _add_query(
     p = sub.add_parser(name, help=help_, description=help_)
     _add_db(p)
     if run:
-        p.add_argument("--run", required=True, help="run id")
+        p.add_argument("--run", required=True, help="run id, or project/run as /metrics labels another project's run")
         p.add_argument(
             "--project",
             help="the run's project (default: the `default` project's run of that id, else the one run with that "

@@ -8,8 +8,9 @@ first failure in a row, or when the error changes), an open `analysis_failed` fi
 (exported like any finding, its magnitude the failures in a row), and the errors counter. A cycle
 that fails outside any run (the database unreachable) is logged, counted, and retried with backoff.
 
-Each run's writes are fenced (store/lease.py `fence`): a holder whose lease ended mid-cycle, or
-whose run was deleted meanwhile, rolls them back rather than overwrite the new holder's.
+Each run's writes, its `analysis_failed` finding and the cycle's status row are fenced
+(store/lease.py `fence`): a holder whose lease ended mid-cycle, or whose run was deleted
+meanwhile, rolls them back rather than overwrite the new holder's.
 """
 
 from __future__ import annotations
@@ -139,6 +140,9 @@ class AnalysisWorker:
         in_a_row = None
         try:
             with self._session_factory() as session:
+                # Fenced like the run's analysis: a holder that lost the lease (or whose run was
+                # deleted) must not open a failure on a run another holder analyses (or a reused id).
+                fence(session, lease=self._lease, run_id=run_id)
                 step = summaries.first_unreduced_step(session, run_id=run_id)
                 in_a_row = findings.record_analysis_failure(session, run_id=run_id, step=step, error=error, now=now)
         except Exception:  # noqa: BLE001 - the database itself may be what failed; the log still says it
@@ -154,6 +158,7 @@ class AnalysisWorker:
         """The cycle's time and errors into the database, where every collector process exports them."""
         try:
             with self._session_factory() as session:
+                fence(session, lease=self._lease, run_id=None)  # the status row is the holder's
                 analysis_status.record_cycle(
                     session, seconds=seconds, errors=errors, now=self._clock(), holder=self._holder
                 )

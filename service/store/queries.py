@@ -556,12 +556,6 @@ def tensor_roles(session: Session, *, run_id: str, tensor: str) -> list[str]:
     return list(session.scalars(q))
 
 
-def has_tensor(session: Session, *, run_id: str, tensor: str) -> bool:
-    """Whether the run has FP8 summaries for this tensor (one primary-key probe)."""
-    t = TensorSummary
-    return session.scalar(select(t.step).where(t.run_id == run_id, t.tensor == tensor).limit(1)) is not None
-
-
 def findings(session: Session, *, run_id: str, active_only: bool = False) -> list[dict[str, Any]]:
     q = select(FindingRow).where(FindingRow.run_id == run_id)
     if active_only:

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response, status
 from pydantic import BaseModel
+from sqlalchemy.orm import Session
 
 from trainvitals.service.analysis import on_request
 from trainvitals.service.api.deps import (
@@ -143,13 +144,28 @@ def tensor_timeline(
         rows = queries.tensor_timeline(session, run_id=run.run_id, tensor=tensor, role=role, start=start, end=end)
     except queries.TooManyRowsError as exc:
         raise HTTPException(422, str(exc)) from None
-    if not rows and not queries.has_tensor(session, run_id=run.run_id, tensor=tensor):
+    if not rows:
+        _check_tensor_and_role(session, run.run_id, tensor, role)
+    return _reply_rows(TensorStepPublic, rows, format)
+
+
+def _check_tensor_and_role(session: Session, run_key: str, tensor: str, role: str | None) -> None:
+    """A 404 naming what is missing when the run has no such tensor, or the tensor not that role
+    (an empty answer would read as "no data in this range"), as the CLI's timeline says it."""
+    roles = queries.tensor_roles(session, run_id=run_key, tensor=tensor)
+    run_name = run_keys.run_id_of(run_key)
+    if not roles:
         raise HTTPException(
             status.HTTP_404_NOT_FOUND,
-            f"run {run_keys.run_id_of(run.run_id)!r} has no tensor {tensor!r} (names are module names, e.g. "
-            "layers.3.fc; /tensors/worst lists some)",
+            f"run {run_name!r} has no tensor {tensor!r} (names are module names, e.g. layers.3.fc; "
+            "/tensors/worst lists some)",
         )
-    return _reply_rows(TensorStepPublic, rows, format)
+    if role is not None and role not in roles:
+        raise HTTPException(
+            status.HTTP_404_NOT_FOUND,
+            f"run {run_name!r}: tensor {tensor!r} has roles {', '.join(roles)}, not {role}: pass one of them "
+            "as role, or leave role out",
+        )
 
 
 @router.get(

@@ -22,7 +22,7 @@ from trainvitals.service.ingest.replay import replay_files
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import analysis_status, batches, db, queries
 from trainvitals.service.store.lease import AnalysisLease
-from trainvitals.service.store.models import Base, ReductionState, StepRow, StepSummary
+from trainvitals.service.store.models import Base, FindingRow, ReductionState, StepRow, StepSummary
 from trainvitals.wire import Batch, RunRegistration
 
 NOW = 10_000.0
@@ -179,6 +179,38 @@ def test_a_holder_that_lost_the_lease_mid_cycle_writes_nothing(
         new_lease.release()
         for e in engines:
             e.dispose()
+
+
+def test_a_holder_that_lost_the_lease_records_no_failure_and_no_cycle(pg_url: str) -> None:
+    """The old holder's analysis of a run raised after its lease ended: its `analysis_failed`
+    finding and its cycle's status row were written unfenced, a failure on a run the new holder
+    analyses and a status naming the wrong holder."""
+    engine = db.make_engine(pg_url)
+    maker = db.make_sessionmaker(engine)
+    with engine.begin() as conn:
+        conn.execute(text("TRUNCATE " + ", ".join(f'"{t.name}"' for t in Base.metadata.sorted_tables) + " CASCADE"))
+    _store(maker, "r")
+    lease = AnalysisLease(engine)
+    worker = AnalysisWorker(maker, Settings(db=pg_url), clock=lambda: NOW, lease=lease)
+
+    def lose_the_lease_and_fail(*args, **kwargs):
+        with psycopg.connect(pg_url.replace("+psycopg", ""), autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (lease.backend_pid,))
+        raise RuntimeError("the analysis broke after the lease ended")
+
+    try:
+        assert lease.acquire()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(pipeline, "process_run", lose_the_lease_and_fail)
+            assert worker.run_once() == 0
+        assert worker.errors == 1  # counted in this process, and logged
+        with maker() as session:
+            assert session.scalars(select(FindingRow.kind).where(FindingRow.run_id == "r")).all() == []
+            assert analysis_status.read(session) is None
+    finally:
+        worker.stop()
+        lease.release()
+        engine.dispose()
 
 
 def test_a_holder_that_takes_the_lease_again_reads_its_runs_afresh(maker, db_url: str) -> None:

@@ -358,6 +358,28 @@ def test_a_reversed_range_and_an_unknown_tensor_are_said(client: TestClient) -> 
     assert resp.status_code == 404 and "run 'r1' has no tensor 'model.layers.3.fc'" in resp.json()["detail"]
 
 
+def test_a_timeline_of_a_role_the_tensor_lacks_is_a_404_naming_its_roles(client: TestClient) -> None:
+    """A role the tensor has no statistics for answered 200 [], read as "nothing in this range"."""
+    client.post("/v1/runs", json={"run": "r1"})
+    records = [{"kind": "step", "step": 0, "ts": 1.0, "step_seconds": 0.25}] + [
+        {"kind": "tensor", "step": 0, "tensor": "fc1", "role": role, "format": "e4m3", "amax": 1.0,
+         "headroom_bits": 8.0}
+        for role in ("input", "weight")
+    ]
+    assert client.post("/v1/batches", json={**_batch(), "records": records}).status_code == 200
+    client.app.state.worker.run_once()
+    resp = client.get("/v1/runs/r1/tensors/fc1/timeline", params={"role": "grad_output"})
+    assert (resp.status_code, resp.json()["detail"]) == (
+        404,
+        "run 'r1': tensor 'fc1' has roles input, weight, not grad_output: pass one of them as role, or leave role out",
+    )
+    assert [r["role"] for r in client.get("/v1/runs/r1/tensors/fc1/timeline", params={"role": "weight"}).json()] == [
+        "weight"
+    ]
+    resp = client.get("/v1/runs/r1/tensors/fc1/timeline", params={"role": "input", "start": 5, "end": 9})
+    assert (resp.status_code, resp.json()) == (200, [])  # the role is there, the range holds none of it
+
+
 def test_an_answer_too_large_to_hold_is_refused_not_cut_short(client: TestClient, monkeypatch) -> None:
     """The step-time matrix was cut at its cell limit: the last step's missing ranks read as None,
     which the API uses for a rank that sent nothing (a straggler signal)."""

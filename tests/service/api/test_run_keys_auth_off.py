@@ -4,6 +4,8 @@ A run of a non-default project is found by its id alone; an id another project h
 registered; and where runs of several projects share an id (registered while auth was on) a read
 asks for the project, a batch is refused in one line, and /metrics never merges the two."""
 
+import json
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -78,3 +80,27 @@ def _as_batch(body: dict):
     from trainvitals.wire import Batch
 
     return Batch.model_validate(body)
+
+
+def test_the_cli_takes_a_runs_metrics_label(client: TestClient, db_url: str, capsys: pytest.CaptureFixture) -> None:
+    """/metrics labels another project's run `a/x`, what on-call copies from an alert; `--run a/x`
+    said there was no such run."""
+    from trainvitals.service.cli import main
+
+    engine = db.make_engine(db_url)
+    with db.make_sessionmaker(engine)() as session:
+        for project, steps in (("a", 2), ("b", 5)):
+            batches.register_run(session, RunRegistration(run="x", project=project))
+            batches.store_batch(session, _as_batch(_batch("x", 0, steps)), project=project)
+    engine.dispose()
+    for label, steps in (("a/x", 2), ("b/x", 5)):
+        assert main(["query", "step-times", "--db", db_url, "--run", label, "--start", "0", "--end", "9"]) == 0
+        assert json.loads(capsys.readouterr().out)["steps"] == list(range(steps)), label
+    assert main(["query", "findings", "--db", db_url, "--run", "a/x", "--project", "a"]) == 0
+    capsys.readouterr()
+    assert main(["query", "findings", "--db", db_url, "--run", "a/x", "--project", "b"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "trainvitals: --run 'a/x' names project 'a' and --project names 'b': drop one"
+    )
+    assert main(["query", "findings", "--db", db_url, "--run", "c/x"]) == 1
+    assert "no run 'x' of project 'c'" in capsys.readouterr().err
