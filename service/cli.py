@@ -425,10 +425,9 @@ def _run_of(session: Any, args: argparse.Namespace) -> Any:
     from trainvitals.service.store import queries, run_keys
 
     # A scrape of every project (auth off) labels another project's run by its key, `team-a/x`:
-    # what on-call copies from an alert. A run id never holds the separator, so the key is its
-    # project and id.
-    project, separator, run_id = args.run.rpartition(run_keys.SEPARATOR)
-    if separator:
+    # what on-call copies from an alert. From here on --run is the id, --project its project.
+    project, run_id = run_keys.project_and_id(args.run)
+    if project is not None:
         if args.project is not None and args.project != project:
             return f"--run {args.run!r} names project {project!r} and --project names {args.project!r}: drop one"
         args.run, args.project = run_id, project

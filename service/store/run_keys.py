@@ -45,9 +45,16 @@ def no_run_key(project: str | None) -> str:
     return "" if project is None else f"{project}{SEPARATOR}"
 
 
+def project_and_id(key: str) -> tuple[str | None, str]:
+    """A key's project (None for a bare id: the default project's, or a label that names none) and
+    run id. A run id never holds the separator, so a `/metrics` label `team-a/x` splits the same way."""
+    project, separator, run = key.rpartition(SEPARATOR)
+    return (project if separator else None), run
+
+
 def run_id_of(key: str) -> str:
     """The run id a key stores (what users, URLs and metric labels name)."""
-    return key.rpartition(SEPARATOR)[2]
+    return project_and_id(key)[1]
 
 
 def keys_by_id(session: Session, run: str) -> list[str]:
@@ -69,7 +76,7 @@ def key_by_id(session: Session, run: str) -> str | None:
         return run
     keys = keys_by_id(session, run)
     if len(keys) > 1:
-        projects = ", ".join(repr(k.rpartition(SEPARATOR)[0]) for k in keys)
+        projects = ", ".join(repr(project_and_id(k)[0]) for k in keys)
         raise AmbiguousRunError(f"run {run!r} exists in projects {projects}")
     return keys[0] if keys else None
 
