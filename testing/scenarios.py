@@ -1090,6 +1090,7 @@ def _tensor_records(sc: Scenario, rank: int, i: int) -> list[Any]:
                 lag_bits=_opt(float(ts.lag_bits[i])),
                 sat_frac=_opt(float(ts.sat_frac[i])),
                 underflow_frac=_opt(float(ts.underflow_frac[i])),
+                crest_bits=None if ts.crest_bits is None else _opt(float(ts.crest_bits[i])),
                 nonfinite=None if math.isnan(nf) else int(nf),
                 shadow=ts.shadow,
             )
@@ -1255,7 +1256,8 @@ def prefix(series: RunSeries, last_step: int) -> RunSeries:
         tensors.append(TensorSeries(
             tensor=ts.tensor, role=ts.role, format=ts.format, steps=ts.steps[:tk], amax=ts.amax[:tk],
             headroom_bits=ts.headroom_bits[:tk], lag_bits=ts.lag_bits[:tk], sat_frac=ts.sat_frac[:tk],
-            underflow_frac=ts.underflow_frac[:tk], nonfinite=ts.nonfinite[:tk], shadow=ts.shadow,
+            underflow_frac=ts.underflow_frac[:tk], nonfinite=ts.nonfinite[:tk],
+            crest_bits=None if ts.crest_bits is None else ts.crest_bits[:tk], shadow=ts.shadow,
             history_len=ts.history_len,
         ))
     ranks = None

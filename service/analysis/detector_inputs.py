@@ -239,6 +239,15 @@ _SAVES_PER_CYCLE = 2
 blocks over a few cycles instead of adding ~700 MB of writes to one."""
 
 
+def _tensor_column(block: dict[str, np.ndarray], i: int) -> np.ndarray:
+    """Tensor column i of a stored block; NaN (not measured) for a column the block predates
+    (crest_bits, added after the first blocks were stored): a restart still loads them."""
+    column = block.get(f"c{i}")
+    if column is None:
+        return np.full(len(block["c0"]), np.nan, dtype=TENSOR_DTYPES[i])
+    return column
+
+
 def _block_run(stored: set[int], size: int, *, after: int, upto: int) -> tuple[int, int] | None:
     """(first, last) step of the newest run of consecutive stored blocks that end at or before
     `upto` and hold steps above `after` (the first may start at or below it); None: no such block."""
@@ -520,7 +529,7 @@ class DetectorInputs:
         first = after + 1 - BLOCK_STEPS[_TENSORS]  # the first block may start at or below after
         for b in detector_blocks.load(session, run_id=rid, source=_TENSORS, first=first, last=upto):
             ends = np.cumsum(b["count"])
-            cols = [b[f"c{i}"] for i in range(len(TENSOR_DTYPES))]
+            cols = [_tensor_column(b, i) for i in range(len(TENSOR_DTYPES))]
             for i, key in enumerate(zip(b["tensor"].tolist(), b["role"].tolist(), strict=True)):
                 lo, hi = int(ends[i] - b["count"][i]), int(ends[i])
                 lo += int(np.searchsorted(cols[0][lo:hi], after, side="right"))
@@ -556,7 +565,7 @@ class DetectorInputs:
         history_len = (reg.get("fp8") or {}).get("history_len")
         tensors = []
         for (name, role), (fmt, shadow, cols) in sorted(self._tensors.items()):
-            st, amax, headroom, lag, sat, under, nonfinite = cols.cols
+            st, amax, headroom, lag, sat, under, nonfinite, crest = cols.cols
             tensors.append(
                 TensorSeries(
                     tensor=name,
@@ -570,6 +579,7 @@ class DetectorInputs:
                     sat_frac=sat,
                     underflow_frac=under,
                     nonfinite=nonfinite,
+                    crest_bits=crest,
                     history_len=history_len,
                 )  # fmt: skip
             )

@@ -21,6 +21,11 @@ Finding kinds (subject: tensor 'fqn:role') and magnitudes:
 - `fp8_stale_scale` (ticket): headroom > 3 bits above its own level for >= 100 steps (after a spike
   a 'max' history holds the scale low). Magnitude: excess bits.
 - `fp8_underflow_rise` (ticket): underflow fraction > 2x its own level, sustained. Magnitude: ratio.
+- `fp8_precision_crest` (ticket): an E4M3 tensor's crest (log2 of amax over the median |x|,
+  measured on expensive steps) above 12 bits, sustained: scaled so that amax fits, its median value
+  sits within 3 bits of E4M3's subnormals (they start 14.8 bits below the largest value), so
+  typical values keep few significant bits. E5M2 (gradients) has 15 bits more range below: not
+  judged. Magnitude: worst crest in bits.
 - `fp8_nonfinite` (page): any inf/NaN element (E5M2 overflows to inf, it does not saturate):
   counted on expensive steps, or a non-finite amax on any step. Magnitude: non-finite elements at
   the worst counted step (0 when only amax showed it).
@@ -125,6 +130,10 @@ class Fp8Config:
     """... and above this absolute fraction."""
     underflow_sustain_steps: int = 100
     """... sustained this many steps."""
+    crest_bits: float = 12.0
+    """E4M3 crest above which the median value nears the subnormals (fp8.md: warning precision)."""
+    crest_sustain_steps: int = 100
+    """... sustained this many steps (the 5-sample median of the measured crest above it)."""
     resume_bits: float = 3.0
     """First step after a resume more than this above the pre-resume headroom: stale history."""
     resume_lookahead_steps: int = 10
@@ -555,6 +564,48 @@ def detect_underflow_rise(ts: TensorSeries, run: str, quiet: np.ndarray, cfg: Fp
     return []
 
 
+def detect_precision_crest(ts: TensorSeries, run: str, quiet: np.ndarray, cfg: Fp8Config) -> list[Finding]:
+    """The newest sustained episode of an E4M3 tensor's crest above `cfg.crest_bits`. The level is
+    absolute (fp8.md), not the tensor's own: E4M3's range is the same for every tensor."""
+    if ts.crest_bits is None or ts.format != "e4m3":
+        return []
+    measured = np.isfinite(ts.crest_bits) & ~quiet
+    if measured.sum() < 3:
+        return []
+    steps = ts.steps[measured]
+    crest = ts.crest_bits[measured]
+    # A 5-sample median: one outlier batch's crest is not a tensor whose values live near the floor.
+    short = trailing_median(crest, 5, min_count=3, include_current=True)
+    cond = np.isfinite(short) & (short > cfg.crest_bits)
+    for a, b in reversed(runs_of_true(cond)):
+        ok = np.flatnonzero(steps[a:b] - steps[a] >= cfg.crest_sustain_steps)
+        if not len(ok):
+            continue
+        worst = float(np.max(crest[a:b]))
+        # The median lags the raw values: the onset is the first raw sample above the level.
+        back = np.flatnonzero(crest[max(a - 4, 0) : a + 1] > cfg.crest_bits)
+        first = max(a - 4, 0) + int(back[0]) if len(back) else a
+        return [
+            _finding(
+                ts,
+                run,
+                kind="fp8_precision_crest",
+                severity="ticket",
+                onset=int(steps[first]),
+                last=int(steps[b - 1]),
+                magnitude=worst,
+                summary=(
+                    f"FP8 precision of {subject_of(ts)} ({ts.format}): its median value is {worst:.1f} bits below "
+                    f"its amax since step {steps[first]} (crest above {cfg.crest_bits:g} bits; E4M3's subnormals "
+                    "start 14.8 bits down), so most values keep few significant bits"
+                ),
+                active=b == len(cond),
+                detected=int(steps[a + int(ok[0])]),
+            )
+        ]
+    return []
+
+
 def detect_nonfinite(ts: TensorSeries, run: str, cfg: Fp8Config) -> list[Finding]:
     """Non-finite elements counted on the agent's expensive steps, or a non-finite amax on any step
     (a recipe tensor reports its amax every step, and max |x| is NaN or inf exactly when some
@@ -634,5 +685,6 @@ def detect_fp8(tensors: list[TensorSeries], run: str, sup: Suppression, cfg: Fp8
         out += detect_saturation_rate(ts, run, settling, seg, cfg)
         out += detect_stale_scale(ts, run, settling, cfg)
         out += detect_underflow_rise(ts, run, settling, cfg)
+        out += detect_precision_crest(ts, run, quiet, cfg)
         out += detect_resume_step(ts, run, sup, cfg)
     return out

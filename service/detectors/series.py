@@ -71,6 +71,9 @@ class TensorSeries:
     underflow_frac: np.ndarray
     nonfinite: np.ndarray
     """float64 counts, NaN where unknown."""
+    crest_bits: np.ndarray | None = None
+    """log2(amax / median |x|), the worst rank's; NaN on steps without expensive-tier stats. None:
+    not measured at all (a series built without it)."""
     shadow: bool = False
     history_len: int | None = None
     """Delayed-scaling amax history length L of the recipe (registration fp8.history_len), optional:

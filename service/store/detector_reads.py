@@ -40,8 +40,9 @@ STEP_DTYPES = (I64, F64, F64, I64, F64, F64, F64, F64, I64, F64, I64)
 loss_nonfinite, mfu, skipped_ranks."""
 GROUP_DTYPES = (I64, object, F64)
 """group_norm_columns: step, group name, norm."""
-TENSOR_DTYPES = (I64, F64, F64, F64, F64, F64, F64)
-"""TensorRows.columns: step, amax, headroom_bits, lag_bits, sat_frac, underflow_frac, nonfinite."""
+TENSOR_DTYPES = (I64, F64, F64, F64, F64, F64, F64, F64)
+"""TensorRows.columns: step, amax, headroom_bits, lag_bits, sat_frac, underflow_frac, nonfinite,
+crest_bits (last: detector blocks stored before it had seven columns, detector_inputs.py)."""
 RANK_DTYPES = (I64, I64, F64, F64, F64, F64)
 """rank_timing_columns: step, rank, step_seconds, compute_seconds, wait_seconds, pp_stage (NaN:
 unknown)."""
@@ -216,7 +217,7 @@ def tensor_rows(session: Session, *, run_id: str, after: int, upto: int) -> Iter
     """Tensor summaries of steps after < step <= upto, by (tensor, role), then step."""
     t = TensorSummary
     where = (t.run_id == run_id, t.step > after, t.step <= upto)
-    values = (t.amax, t.headroom_bits, t.lag_bits, t.sat_frac, t.underflow_frac, t.nonfinite)
+    values = (t.amax, t.headroom_bits, t.lag_bits, t.sat_frac, t.underflow_frac, t.nonfinite, t.crest_bits)
     if _long_pg_read(session, upto - after):
         yield from _tensor_arrays(session, run_id=run_id, after=after, upto=upto)
         return
@@ -239,7 +240,7 @@ def _tensor_arrays(session: Session, *, run_id: str, after: int, upto: int) -> I
     stmt = (
         select(
             t.tensor, t.role, _i8s(t.step), _f8s(t.amax), _f8s(t.headroom_bits), _f8s(t.lag_bits), _f8s(t.sat_frac),
-            _f8s(t.underflow_frac), _f8s(t.nonfinite),
+            _f8s(t.underflow_frac), _f8s(t.nonfinite), _f8s(t.crest_bits),
         )
         .where(t.run_id == run_id, t.step > after, t.step <= upto)
         .group_by(t.tensor, t.role)

@@ -28,6 +28,8 @@ def _records(rank: int, step: int, inc: int, rng: random.Random) -> list[dict]:
     if step % 3 == 0 or step > 30:  # a tensor sampled on some steps, another appearing late
         recs.append({"kind": "tensor", "step": step, "tensor": "layers.0.fc", "role": "input", "format": "e4m3",
                      "amax": rng.random() * inc, "headroom_bits": rng.random() * 4})  # fmt: skip
+        if step % 6 == 0:  # crest on the expensive steps only, NaN between
+            recs[-1]["crest_bits"] = rng.random() * 16
     if step > 20:
         recs.append({"kind": "tensor", "step": step, "tensor": f"layers.{rank % 2}.proj", "role": "grad_output",
                      "format": "e5m2", "amax": rng.random(), "headroom_bits": 1.0,

@@ -235,3 +235,24 @@ def test_a_late_row_below_dropped_raw_rows_keeps_the_summaries_of_the_steps_with
 
 
 _SUMMARIES = (StepSummary, GradSummary, TensorSummary, RankWindow)
+
+
+def test_a_high_crest_on_one_rank_is_a_precision_ticket_on_its_tensor(session) -> None:
+    """Crest arrives on the agent's expensive steps, is reduced to the worst rank's, reaches the
+    detectors through their inputs, and the sustained rise is stored as a ticket on the tensor."""
+    _register(session)
+    for rank in range(2):
+        recs: list[dict] = []
+        for s in range(2000):
+            recs.append({"kind": "step", "step": s, "ts": 100.0 + s, "step_seconds": 1.0})
+            tensor = {"kind": "tensor", "step": s, "tensor": "layers.0.fc", "role": "input", "format": "e4m3",
+                      "amax": 1.0, "headroom_bits": 1.0}  # fmt: skip
+            if s % 100 == 0:
+                tensor["crest_bits"] = 13.5 if rank == 1 and s >= 1000 else 7.0
+            recs.append(tensor)
+        batches.store_batch(session, Batch.model_validate({"run": "r", "rank": rank, "incarnation": 1, "seq": 0,
+                                                          "records": recs}))  # fmt: skip
+    pipeline.process_run(session, queries.get_run(session, run_id="r"), now=1e9)
+    (crest,) = [f for f in queries.findings(session, run_id="r") if f["kind"] == "fp8_precision_crest"]
+    assert (crest["subject"], crest["severity"], crest["onset_step"]) == ("layers.0.fc:input", "ticket", 1000)
+    assert crest["magnitude"] == 13.5 and crest["active"]

@@ -34,14 +34,15 @@ def build_series(
 
 def build_tensor(h: np.ndarray, *, lag: np.ndarray | None = None, sat: np.ndarray | None = None,
                  underflow: np.ndarray | None = None, nonfinite: np.ndarray | None = None,
-                 fmt: str = "e4m3", role: str = "input", shadow: bool = False) -> TensorSeries:
+                 crest: np.ndarray | None = None, fmt: str = "e4m3", role: str = "input",
+                 shadow: bool = False) -> TensorSeries:
     n = len(h)
     return TensorSeries(
         tensor="layers.3.fc", role=role, format=fmt, steps=np.arange(n, dtype=np.int64), amax=np.ones(n),
         headroom_bits=h, lag_bits=lag if lag is not None else np.zeros(n),
         sat_frac=sat if sat is not None else np.full(n, np.nan),
         underflow_frac=underflow if underflow is not None else np.full(n, np.nan),
-        nonfinite=nonfinite if nonfinite is not None else np.zeros(n), shadow=shadow,
+        nonfinite=nonfinite if nonfinite is not None else np.zeros(n), crest_bits=crest, shadow=shadow,
     )
 
 

@@ -157,6 +157,59 @@ def test_stale_scale_and_underflow_rise(series, tensor) -> None:
     assert found["fp8_underflow_rise"].magnitude > 5
 
 
+def _crest(high_from: int | None, *, level: float = 13.5, every: int = 200) -> np.ndarray:
+    """Crest measured on expensive steps (every 200 by default), NaN between: 7 bits, then `level`
+    from step `high_from` on."""
+    c = np.full(N, np.nan)
+    c[::every] = 7.0 + np.random.default_rng(3).normal(0, 0.3, len(c[::every]))
+    if high_from is not None:
+        c[high_from::every] = level
+    return c
+
+
+def test_a_sustained_e4m3_crest_above_12_bits_is_a_precision_ticket(series, tensor) -> None:
+    (f,) = [f for f in _run(series, [tensor(_h(), crest=_crest(2000))]) if f.kind == "fp8_precision_crest"]
+    assert f.severity == "ticket" and f.subject == "layers.3.fc:input" and f.active
+    # The first raw sample above 12 bits; the 5-sample median crosses on the third, held one more sample.
+    assert f.onset_step == 2000 and f.detected_step == 2600 and f.magnitude == 13.5
+    assert "13.5 bits below its amax" in f.summary
+
+
+@pytest.mark.parametrize(
+    ("crest", "fmt", "why"),
+    [
+        (_crest(None), "e4m3", "a crest of 7 bits"),
+        (_crest(2000, level=11.5), "e4m3", "below 12 bits"),
+        (_crest(2000), "e5m2", "E5M2 has 15 bits more range below"),
+    ],
+)
+def test_no_precision_ticket(series, tensor, crest: np.ndarray, fmt: str, why: str) -> None:
+    found = _by_kind(_run(series, [tensor(_h(), crest=crest, fmt=fmt)]))
+    assert "fp8_precision_crest" not in found, why
+
+
+def test_one_or_two_high_crest_samples_are_not_a_precision_ticket(series, tensor) -> None:
+    """One outlier batch's crest: the 5-sample median stays low."""
+    c = _crest(None)
+    c[[2000, 2400]] = 14.0
+    assert "fp8_precision_crest" not in _by_kind(_run(series, [tensor(_h(), crest=c)]))
+
+
+def test_a_crest_episode_that_ended_is_inactive_and_the_newest_one_is_reported(series, tensor) -> None:
+    c = _crest(None)
+    c[1000:1800:200] = 13.0  # 4 samples, then back to 7
+    old = _by_kind(_run(series, [tensor(_h(), crest=c)]))["fp8_precision_crest"]
+    assert old.onset_step == 1000 and not old.active
+    c[3000::200] = 14.0
+    new = _by_kind(_run(series, [tensor(_h(), crest=c)]))["fp8_precision_crest"]
+    assert new.onset_step == 3000 and new.active and new.magnitude == 14.0
+
+
+def test_a_shadow_tensors_high_crest_is_info(series, tensor) -> None:
+    (f,) = [f for f in _run(series, [tensor(_h(), crest=_crest(2000), shadow=True)]) if f.kind == "fp8_precision_crest"]
+    assert f.severity == "info" and f.summary.startswith("this run does not train in FP8")
+
+
 @pytest.mark.parametrize("amax", [np.nan, np.inf])
 def test_a_nonfinite_amax_between_expensive_steps_pages(series, tensor, amax: float) -> None:
     """Recipe tensors report amax every step; the element count only every 200 steps (NaN between)."""
