@@ -139,6 +139,10 @@ ALERT_PANELS: dict[str, AlertPanel] = {
         board=p.RUN_UID, title="Step time per pipeline stage", evidence="trainvitals_run_stage_step_seconds"
     ),
     "TrainvitalsMfuGap": AlertPanel(board=p.RUN_UID, title="MFU gap", evidence="trainvitals_run_mfu_ratio"),
+    # The measured line above 100%, next to the prediction.
+    "TrainvitalsMfuImpossible": AlertPanel(
+        board=p.RUN_UID, title="MFU: measured vs predicted", evidence="trainvitals_run_mfu_ratio"
+    ),
     "TrainvitalsCheckpointFailed": AlertPanel(
         board=p.RUN_UID, title="Checkpoint records by status", evidence="trainvitals_checkpoint_records"
     ),

@@ -108,7 +108,10 @@ class Layout:
     peak_flops: float = 989e12
     """Per device (H100 SXM dense bf16)."""
     params: int = 600_000_000
-    tokens_per_step: int = 2**20
+    tokens_per_rank: int = 2**17
+    """Tokens a step per rank: 2**20 a step for the default 8 ranks. Per rank, so that any layout's
+    MFU is the default's ~40% (a 2-rank job doing the 8-rank job's tokens read 160%, which the
+    `mfu_impossible` detector rightly calls a miscount)."""
     checkpoint_every: int = 500
     expensive_every: int = 10
     """FP8 saturation/underflow fractions are measured every this many steps (the agent's tier 2)."""
@@ -343,7 +346,7 @@ class _Run:
         global_gn = np.sqrt(np.sum(groups**2, axis=1))
         loss = np.exp(self.log_loss)
         loss[self.loss_nonfinite > 0] = np.nan
-        tokens = np.full(n, float(lay.tokens_per_step))
+        tokens = np.full(n, float(lay.tokens_per_rank * lay.world))
         flops = 6.0 * lay.params * tokens
         peak_total = lay.peak_flops * lay.world
         mfu = flops / (job * peak_total)

@@ -11,6 +11,12 @@ is taken, gap = 1 - measured / expected. Two tests, either fires (after `persist
   worse fires whatever the prediction's bias).
 
 Finding kind `mfu_gap` (ticket); magnitude: the gap (0-1).
+
+And `mfu_impossible` (ticket; magnitude: the measured MFU): a window's median MFU above 100% of
+peak, with or without an expectation. No hardware does that, so the FLOPs counted or the peak is
+wrong, most often a job's `flops=` counting the whole tensor/pipeline group on every rank, which
+the collector then sums tp x pp times (docs/agent.md). Such an MFU hides any real gap: said apart,
+as a configuration to fix, not a slowdown.
 """
 
 from __future__ import annotations
@@ -39,26 +45,75 @@ class MfuConfig:
     """Windows after warm-up that set the run's own gap."""
     persist_windows: int = 3
     """Consecutive windows (a checkpoint stall or one slow window is not a gap)."""
+    impossible_mfu: float = 1.0
+    """A window's median MFU above this is miscounted FLOPs or peak (`mfu_impossible`): one window
+    says it, a median of 200 steps that no stall or burst can raise above the hardware's peak."""
 
     def __post_init__(self) -> None:
         if not 0 < self.gap < 1:
             raise ValueError("gap must be in (0, 1)")
 
 
-def detect_mfu_gap(series: RunSeries, sup: Suppression, cfg: MfuConfig) -> list[Finding]:
-    """`mfu_gap` findings of one run (silent without expected MFU or peak FLOP/s)."""
+def _windows(series: RunSeries, sup: Suppression, cfg: MfuConfig) -> np.ndarray | None:
+    """The median MFU of each complete window (NaN: no step of it counted); None without MFU."""
     s = series.steps
-    if not series.expected_mfu or s.mfu is None or len(s.steps) < cfg.window_steps:
-        return []
+    if s.mfu is None or len(s.steps) < cfg.window_steps:
+        return None
     mfu = np.array(s.mfu, dtype=float)  # as the reduction stored it: MFU is computed in one place
     mfu[sup.suppressed(s.steps) | ~np.isfinite(mfu)] = np.nan
     w = cfg.window_steps
     n_win = len(s.steps) // w
-    win = nanmedian(mfu[: n_win * w].reshape(n_win, w), axis=1)
-    gap = 1 - win / series.expected_mfu
+    return nanmedian(mfu[: n_win * w].reshape(n_win, w), axis=1)
+
+
+def detect_mfu_impossible(series: RunSeries, sup: Suppression, cfg: MfuConfig) -> list[Finding]:
+    """`mfu_impossible`: the newest episode of windows whose median MFU exceeds the peak."""
+    win = _windows(series, sup, cfg)
+    if win is None:
+        return []
+    s, w = series.steps, cfg.window_steps
+    flag = np.nan_to_num(win, nan=-np.inf) > cfg.impossible_mfu
+    runs = runs_of_true(flag)
+    if not runs:
+        return []
+    a, b = runs[-1]
+    worst = float(np.max(win[a:b]))
+    onset = int(s.steps[a * w])
+    return [
+        Finding(
+            kind="mfu_impossible",
+            severity="ticket",
+            run=series.run,
+            subject_kind="run",
+            subject="",
+            onset_step=onset,
+            last_step=int(s.steps[b * w - 1]),
+            magnitude=worst,
+            summary=(
+                f"measured MFU {worst:.0%} of peak since step {onset}: above 100% cannot be, so the FLOPs counted or "
+                "the peak is wrong, and a real MFU gap would not show. Usual causes: flops= passed for the whole "
+                "tensor/pipeline group on every rank (pass the rank's part), parallelism.tp / pp not registered, or "
+                "hardware.peak_flops / gpu_count below the devices' (docs/agent.md, What feeds MFU)"
+            ),
+            active=b == len(flag),
+            detected_step=int(s.steps[(a + 1) * w - 1]),
+        )
+    ]
+
+
+def detect_mfu_gap(series: RunSeries, sup: Suppression, cfg: MfuConfig) -> list[Finding]:
+    """`mfu_gap` findings of one run (silent without expected MFU or peak FLOP/s)."""
+    expected = series.expected_mfu
+    if not expected:
+        return []
+    win = _windows(series, sup, cfg)
+    if win is None:
+        return []
+    s, w, n_win = series.steps, cfg.window_steps, len(win)
+    gap = 1 - win / expected
     # The prediction's band sets the absolute threshold: below its low end the model cannot explain it.
     low = series.expected_mfu_low
-    threshold = 1 - low / series.expected_mfu if low is not None and 0 < low < series.expected_mfu else cfg.gap
+    threshold = 1 - low / expected if low is not None and 0 < low < expected else cfg.gap
     valid = np.flatnonzero(np.isfinite(gap))
     own = float(np.median(gap[valid[: cfg.own_windows]])) if len(valid) >= cfg.own_windows else np.inf
     # The own-gap test uses only windows before the one judged: windows after the first own_windows.
@@ -89,7 +144,7 @@ def detect_mfu_gap(series: RunSeries, sup: Suppression, cfg: MfuConfig) -> list[
                 last_step=int(s.steps[b * w - 1]),
                 magnitude=mag,
                 summary=(
-                    f"MFU {measured:.1%} vs expected {series.expected_mfu:.1%}{band} (gap {mag:.0%}) "
+                    f"MFU {measured:.1%} vs expected {expected:.1%}{band} (gap {mag:.0%}) "
                     f"since step {onset}{convention}"
                 ),
                 active=active,

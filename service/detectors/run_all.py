@@ -17,7 +17,7 @@ from .findings import Finding
 from .fp8 import Fp8Config, detect_fp8
 from .grad_norm import GradNormConfig, detect_grad_norm
 from .loss import LossConfig, detect_loss
-from .mfu import MfuConfig, detect_mfu_gap
+from .mfu import MfuConfig, detect_mfu_gap, detect_mfu_impossible
 from .series import RunSeries
 from .stragglers import StragglerConfig, detect_stragglers
 from .suppression import SuppressionConfig, suppression_for
@@ -103,4 +103,5 @@ def detect_on_data(
     found += detect_fp8(series.tensors, series.run, sup, cfg.fp8)
     found += detect_stragglers(series, sup, cfg.stragglers)
     found += detect_mfu_gap(series, sup, cfg.mfu)
+    found += detect_mfu_impossible(series, sup, cfg.mfu)
     return found

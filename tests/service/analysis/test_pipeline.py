@@ -256,3 +256,18 @@ def test_a_high_crest_on_one_rank_is_a_precision_ticket_on_its_tensor(session) -
     (crest,) = [f for f in queries.findings(session, run_id="r") if f["kind"] == "fp8_precision_crest"]
     assert (crest["subject"], crest["severity"], crest["onset_step"]) == ("layers.0.fc:input", "ticket", 1000)
     assert crest["magnitude"] == 13.5 and crest["active"]
+
+
+def test_flops_of_the_whole_group_on_every_rank_is_an_impossible_mfu_ticket(session) -> None:
+    """A tp 2 job whose flops= is the whole group's on both ranks: the collector sums them, MFU reads
+    2x. Here it is over 100% of peak, which is said as a miscount, not silently drawn."""
+    _register(session)  # 2 ranks, peak 1e10 each, tp not registered
+    for rank in range(2):
+        recs = [{"kind": "step", "step": s, "ts": 100.0 + s, "step_seconds": 1.0, "tokens": 10, "flops": 1.2e10}
+                for s in range(800)]  # fmt: skip
+        batches.store_batch(session, Batch.model_validate({"run": "r", "rank": rank, "incarnation": 1, "seq": 0,
+                                                          "records": recs}))  # fmt: skip
+    pipeline.process_run(session, queries.get_run(session, run_id="r"), now=1e9)
+    (f,) = [f for f in queries.findings(session, run_id="r") if f["kind"] == "mfu_impossible"]
+    assert (f["severity"], f["magnitude"], f["active"]) == ("ticket", pytest.approx(1.2), True)
+    assert f["onset_step"] == 200  # the window that holds the first steps after the warm-up (300 steps)

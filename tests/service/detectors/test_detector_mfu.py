@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trainvitals.service.detectors.mfu import MfuConfig, detect_mfu_gap
+from trainvitals.service.detectors.mfu import MfuConfig, detect_mfu_gap, detect_mfu_impossible
 from trainvitals.service.detectors.suppression import SuppressionConfig, suppression_for
 
 PEAK = 8e15
@@ -155,3 +155,44 @@ def test_a_job_counting_its_own_way_is_told_both_conventions() -> None:
 
     e = mfu_expectation({**_llama_1b(), "flops_convention": "torch FlopCounterMode"})
     assert e is not None and "'torch FlopCounterMode' (measured)" in e.convention and "(predicted)" in e.convention
+
+
+def _impossible(series, flops_scale: np.ndarray, expected: float | None = 0.41) -> list:
+    sec = np.ones(len(flops_scale))
+    s = series(len(sec))
+    s.steps.step_seconds = sec
+    s.steps.flops = 0.4 * PEAK * flops_scale
+    s.expected_mfu = expected
+    s.peak_flops_total = PEAK
+    s.steps.mfu = s.steps.flops / (sec * PEAK)
+    return detect_mfu_impossible(s, suppression_for(s, SuppressionConfig()), MfuConfig())
+
+
+@pytest.mark.parametrize("expected", [0.41, None])
+def test_an_mfu_above_the_peak_is_a_miscount_ticket_with_or_without_an_expectation(series, expected) -> None:
+    """flops= for the whole tp x pp group on every rank (tp 8: the summed FLOPs read 8x): MFU 320%."""
+    scale = np.ones(3000)
+    scale[1000:] = 8.0  # the job's flops= changed to the whole group's at step 1000
+    (f,) = _impossible(series, scale, expected)
+    assert (f.kind, f.severity, f.subject_kind) == ("mfu_impossible", "ticket", "run")
+    assert f.onset_step == 1000 and f.detected_step == 1199 and f.active  # one 200-step window says it
+    assert f.magnitude == pytest.approx(3.2)
+    assert "measured MFU 320% of peak since step 1000" in f.summary and "pass the rank's part" in f.summary
+
+
+@pytest.mark.parametrize(
+    ("scale", "why"),
+    [
+        (np.full(3000, 2.4), "MFU 96%: high, but possible"),
+        (np.r_[np.ones(2910), np.full(90, 8.0)], "under half a window above: its median is not"),
+    ],
+)
+def test_no_miscount_ticket(series, scale: np.ndarray, why: str) -> None:
+    assert _impossible(series, scale) == [], why
+
+
+def test_a_miscount_that_was_fixed_is_inactive(series) -> None:
+    scale = np.ones(3000)
+    scale[400:1400] = 8.0
+    (f,) = _impossible(series, scale)
+    assert f.onset_step == 400 and f.last_step == 1399 and not f.active
