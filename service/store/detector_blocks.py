@@ -99,8 +99,9 @@ def _aligned(n: int) -> int:
 def _packed(a: np.ndarray) -> tuple[str, Any, list[bytes]]:
     """How one array is stored: (form, its argument, the byte strings in order). Two forms save
     most of a tensor block's bytes, and so of a restart's load (bytes from the database dominate):
-    - "sparse": a float array mostly NaN (sat_frac, underflow_frac and nonfinite are sent only on
-      the FP8 expensive steps, every 200th by default) as the positions and values of the rest;
+    - "sparse": a float array mostly NaN (sat_frac, underflow_frac, crest_bits and nonfinite are
+      sent only on the FP8 expensive steps, every 200th by default) as the positions and values of
+      the rest;
     - "narrow": integers whose range fits a narrower unsigned type (a block's steps span 1,000)
       as their minimum plus offsets.
     Both decode to exactly the values written; anything else is stored as it is ("raw")."""
