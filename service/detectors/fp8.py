@@ -524,6 +524,14 @@ def detect_stale_scale(ts: TensorSeries, run: str, quiet: np.ndarray, cfg: Fp8Co
     return []
 
 
+def _first_raw_above(raw: np.ndarray, a: int, line: float) -> int:
+    """The onset of an episode whose 5-sample median first crossed `line` at index `a`: the median
+    lags the raw values by up to 4 samples, so the first of raw[a-4 .. a] above the line (else a)."""
+    lo = max(a - 4, 0)
+    above = np.flatnonzero(raw[lo : a + 1] > line)
+    return lo + int(above[0]) if len(above) else a
+
+
 def detect_underflow_rise(ts: TensorSeries, run: str, quiet: np.ndarray, cfg: Fp8Config) -> list[Finding]:
     measured = np.isfinite(ts.underflow_frac) & ~quiet
     if measured.sum() < 10:
@@ -541,9 +549,7 @@ def detect_underflow_rise(ts: TensorSeries, run: str, quiet: np.ndarray, cfg: Fp
         if len(ok):
             fired = a + int(ok[0])
             worst = float(np.max(ratio[a:b]))
-            # The 5-sample median lags the raw values: the onset is the first raw sample above the line.
-            back = np.flatnonzero(u[max(a - 4, 0) : a + 1] > cfg.underflow_ratio * ref[a])
-            first = max(a - 4, 0) + int(back[0]) if len(back) else a
+            first = _first_raw_above(u, a, cfg.underflow_ratio * ref[a])
             return [
                 _finding(
                     ts,
@@ -582,9 +588,7 @@ def detect_precision_crest(ts: TensorSeries, run: str, quiet: np.ndarray, cfg: F
         if not len(ok):
             continue
         worst = float(np.max(crest[a:b]))
-        # The median lags the raw values: the onset is the first raw sample above the level.
-        back = np.flatnonzero(crest[max(a - 4, 0) : a + 1] > cfg.crest_bits)
-        first = max(a - 4, 0) + int(back[0]) if len(back) else a
+        first = _first_raw_above(crest, a, cfg.crest_bits)
         return [
             _finding(
                 ts,
