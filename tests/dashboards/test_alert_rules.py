@@ -3,6 +3,7 @@ the rules' links to the dashboards' panels and to the runbooks (dashboards/alert
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import shutil
@@ -90,6 +91,77 @@ def test_every_alert_is_unit_tested_firing_and_silent() -> None:
     names = {a["alert"] for a in _alerts()}
     assert names <= fired, names - fired
     assert names <= silent, names - silent
+
+
+# Finding kinds that need no alert on the finding: the condition pages from another series.
+_ALERTED_OTHERWISE = {
+    # TrainvitalsRunStalled reads the raw gauge: a run that makes no steps may never be analysed.
+    "run_stalled": "TrainvitalsRunStalled",
+}
+
+
+def _finding_kinds() -> dict[str, set[str]]:
+    """Every finding kind the collector raises, with the severities its source gives it: each call
+    under service/ with a literal `kind=` and a `severity=` (`Finding(...)`, the FP8 detectors'
+    `_finding(...)`; "?" for a severity computed at run time, which may be a page), and the
+    analysis's own failure."""
+    from trainvitals.service.store.findings import ANALYSIS_FAILED
+
+    kinds: dict[str, set[str]] = {ANALYSIS_FAILED: {"page"}}
+    for source in sorted((ROOT / "service").rglob("*.py")):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            args = {k.arg: k.value for k in node.keywords}
+            kind, severity = args.get("kind"), args.get("severity")
+            if not isinstance(kind, ast.Constant) or severity is None:
+                continue
+            kinds.setdefault(kind.value, set()).add(severity.value if isinstance(severity, ast.Constant) else "?")
+    return kinds
+
+
+def _alerted_kind_patterns() -> dict[str, str]:
+    """Alert name -> the `kind` matcher of its trainvitals_finding_active selector, as a regex
+    Prometheus anchors at both ends."""
+    matcher = re.compile(r'trainvitals_finding_active\{[^}]*\bkind(=~|=)"([^"]*)"')
+    out = {}
+    for a in _alerts():
+        found = matcher.search(a["expr"])
+        if found:
+            op, value = found.groups()
+            out[a["alert"]] = value if op == "=~" else re.escape(value)
+    return out
+
+
+def test_finding_kinds_are_read_from_the_detectors() -> None:
+    kinds = _finding_kinds()
+    # The scan must see literal kinds, computed severities and info-only kinds, or it proves nothing.
+    assert {"straggler", "fp8_precision_crest", "mfu_impossible", "grad_spike", "analysis_failed"} <= set(kinds)
+    assert kinds["grad_spike"] == {"info"}
+    assert kinds["straggler"] == {"?"}  # page or ticket, decided at run time
+
+
+def test_every_finding_that_can_page_or_ticket_has_an_alert() -> None:
+    """A detector added without its alert would raise findings no one is told about."""
+    patterns = _alerted_kind_patterns()
+    unalerted = {
+        kind: sorted(severities)
+        for kind, severities in _finding_kinds().items()
+        if severities != {"info"}
+        and kind not in _ALERTED_OTHERWISE
+        and not any(re.fullmatch(p, kind) for p in patterns.values())
+    }
+    assert not unalerted, f"finding kinds that can page or ticket but no alert names: {unalerted}"
+    names = {a["alert"] for a in _alerts()}
+    assert set(_ALERTED_OTHERWISE.values()) <= names
+
+
+def test_every_kind_an_alert_names_is_raised_by_a_detector() -> None:
+    """A misspelt kind in an alert's matcher would never fire, and promtool cannot tell."""
+    kinds = _finding_kinds()
+    for alert, pattern in _alerted_kind_patterns().items():
+        for alternative in pattern.split("|"):
+            assert alternative in kinds, f"{alert} matches kind {alternative!r}, which no detector raises"
 
 
 def test_alerts_carry_severity_a_summary_and_a_description() -> None:
