@@ -254,10 +254,13 @@ class SpoolingDelivery:
         refused: MessageKind = kind
         try:
             reply = self._transport.post(_PATHS[kind], body, timeout)
-            if reply.status == 409 and kind == "batch":
+            if kind == "registration":
+                body, reply = self._without_later_fields(body, reply, timeout)
+            elif reply.status == 409:
                 # The collector does not know the run (a fresh database, or its registration was
                 # refused): register, then try the batch once more.
                 reg = self._transport.post(_PATHS["registration"], self._registration, timeout)
+                _, reg = self._without_later_fields(self._registration, reg, timeout)
                 if reg.status < 300:
                     self._acknowledged(reg)
                     reply = self._transport.post(_PATHS[kind], body, timeout)
@@ -296,6 +299,24 @@ class SpoolingDelivery:
         if kind == "registration":
             return "set_aside"  # a refused registration is not kept (see _accepted); the log says why
         return self._set_aside(body, report, leftover=leftover, items=items)
+
+    def _without_later_fields(self, body: bytes, reply: Reply, timeout: float) -> tuple[bytes, Reply]:
+        """A registration refused only for fields the collector is older than, sent again without
+        them (this process's later registrations too), and the collector's answer to that; the
+        body and reply as they were for any other answer. Raises OSError as the transport does."""
+        refused = _refusals.unknown_later_fields(reply)
+        if not refused:
+            return body, reply
+        fields = json.loads(body)
+        for section, name in refused:
+            fields[section] = {k: v for k, v in fields[section].items() if k != name}
+        stripped = _encode(fields)
+        if body in self._own_registrations:
+            self._registration_fields, self._registration = fields, stripped
+            self._own_registrations.add(stripped)
+        self._notices.older_collector([f"{section}.{name}" for section, name in refused])
+        assert self._transport is not None
+        return stripped, self._transport.post(_PATHS["registration"], stripped, timeout)
 
     def _acknowledged(self, reply: Reply) -> None:
         """The collector took this process's registration; note the project it filled in."""

@@ -8,10 +8,11 @@ dense bf16 peak of the GPUs in the advisors' table, by the name CUDA reports. Wh
 registration passes explicitly wins (attach() merges these under it).
 
 Every rank must derive the same identity values (the collector compares hidden, heads, kv_heads,
-ffn_hidden and vocab between registrations of one run id), so nothing is read from modules where
-a rank holds only part of the model: with pipeline stages (pp > 1) only the config is read, and
-parameters are counted only where they are whole (plain or DDP replicas, DTensor shards: their
-global shape; DeepSpeed ZeRO-3: `ds_numel`), not FSDP1's flat shards or tensor-parallel slices.
+ffn_hidden, vocab, experts and active_experts between registrations of one run id), so nothing is
+read from modules where a rank holds only part of the model: with pipeline stages (pp > 1) only
+the config is read, and parameters are counted only where they are whole (plain or DDP replicas,
+DTensor shards: their global shape; DeepSpeed ZeRO-3: `ds_numel`), not FSDP1's flat shards or
+tensor-parallel slices.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ def model_dims(model: nn.Module | None, parallelism: dict[str, Any]) -> dict[str
         return {}
     inner = _unwrap(model)
     dims = _from_config(getattr(inner, "config", None))
+    dims.update(_experts_of(getattr(inner, "config", None)))
     if _a_stage(parallelism):
         return dims  # a stage's modules and parameters are not the model's
     sliced = _sliced(parallelism)
@@ -113,16 +115,26 @@ def model_dims(model: nn.Module | None, parallelism: dict[str, Any]) -> dict[str
     return dims
 
 
+def _experts_of(config: object) -> dict[str, int]:
+    """experts and active_experts of a mixture of experts whose config names both (a token routed
+    to k of E); nothing for a dense model, or a config that does not say both consistently."""
+    experts = next((v for name in _EXPERTS if (v := _positive_int(getattr(config, name, None)))), None)
+    routed = next((v for name in _ROUTED if (v := _positive_int(getattr(config, name, None)))), None)
+    if experts is None or routed is None or routed > experts:
+        return {}
+    return {"experts": experts, "active_experts": routed}
+
+
 def _idle_expert_params(model: nn.Module, config: object) -> int:
     """The expert parameters a token does not pass through: (E - k) / E of those under a module
     named `experts` (an nn.ModuleList of experts, or fused expert weights), when the config names
     E and k; 0 for a dense model or one whose routing the config does not tell (N then counts every
     expert, and the MFU of an MoE reads E/k too high on its expert share: pass
     model.non_embedding_params). Shared experts (`shared_experts`) run on every token: counted."""
-    experts = next((v for name in _EXPERTS if (v := _positive_int(getattr(config, name, None)))), None)
-    routed = next((v for name in _ROUTED if (v := _positive_int(getattr(config, name, None)))), None)
-    if experts is None or routed is None or routed >= experts:
+    moe = _experts_of(config)
+    if not moe or moe["active_experts"] == moe["experts"]:
         return 0
+    experts, routed = moe["experts"], moe["active_experts"]
     size = sum(
         int(ds) if isinstance(ds := getattr(p, "ds_numel", None), int) else p.numel()
         for name, p in model.named_parameters()

@@ -136,6 +136,15 @@ class Notices:
         # One line per distinct reason: a 422's field paths and run ids repeat, its indices may not.
         self._say((verdict, kind, str(reply.status), str(leftover), re.sub(r"\d+", "#", reason)), text)
 
+    def older_collector(self, fields: list[str]) -> None:
+        """The collector refused registration fields it is older than; the run registered without them."""
+        self._say(
+            ("older_collector", *fields),
+            f"the collector at {self.url} is older than this agent: it does not know the registration field(s) "
+            f"{', '.join(fields)}, so the run is registered without them (its MFU prediction takes the model as "
+            "dense). Upgrade the collector to the agent's version",
+        )
+
     def registered(self) -> None:
         """The collector took this process's registration: its token works (again)."""
         self._auth_refused = False

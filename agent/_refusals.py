@@ -26,6 +26,35 @@ AUTH_BACKOFF_S = 10.0
 refused at once cost a collector ~1.6k cached-token lookups a second, not ~8k."""
 
 
+# Registration fields added to wire v1 after it shipped. A collector older than them refuses them as
+# unknown (extra="forbid": a typo must not be dropped silently); the agent then registers without
+# them rather than lose the run's data (agent/_delivery.py).
+LATER_REGISTRATION_FIELDS: frozenset[tuple[str, str]] = frozenset({("model", "experts"), ("model", "active_experts")})
+
+
+def unknown_later_fields(reply: Reply) -> list[tuple[str, str]]:
+    """The later registration fields a 422 refused as unknown, when they are all it refused;
+    [] for any other answer (another error of the registration is the job's to fix)."""
+    if reply.status != 422:
+        return []
+    try:
+        detail = json.loads(reply.body).get("detail")
+    except (ValueError, AttributeError):
+        return []
+    if not isinstance(detail, list) or not detail:
+        return []
+    fields = []
+    for err in detail:
+        loc = err.get("loc") if isinstance(err, dict) else None
+        if not isinstance(loc, list) or len(loc) != 3 or loc[0] != "body" or err.get("type") != "extra_forbidden":
+            return []
+        field = (loc[1], loc[2])
+        if field not in LATER_REGISTRATION_FIELDS:
+            return []
+        fields.append(field)
+    return fields
+
+
 def reason(reply: Reply) -> str:
     """The collector's own words for a refusal: FastAPI's `detail` (a string, or a 422's list of
     field errors), else the start of the body."""

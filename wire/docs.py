@@ -67,14 +67,23 @@ never delivered is records the collector never saw; steps that some rank did not
 once the other ranks have sent them and the settle time has passed, with the ranks that did.
 A batch is stored whole or not at all; the acknowledgement comes after the commit that holds it.
 
+## Fields added to v1 later
+
+`ModelDims.experts` and `ModelDims.active_experts` (an MoE's E experts per layer and top-k, which
+its MFU prediction needs) came after v1 shipped: optional, so an older agent's messages are still
+valid. A collector older than them refuses them as unknown (422 naming `model.experts`); the agent
+then registers again without them and says so once (docs/agent.md, "When the collector refuses"),
+so upgrade collectors before agents.
+
 ## Run ids
 
 A run id names one job. Registering an id the collector already holds is one of two things:
 
 - **A relaunch of the same job** (a crash, a requeue, torchrun restarting it, the same script run
   again): the project agrees and so does every identity field the registration sends,
-  `model.hidden` / `heads` / `kv_heads` / `ffn_hidden` / `vocab` and `parallelism.world_size` /
-  `tp` / `pp` / `cp` / `ep` (a field absent or null on either side contradicts nothing). Accepted
+  `model.hidden` / `heads` / `kv_heads` / `ffn_hidden` / `vocab` / `experts` / `active_experts` and
+  `parallelism.world_size` / `tp` / `pp` / `cp` / `ep` (a field absent or null on either side
+  contradicts nothing). Accepted
   (200) as a restart: the process is a new incarnation, and where it sends steps the run already
   has, the newest incarnation's rows are the history from then on. Batch sizes, sequence length,
   recompute, ZeRO stage, the FP8 recipe, checkpoint settings and tags may change. Layers and

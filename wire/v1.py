@@ -81,6 +81,17 @@ class ModelDims(_Strict):
     seq_len: _Positive | None = Field(None, description="tokens per sequence")
     params: _Positive | None = Field(None, description="total parameters")
     non_embedding_params: _Positive | None = Field(None, description="N in 6N + 12LHQT")
+    experts: _Degree | None = Field(None, description="MLP experts per layer, a mixture of experts (1: dense)")
+    active_experts: _Degree | None = Field(None, description="experts each token is routed to (top-k)")
+
+    @model_validator(mode="after")
+    def _routed_to_at_most_all_experts(self) -> ModelDims:
+        if self.experts is not None and self.active_experts is not None and self.active_experts > self.experts:
+            raise ValueError(
+                f"active_experts ({self.active_experts}) exceeds experts ({self.experts}): a token is routed to "
+                "at most every expert"
+            )
+        return self
 
 
 class Parallelism(_Strict):

@@ -214,3 +214,16 @@ def test_an_moe_counts_the_experts_a_token_passes_through() -> None:
     assert dims["params"] == total
     assert dims["non_embedding_params"] == total - 100 * 16 - experts * 3 // 4
     assert model_dims(TinyMoE(top_k=None), {"world_size": 1})["non_embedding_params"] == total - 100 * 16
+
+
+@pytest.mark.parametrize(
+    ("top_k", "registered"),
+    [(1, {"experts": 4, "active_experts": 1}), (4, {"experts": 4, "active_experts": 4}), (None, {}), (5, {})],
+)
+def test_an_moe_registers_its_experts_and_top_k_when_the_config_says_both(top_k: int | None, registered: dict) -> None:
+    """The collector's MFU prediction for an MoE needs E and k (expert parallelism shards E); a
+    config that names only one, or routes to more experts than it has, registers neither (the
+    wire would refuse the registration)."""
+    dims = model_dims(TinyMoE(top_k=top_k), {"world_size": 1, "ep": 2})
+    assert {k: dims[k] for k in ("experts", "active_experts") if k in dims} == registered
+    RunRegistration(run="r", model=dims)  # what the agent derives, the wire takes

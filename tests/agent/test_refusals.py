@@ -3,13 +3,16 @@ collector's reason, never the token), and delivery that sets refused batches asi
 flows, against the real collector with auth on and real tokens. The exporter's thread body runs
 synchronously (run_once / flush)."""
 
+import asyncio
 import json
 import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pydantic
 import pytest
+from fastapi.exceptions import RequestValidationError
 from sqlalchemy import select
 
 from tests.conftest import CollectorServer
@@ -17,13 +20,13 @@ from trainvitals.agent import AgentConfig
 from trainvitals.agent._delivery import spooling_exporter
 from trainvitals.agent._notices import Notices, display_url
 from trainvitals.agent._processor import BatchProcessor
-from trainvitals.agent._refusals import AuthWindow, reason, verdict
-from trainvitals.agent._transport import Reply
-from trainvitals.service import auth
+from trainvitals.agent._refusals import LATER_REGISTRATION_FIELDS, AuthWindow, reason, unknown_later_fields, verdict
+from trainvitals.agent._transport import HttpTransport, Reply
+from trainvitals.service import auth, main
 from trainvitals.service.ingest.replay import replay_files
 from trainvitals.service.store import db, tokens
 from trainvitals.service.store.models import Run, StepRow
-from trainvitals.wire import RunRegistration
+from trainvitals.wire import ModelDims, RunRegistration
 
 # --------------------------------------------------------------------------- the policy
 
@@ -297,6 +300,91 @@ def test_an_invalid_batch_is_set_aside_under_the_registration_the_collector_took
     registration, batch = (tmp_path / "spool" / "r1.rank0.quarantine.jsonl").read_bytes().splitlines()
     assert json.loads(registration)["project"] == "llm"  # the one the collector filled in
     assert json.loads(batch)["records"][0]["step_seconds"] == -1.0
+
+
+class OlderCollectorTransport(HttpTransport):
+    """HTTP to the real collector, which answers a registration as a collector older than the
+    wire's later fields (agent/_refusals.py) would: validated against ModelDims without them, the
+    422 written by the collector's own handler. A stand-in for running last release's collector."""
+
+    OLDER_MODEL_DIMS = pydantic.create_model(  # type: ignore[call-overload]
+        "ModelDims",
+        __config__=ModelDims.model_config,
+        **{
+            name: (field.annotation, field)
+            for name, field in ModelDims.model_fields.items()
+            if ("model", name) not in LATER_REGISTRATION_FIELDS
+        },
+    )
+
+    def __init__(self, base_url: str) -> None:
+        super().__init__(base_url)
+        self.registrations: list[dict] = []
+
+    def post(self, path: str, body: bytes, timeout: float) -> Reply:
+        if path == "/v1/runs":
+            self.registrations.append(json.loads(body))
+            try:
+                self.OLDER_MODEL_DIMS.model_validate(json.loads(body).get("model", {}))
+            except pydantic.ValidationError as exc:
+                errors = [{**e, "loc": ("body", "model", *e["loc"])} for e in exc.errors()]
+                answer = asyncio.run(main._validation_error(None, RequestValidationError(errors)))  # type: ignore[arg-type]
+                return Reply(answer.status_code, bytes(answer.body))
+        return super().post(path, body, timeout)
+
+
+def test_an_older_collector_that_refuses_the_moe_fields_gets_the_run_registered_without_them(
+    collector: CollectorServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent that derives an MoE's experts (agent/_model_facts.py) must not lose its run to a
+    collector one release older: the registration goes again without the fields that collector
+    does not know, every batch is stored, and one line says what is missing and the fix."""
+    caplog.set_level(logging.WARNING, "trainvitals.agent")
+    transport = OlderCollectorTransport(collector.url)
+    config = AgentConfig(collector=collector.url, token="", spill_dir=str(tmp_path / "spool"), retry_backoff_s=0.0)
+    reg = RunRegistration(run="r1", model={"hidden": 64, "experts": 8, "active_experts": 2}).model_dump(mode="json")
+    exp = spooling_exporter(config=config, run="r1", rank=0, incarnation=1, registration=reg, transport=transport)
+    _emit_steps(exp, range(STEPS))
+    exp.shutdown()
+    assert _stored(collector.db_url) == ({"r1": "default"}, [(1, s) for s in range(STEPS)])
+    assert exp.stats.rejected_batches == 0 and not (tmp_path / "spool" / "r1.rank0.quarantine.jsonl").exists()
+    assert [r["model"].get("experts") for r in transport.registrations] == [8, None]  # refused once, then without
+    assert transport.registrations[1]["model"]["hidden"] == 64  # only the unknown fields go
+    assert _warnings(caplog) == [
+        f"trainvitals agent: the collector at {collector.url} is older than this agent: it does not know the "
+        "registration field(s) model.experts, model.active_experts, so the run is registered without them (its MFU "
+        "prediction takes the model as dense). Upgrade the collector to the agent's version"
+    ]
+
+
+def test_the_current_collector_stores_the_moe_fields(collector: CollectorServer, tmp_path: Path) -> None:
+    config = AgentConfig(collector=collector.url, token="", spill_dir=str(tmp_path / "spool"), retry_backoff_s=0.0)
+    reg = RunRegistration(run="r1", model={"experts": 8, "active_experts": 2}).model_dump(mode="json")
+    exp = spooling_exporter(config=config, run="r1", rank=0, incarnation=1, registration=reg)
+    _emit_steps(exp, range(2))
+    exp.shutdown()
+    engine = db.make_engine(collector.db_url)
+    with engine.connect() as conn:
+        (stored,) = conn.execute(select(Run.registration)).scalars()
+    engine.dispose()
+    assert (stored["model"]["experts"], stored["model"]["active_experts"]) == (8, 2)
+
+
+@pytest.mark.parametrize(
+    ("detail", "expected"),
+    [
+        ([{"loc": ["body", "model", "experts"], "type": "extra_forbidden"}], [("model", "experts")]),
+        # any other refusal of the registration is the job's to fix: not retried without anything
+        ([{"loc": ["body", "model", "expert"], "type": "extra_forbidden"}], []),
+        ([{"loc": ["body", "model", "experts"], "type": "extra_forbidden"},
+          {"loc": ["body", "model", "hidden"], "type": "greater_than_equal"}], []),
+        ([{"loc": ["body", "model", "experts"], "type": "greater_than_equal"}], []),
+        ("run id is taken", []),
+    ],
+)  # fmt: skip
+def test_only_a_refusal_of_the_later_fields_alone_is_answered_by_dropping_them(detail: object, expected: list) -> None:
+    assert unknown_later_fields(Reply(422, json.dumps({"detail": detail}).encode())) == expected
+    assert unknown_later_fields(Reply(409, json.dumps({"detail": detail}).encode())) == []
 
 
 def test_exit_report_for_an_unreachable_collector(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

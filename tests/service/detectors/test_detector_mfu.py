@@ -157,6 +157,27 @@ def test_a_job_counting_its_own_way_is_told_both_conventions() -> None:
     assert e is not None and "'torch FlopCounterMode' (measured)" in e.convention and "(predicted)" in e.convention
 
 
+def test_a_mixture_of_experts_registered_with_its_experts_gets_a_prediction() -> None:
+    """Mixtral 8x7B (8 experts, top-2) with expert parallelism 8, as the wire carries it: its
+    experts make a prediction at all (without them the model reads as dense, which no ep > 1
+    divides), and a token's 6N counts 2 of the 8 expert MLPs."""
+    from trainvitals.service.analysis.expectations import mfu_expectation
+    from trainvitals.wire import RunRegistration
+
+    def registered(**experts: int) -> dict:
+        return RunRegistration(
+            run="moe",
+            model={"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn_hidden": 14336, "vocab": 32000,
+                   "seq_len": 4096, **experts},
+            parallelism={"world_size": 64, "tp": 1, "pp": 1, "ep": 8, "micro_batch": 1, "global_batch": 512},
+            hardware={"gpu_type": "H100-SXM", "gpu_count": 64},
+        ).model_dump(mode="json")  # fmt: skip
+
+    assert mfu_expectation(registered()) is None
+    moe = mfu_expectation(registered(experts=8, active_experts=2))
+    assert moe is not None and 0.05 < moe.predicted < 0.8 and moe.low is not None and moe.low < moe.predicted
+
+
 def _impossible(series, flops_scale: np.ndarray, expected: float | None = 0.41) -> list:
     sec = np.ones(len(flops_scale))
     s = series(len(sec))

@@ -148,6 +148,19 @@ def test_another_job_reusing_the_run_id_is_refused_with_what_differs(session) ->
     assert batches.register_run(session, _job(8, hidden=None)) is False
 
 
+def test_an_moe_with_other_experts_is_another_job(session) -> None:
+    def moe(incarnation: int, **experts: int) -> RunRegistration:
+        return RunRegistration(run="m", incarnation=incarnation, model={"hidden": 1024, **experts})
+
+    batches.register_run(session, moe(1, experts=8, active_experts=2))
+    with pytest.raises(batches.RunConflictError, match=r"model.experts: 8 registered, 16 now\)"):
+        batches.register_run(session, moe(2, experts=16, active_experts=2))
+    with pytest.raises(batches.RunConflictError, match=r"model.active_experts: 2 registered, 1 now\)"):
+        batches.register_run(session, moe(3, experts=8, active_experts=1))
+    # Registered without them (an older agent, or one an older collector made drop them): the same job.
+    assert batches.register_run(session, moe(4)) is False
+
+
 def test_a_declared_resume_continues_the_run_on_a_new_layout(session) -> None:
     batches.register_run(session, _job(1, world=8))
     assert batches.register_run(session, _job(2, world=4, resume=True)) is False
