@@ -26,6 +26,7 @@ from trainvitals.service.detectors.run_all import DetectorConfig, detect, detect
 from trainvitals.service.detectors.series import RunSeries
 from trainvitals.service.detectors.stragglers import StragglerConfig
 from trainvitals.service.store import detector_blocks, findings, summaries
+from trainvitals.service.store.incarnations import replayed_steps
 from trainvitals.service.store.models import Run
 from trainvitals.wire.conventions import DEFAULT_DETECTOR_WARMUP_STEPS, GLOBAL_GROUP, auto_send_interval_s
 
@@ -139,6 +140,7 @@ def reduce_steps(
         grads=grads,
         tensors=tensors,
         windows=windows,
+        replayed={s for s in replayed_steps(rows) if s >= start},
     )
     return len(steps), start
 

@@ -15,12 +15,16 @@ incarnation. The rule has two forms, one per place the rows are in:
   per-rank timing, the post-mortem queries);
 - `newest_incarnation(rows)`: for step rows already in memory (the reduction's step rows).
 
+A replayed step's summaries are rebuilt from its newest incarnations' records alone: when those
+sent no FP8 or gradient records for it, it has none (`replayed_steps` says which steps to clear).
+
 tests/service/store/test_incarnations.py holds the two to the same answer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from operator import attrgetter
 from typing import Protocol, TypeVar
 
 from sqlalchemy import ColumnElement, exists, func, or_, select, tuple_
@@ -86,3 +90,11 @@ def newest_incarnation(rows: Iterable[R]) -> list[R]:
         if cur is None or r.incarnation > cur.incarnation:
             best[key] = r
     return list(best.values())
+
+
+def replayed_steps(rows: Sequence[RankStepRecord]) -> set[int]:
+    """Steps that some rank reported from more than one incarnation (a restart ran them again)."""
+    if len(set(map(attrgetter("incarnation"), rows))) < 2:
+        return set()  # the common case, one pass in C
+    first: dict[tuple[int, int], int] = {}
+    return {r.step for r in rows if first.setdefault((r.rank, r.step), r.incarnation) != r.incarnation}

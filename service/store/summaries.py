@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -460,11 +460,14 @@ def replace_summaries(
     grads: list[dict[str, Any]],
     tensors: list[dict[str, Any]],
     windows: list[dict[str, Any]],
+    replayed: Collection[int] = (),
 ) -> None:
     """Replace the summaries of the steps of first..last that were rebuilt (rank windows: from window
     start windows_from), the others kept, and record first..last as reduced, in one transaction
-    (committed). claimed: what `claim_steps` returned before the rows were read; dirty_from is
-    cleared only if no ingest re-dirtied a step since."""
+    (committed). replayed: steps a restart ran again (store/incarnations.py), whose summaries of
+    every table are replaced, by none where its newest incarnations sent no such records.
+    claimed: what `claim_steps` returned before the rows were read; dirty_from is cleared only if
+    no ingest re-dirtied a step since."""
     rid = run_id
     conn = session.connection()  # Core statements: the ORM bulk path costs ~3x more per row
     # Every row is built before the first DELETE. On SQLite that statement takes the database's one
@@ -481,7 +484,7 @@ def replace_summaries(
     # stay. A late row below that horizon rewrites from its step on, and a range delete there took
     # every summary of the steps above it. Read from the rows before the first DELETE, as above.
     deletes: list[tuple[Table, Any, int, list[int], tuple[Any, ...]]] = [
-        (table_of(model), table_of(model).c.step, first, sorted({row["step"] for row in rows}), ())
+        (table_of(model), table_of(model).c.step, first, sorted({row["step"] for row in rows}.union(replayed)), ())
         for model, rows in ((StepSummary, steps), (GradSummary, grads), (TensorSummary, tensors))
     ]
     ranks_of: dict[int, set[int]] = {}

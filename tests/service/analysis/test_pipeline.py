@@ -172,6 +172,26 @@ def test_a_replayed_step_counts_the_newest_incarnations_tensor_records_once(sess
     assert t[11] == (5 + 1, 2.0)  # rank 0 reached it in its newest incarnation only
 
 
+def test_a_restart_that_sends_no_fp8_or_gradient_records_leaves_no_summaries_of_the_abandoned_run(session) -> None:
+    """Both ranks restart from step 5 with FP8 monitoring and the gradient statistics off: steps
+    5..9 ran again without those records, so their FP8 and gradient summaries, which described
+    the work the restart threw away, go; steps 0..4, not replayed, keep theirs."""
+    _register(session)
+    for rank in range(2):
+        batches.store_batch(session, _batch(rank, 0, range(10)))
+    assert _reduce(session) == 10
+    for rank in range(2):
+        steps_only = [r for r in _batch(rank, 0, range(5, 10), inc=2).records if r.kind == "step"]
+        batches.store_batch(session, Batch(run="r", rank=rank, incarnation=2, seq=0, records=steps_only))
+    assert _reduce(session) == 5
+    assert sorted(session.scalars(select(TensorSummary.step))) == list(range(5))
+    assert sorted(session.scalars(select(GradSummary.step).where(GradSummary.group_name == "__global__"))) == list(
+        range(5)
+    )
+    losses = dict(session.execute(select(StepSummary.step, StepSummary.loss)).all())
+    assert [losses[s] for s in (4, 5, 9)] == [1.0, 2.0, 2.0]  # the steps themselves: the newest incarnation's
+
+
 def test_sqlite_late_data_takes_the_write_lock_after_the_reads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write_lock_probe: Any
 ) -> None:
