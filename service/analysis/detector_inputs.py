@@ -602,6 +602,8 @@ class DetectorInputs:
             expected_mfu_low=None if expected is None else expected.low,
             mfu_convention=None if expected is None else expected.convention,
             peak_flops_total=peak_flops_total,
+            # Registered so, or seen: a tensor read from an FP8 recipe (not a shadow) trains in FP8.
+            fp8_training=bool((reg.get("fp8") or {}).get("enabled")) or any(not t.shadow for t in tensors),
             checkpoint_interval_seconds=(reg.get("checkpoint") or {}).get("interval_seconds"),
             warmup_steps=reg.get("detector_warmup_steps"),
             now=now,

@@ -13,8 +13,9 @@ is taken, gap = 1 - measured / expected. Two tests, either fires (after `persist
 Finding kind `mfu_gap` (ticket); magnitude: the gap (0-1).
 
 And `mfu_impossible` (ticket; magnitude: the measured MFU): a window's median MFU above 100% of
-peak, with or without an expectation. No hardware does that, so the FLOPs counted or the peak is
-wrong, most often a job's `flops=` counting the whole tensor/pipeline group on every rank, which
+peak, with or without an expectation (200% for a run that trains in FP8: its MFU is quoted against
+the dense bf16 peak, and FP8's is twice that on every FP8 GPU). No hardware does that, so the FLOPs
+counted or the peak is wrong, most often a job's `flops=` counting the whole tensor/pipeline group on every rank, which
 the collector then sums tp x pp times (docs/agent.md). Such an MFU hides any real gap: said apart,
 as a configuration to fix, not a slowdown.
 """
@@ -48,6 +49,9 @@ class MfuConfig:
     impossible_mfu: float = 1.0
     """A window's median MFU above this is miscounted FLOPs or peak (`mfu_impossible`): one window
     says it, a median of 200 steps that no stall or burst can raise above the hardware's peak."""
+    fp8_peak_ratio: float = 2.0
+    """FP8's dense peak over bf16's (H100, H200, B200, GB200): an FP8 run's MFU, quoted against the
+    bf16 peak, is impossible only above impossible_mfu times this."""
 
     def __post_init__(self) -> None:
         if not 0 < self.gap < 1:
@@ -72,7 +76,8 @@ def detect_mfu_impossible(series: RunSeries, sup: Suppression, cfg: MfuConfig) -
     if win is None:
         return []
     s, w = series.steps, cfg.window_steps
-    flag = np.nan_to_num(win, nan=-np.inf) > cfg.impossible_mfu
+    ceiling = cfg.impossible_mfu * (cfg.fp8_peak_ratio if series.fp8_training else 1.0)
+    flag = np.nan_to_num(win, nan=-np.inf) > ceiling
     runs = runs_of_true(flag)
     if not runs:
         return []
@@ -90,7 +95,8 @@ def detect_mfu_impossible(series: RunSeries, sup: Suppression, cfg: MfuConfig) -
             last_step=int(s.steps[b * w - 1]),
             magnitude=worst,
             summary=(
-                f"measured MFU {worst:.0%} of peak since step {onset}: above 100% cannot be, so the FLOPs counted or "
+                f"measured MFU {worst:.0%} of peak since step {onset}: above {ceiling:.0%}"
+                f"{' (FP8: twice the bf16 peak)' if series.fp8_training else ''} cannot be, so the FLOPs counted or "
                 "the peak is wrong, and a real MFU gap would not show. Usual causes: flops= passed for the whole "
                 "tensor/pipeline group on every rank (pass the rank's part), parallelism.tp / pp not registered, or "
                 "hardware.peak_flops / gpu_count below the devices' (docs/agent.md, What feeds MFU)"

@@ -81,7 +81,7 @@ def detect_on_data_reads(series: RunSeries, config: DetectorConfig) -> tuple[obj
     field of the series adds it here."""
     return (
         series.run, series.events, series.expected_mfu, series.expected_mfu_low, series.mfu_convention,
-        series.peak_flops_total,
+        series.peak_flops_total, series.fp8_training,
         series.warmup_steps, series.tensors[0].history_len if series.tensors else None, config,
     )  # fmt: skip
 

@@ -137,6 +137,9 @@ class RunSeries:
     domain); the MFU-gap detector's absolute test fires only below it. None: a configured MFU."""
     peak_flops_total: float | None = None
     """Sum over devices of the declared peak FLOP/s, to turn flops/step_seconds into MFU."""
+    fp8_training: bool = False
+    """The run trains in FP8 (registration fp8.enabled, or tensors read from an FP8 recipe): its
+    MFU, against the dense bf16 peak the agent registers, may pass 100% (FP8 doubles the peak)."""
     mfu_convention: str | None = None
     """The FLOP convention the expected and the measured MFU are both counted in (quoted with a gap)."""
     checkpoint_interval_seconds: float | None = None

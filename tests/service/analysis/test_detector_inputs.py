@@ -134,6 +134,28 @@ def test_kept_arrays_are_read_only(session) -> None:
         series.ranks.step_seconds[0, 0] = 0.0
 
 
+@pytest.mark.parametrize(
+    ("fp8", "shadow", "training"),
+    [({}, True, False), ({}, False, True), ({"enabled": True}, True, True)],
+)
+def test_a_run_trains_in_fp8_when_registered_so_or_read_from_a_recipe(
+    session, fp8: dict, shadow: bool, training: bool
+) -> None:
+    """What the MFU ceiling of mfu_impossible follows (FP8 doubles the peak): a shadow tensor is
+    what FP8 would see in a bf16 run, a recipe's tensor is FP8 training."""
+    batches.register_run(session, RunRegistration(run="r", parallelism={"world_size": 1}, fp8=fp8))
+    recs = [{"kind": "step", "step": 0, "ts": 100.0, "step_seconds": 1.0},
+            {"kind": "tensor", "step": 0, "tensor": "fc", "role": "input", "format": "e4m3", "amax": 1.0,
+             "headroom_bits": 3.0, "shadow": shadow}]  # fmt: skip
+    batches.store_batch(session, Batch.model_validate({"run": "r", "rank": 0, "incarnation": 1, "seq": 0,
+                                                      "records": recs}))  # fmt: skip
+    run = queries.get_run(session, run_id="r")
+    pipeline.reduce_steps(session, run, now=1e9, config=CONFIG)
+    series = pipeline.build_series(session, run, now=1e9, config=CONFIG, inputs=DetectorInputs())
+    assert [t.shadow for t in series.tensors] == [shadow]
+    assert series.fp8_training is training
+
+
 def _store_steps(session, run: str, steps: range, seq: int, rng: random.Random) -> None:
     recs = [r for s in steps for r in _records(0, s, 1, rng)]
     batches.store_batch(session, Batch.model_validate({"run": run, "rank": 0, "incarnation": 1, "seq": seq,

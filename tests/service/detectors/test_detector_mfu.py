@@ -178,9 +178,10 @@ def test_a_mixture_of_experts_registered_with_its_experts_gets_a_prediction() ->
     assert moe is not None and 0.05 < moe.predicted < 0.8 and moe.low is not None and moe.low < moe.predicted
 
 
-def _impossible(series, flops_scale: np.ndarray, expected: float | None = 0.41) -> list:
+def _impossible(series, flops_scale: np.ndarray, expected: float | None = 0.41, *, fp8: bool = False) -> list:
     sec = np.ones(len(flops_scale))
     s = series(len(sec))
+    s.fp8_training = fp8
     s.steps.step_seconds = sec
     s.steps.flops = 0.4 * PEAK * flops_scale
     s.expected_mfu = expected
@@ -198,7 +199,17 @@ def test_an_mfu_above_the_peak_is_a_miscount_ticket_with_or_without_an_expectati
     assert (f.kind, f.severity, f.subject_kind) == ("mfu_impossible", "ticket", "run")
     assert f.onset_step == 1000 and f.detected_step == 1199 and f.active  # one 200-step window says it
     assert f.magnitude == pytest.approx(3.2)
-    assert "measured MFU 320% of peak since step 1000" in f.summary and "pass the rank's part" in f.summary
+    assert "measured MFU 320% of peak since step 1000: above 100% cannot be" in f.summary
+    assert "pass the rank's part" in f.summary
+
+
+def test_an_fp8_run_may_pass_the_bf16_peak_but_not_twice_it(series) -> None:
+    """An FP8 run's MFU is quoted against the dense bf16 peak the agent registers: at 60% of its
+    FP8 peak it reads 120%, which is a fast run, not a miscount; its tp 8 miscount still shows."""
+    assert _impossible(series, np.full(3000, 3.0), fp8=True) == []  # 120%
+    assert len(_impossible(series, np.full(3000, 3.0))) == 1  # the same 120% in bf16
+    (f,) = _impossible(series, np.full(3000, 3.0 * 8), fp8=True)
+    assert "measured MFU 960% of peak since step 200: above 200% (FP8: twice the bf16 peak) cannot be" in f.summary
 
 
 @pytest.mark.parametrize(
