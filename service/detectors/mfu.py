@@ -15,9 +15,9 @@ Finding kind `mfu_gap` (ticket); magnitude: the gap (0-1).
 And `mfu_impossible` (ticket; magnitude: the measured MFU): a window's median MFU above 100% of
 peak, with or without an expectation (200% for a run that trains in FP8: its MFU is quoted against
 the dense bf16 peak, and FP8's is twice that on every FP8 GPU). No hardware does that, so the FLOPs
-counted or the peak is wrong, most often a job's `flops=` counting the whole tensor/pipeline group on every rank, which
-the collector then sums tp x pp times (docs/agent.md). Such an MFU hides any real gap: said apart,
-as a configuration to fix, not a slowdown.
+counted or the peak is wrong, most often a job's `flops=` counting the whole tensor/pipeline group
+on every rank, which the collector then sums tp x pp times (docs/agent.md). Such an MFU hides any
+real gap: said apart, as a configuration to fix, not a slowdown.
 """
 
 from __future__ import annotations
