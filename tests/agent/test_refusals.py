@@ -305,7 +305,8 @@ def test_an_invalid_batch_is_set_aside_under_the_registration_the_collector_took
 class OlderCollectorTransport(HttpTransport):
     """HTTP to the real collector, which answers a registration as a collector older than the
     wire's later fields (agent/_refusals.py) would: validated against ModelDims without them, the
-    422 written by the collector's own handler. A stand-in for running last release's collector."""
+    422 written by the collector's own handler. A stand-in: there is no earlier release to install,
+    so the older collector's answer is built from its own parts (the model, the handler)."""
 
     OLDER_MODEL_DIMS = pydantic.create_model(  # type: ignore[call-overload]
         "ModelDims",
