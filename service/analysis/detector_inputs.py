@@ -562,7 +562,8 @@ class DetectorInputs:
             groups = GroupGradNorms(steps=steps_u, groups=names, norms=matrix)
 
         reg = run.registration or {}
-        history_len = (reg.get("fp8") or {}).get("history_len")
+        recipe = reg.get("fp8") or {}
+        history_len = recipe.get("history_len")
         tensors = []
         for (name, role), (fmt, shadow, cols) in sorted(self._tensors.items()):
             st, amax, headroom, lag, sat, under, nonfinite, crest = cols.cols
@@ -603,7 +604,7 @@ class DetectorInputs:
             mfu_convention=None if expected is None else expected.convention,
             peak_flops_total=peak_flops_total,
             # Registered so, or seen: a tensor read from an FP8 recipe (not a shadow) trains in FP8.
-            fp8_training=bool((reg.get("fp8") or {}).get("enabled")) or any(not t.shadow for t in tensors),
+            fp8_training=bool(recipe.get("enabled")) or any(not t.shadow for t in tensors),
             checkpoint_interval_seconds=(reg.get("checkpoint") or {}).get("interval_seconds"),
             warmup_steps=reg.get("detector_warmup_steps"),
             now=now,
