@@ -48,6 +48,10 @@ _HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "heads")
 # the experts each token is routed to. A token passes through k of E experts: N counts those only.
 _EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 _ROUTED = ("num_experts_per_tok", "moe_topk", "num_selected_experts")
+# An expert's MLP width where the config names it apart from the dense MLP's (Qwen2/Qwen3-MoE,
+# DeepSeek): ffn_hidden is per expert for an MoE (the wire's ModelDims), and `intermediate_size`
+# there is the dense layers' width (Qwen3-30B-A3B: 6,144 against its experts' 768).
+_EXPERT_WIDTH = ("moe_intermediate_size",)
 # Roles in _param_sizes: an nn.Embedding table (not in N), and a token embedding tied to a head (in
 # N: its matmul runs at the end of forward); any other parameter has the role "".
 _TABLE, _TIED = "table", "tied"
@@ -100,8 +104,9 @@ def model_dims(model: nn.Module | None, parallelism: dict[str, Any]) -> dict[str
     if model is None:
         return {}
     inner = _unwrap(model)
-    dims = _from_config(getattr(inner, "config", None))
-    dims.update(_experts_of(getattr(inner, "config", None)))
+    config = getattr(inner, "config", None)
+    dims = _from_config(config)
+    dims.update(_experts_of(config))
     if _a_stage(parallelism):
         return dims  # a stage's modules and parameters are not the model's
     sliced = _sliced(parallelism)
@@ -109,7 +114,7 @@ def model_dims(model: nn.Module | None, parallelism: dict[str, Any]) -> dict[str
         dims.setdefault(key, value)
     counts = _param_counts(inner, sliced=sliced)
     if counts is not None:
-        total, n = counts[0], counts[1] - _idle_expert_params(inner, getattr(inner, "config", None))
+        total, n = counts[0], counts[1] - _idle_expert_params(inner, config)
         if min(total, n) >= 1:
             dims["params"], dims["non_embedding_params"] = total, n
     return dims
@@ -189,6 +194,8 @@ def _from_config(config: object) -> dict[str, int]:
         return {}
     dims: dict[str, int] = {}
     for key, names in _CONFIG_NAMES.items():
+        if key == "ffn_hidden" and _experts_of(config):
+            names = _EXPERT_WIDTH + names  # an MoE's ffn_hidden is its experts' width
         for name in names:
             value = _positive_int(getattr(config, name, None))
             if value is not None:

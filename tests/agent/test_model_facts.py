@@ -14,6 +14,7 @@ import trainvitals.agent as tv
 from trainvitals.agent import _model_facts
 from trainvitals.agent._model_facts import gpu_type_of, hardware_of, model_dims
 from trainvitals.agent._position import flops_per_token
+from trainvitals.service.advisors.model_config import parse_model
 from trainvitals.wire import RunRegistration
 
 
@@ -227,3 +228,34 @@ def test_an_moe_registers_its_experts_and_top_k_when_the_config_says_both(top_k:
     dims = model_dims(TinyMoE(top_k=top_k), {"world_size": 1, "ep": 2})
     assert {k: dims[k] for k in ("experts", "active_experts") if k in dims} == registered
     RunRegistration(run="r", model=dims)  # what the agent derives, the wire takes
+
+
+# Qwen3-30B-A3B's published config (the fields read here): 128 experts of width 768, 8 per token;
+# `intermediate_size` is the width a dense layer would have, which none of its 48 layers has.
+_QWEN3_MOE = SimpleNamespace(
+    num_hidden_layers=48, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4,
+    intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+    vocab_size=151936, max_position_embeddings=40960,
+)  # fmt: skip
+
+
+class _ConfigOnly(nn.Module):
+    def __init__(self, config: SimpleNamespace) -> None:
+        super().__init__()
+        self.config = config
+
+
+def test_an_moe_registers_its_experts_width_where_the_config_names_it_apart() -> None:
+    """ffn_hidden is per expert for an MoE (wire ModelDims): a config with `moe_intermediate_size`
+    registers that, not its dense width. Read as 6,144 the collector's model of Qwen3-30B-A3B had
+    233B parameters, and scaled to the published 30.5B its active ones came out at 2.0B; read as
+    768 they are 2.9B, the published 3.3B within 15% (attention counted at hidden/heads per head)."""
+    dims = model_dims(_ConfigOnly(_QWEN3_MOE), {"world_size": 64, "pp": 2})  # pp: the config alone
+    assert dims["ffn_hidden"] == 768
+    assert (dims["experts"], dims["active_experts"]) == (128, 8)
+    registered = RunRegistration(run="r", model={**dims, "params": 30_500_000_000}).model
+    model = parse_model({"model": registered.model_dump(exclude_none=True)})
+    assert abs(model.params_active / 3.3e9 - 1) < 0.15
+    assert abs(model.params_total / model.params_override - 1) < 0.05  # the shape gives the published total
+    dense = SimpleNamespace(**{k: v for k, v in vars(_QWEN3_MOE).items() if "expert" not in k})
+    assert model_dims(_ConfigOnly(dense), {"pp": 2})["ffn_hidden"] == 6144  # no experts: the MLP's width
