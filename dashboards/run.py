@@ -521,6 +521,34 @@ def _fp8(board: dash_b.Dashboard) -> dash_b.Dashboard:
             h=p.DEFAULT_HEIGHT,
         )
     )
+    crest_limit = 12  # bits: fp8_precision_crest's default limit (Fp8Config.crest_bits; a test holds them equal)
+    board = board.with_panel(
+        p.timeseries(
+            505,
+            "FP8 crest of the widest E4M3 tensors",
+            unit=p.BITS,
+            description="log2 of a tensor's amax over its median |value|, the top-k E4M3 tensors by it, measured on "
+            f"the agent's expensive steps (every 200th by default). Above the {crest_limit:g}-bit line, scaled so "
+            "that the amax fits, most values sit near E4M3's subnormals (14.8 bits down) and keep few significant "
+            "bits; held above it for 100 steps it is a ticket (fp8_precision_crest).",
+            targets=[
+                p.prom(_m("trainvitals_fp8_worst_crest_log2", by="tensor, role"), legend="{{tensor}} {{role}}")
+            ],
+            threshold=("green", crest_limit, "orange"),
+        )
+    )
+    board = board.with_panel(
+        p.table(
+            506,
+            "Widest crest: tensors",
+            unit=p.BITS,
+            description="The k E4M3 tensors with the widest crest (log2 amax / median |value|) at the newest "
+            "step with a measured crest; E5M2 tensors are left out (15 bits more range below, not judged).",
+            targets=[p.prom(_m("trainvitals_fp8_worst_crest_log2", by="tensor, role"), instant=True, table=True)],
+            transformations=[p.organize({"Value": "crest"}, exclude=("Time",))],
+            sort_by=("crest", True),
+        )
+    )
     return board
 
 

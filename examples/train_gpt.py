@@ -143,6 +143,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="train through emulated FP8 delayed scaling (real float8 casts on CPU)",
     )
     p.add_argument("--fp8-history", type=int, default=16, help="amax history length L")
+    p.add_argument(
+        "--fp8-expensive-every",
+        type=int,
+        default=None,
+        help="FP8 expensive tier (saturation, underflow, crest) every this many steps; default: the agent's (200)",
+    )
     p.add_argument("--clip", type=float, default=1.0, help="gradient clipping max norm; 0: no clipping")
     p.add_argument("--ckpt-dir", default=None, help="save here every --ckpt-every steps; resume from it")
     p.add_argument("--ckpt-every", type=int, default=25)
@@ -233,7 +239,11 @@ def main(argv: list[str] | None = None) -> int:
         run=args.run_name,
         collector=args.collector,
         **({"project": args.project} if args.project else {}),
-        config=tv.AgentConfig(collector=args.collector, send_interval_s=args.send_interval),
+        config=tv.AgentConfig(
+            collector=args.collector,
+            send_interval_s=args.send_interval,
+            **({} if args.fp8_expensive_every is None else {"fp8_expensive_every_steps": args.fp8_expensive_every}),
+        ),
         registration=registration,
     )
     if resumed_from is not None:

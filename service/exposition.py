@@ -412,6 +412,13 @@ def _fp8_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
         ["run"],
     )
     fp8_step = _gauge("trainvitals_fp8_step", "Newest step with FP8 statistics", ["run"])
+    crest = _gauge(
+        "trainvitals_fp8_worst_crest_log2",
+        "FP8 crest (log2 of amax over median |x|) of the top-k E4M3 tensors with the widest, newest step "
+        "with a measured crest (k = settings.top_k)",
+        ["run", "tensor", "role"],
+    )
+    crest_step = _gauge("trainvitals_fp8_crest_step", "Newest step with a measured FP8 crest", ["run"])
     for sn in snaps:
         f = sn.fp8
         if f.step is None:
@@ -422,7 +429,11 @@ def _fp8_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
             layer.add_metric([sn.label, lay, role], hr)
         for tensor, role, hr in f.worst_tensors:
             worst.add_metric([sn.label, tensor, role], hr)
-    yield from (layer, worst, saturated, fp8_step)
+        if f.crest_step is not None:
+            crest_step.add_metric([sn.label], f.crest_step)
+        for tensor, role, bits in f.worst_crest:
+            crest.add_metric([sn.label, tensor, role], bits)
+    yield from (layer, worst, saturated, fp8_step, crest, crest_step)
 
 
 def _rank_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:

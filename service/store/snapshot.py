@@ -20,6 +20,7 @@ per run here: the most severe first, the rest summarised as one `OTHER` series o
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,6 +83,11 @@ class Fp8Headroom:
     """(tensor, role, headroom) of the top-k tensors with the least headroom."""
     saturated_tensors: int = 0
     """Tensors with headroom below 0 bits."""
+    crest_step: int | None = None
+    """Newest step with a measured crest (the agent's expensive steps; None: none yet)."""
+    worst_crest: list[tuple[str, str, float]] = field(default_factory=list)
+    """(tensor, role, crest bits) of the top-k E4M3 tensors with the widest crest at `crest_step`:
+    what fp8_precision_crest judges (E5M2 has 15 bits more range below, and is not judged)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -312,7 +318,24 @@ def fp8_headroom(session: Session, *, run_id: str, top_k: int, max_layers: int |
             out.saturated_tensors += 1
     out.layer_min_headroom = cap_layers(per_layer, max_layers=max_layers)
     out.worst_tensors = sorted(rows, key=lambda x: x[2])[:top_k]
+    out.crest_step, out.worst_crest = _worst_crest(session, run_id=run_id, top_k=top_k)
     return out
+
+
+def _worst_crest(session: Session, *, run_id: str, top_k: int) -> tuple[int | None, list[tuple[str, str, float]]]:
+    """The newest step with a measured crest and its top-k E4M3 tensors by crest, widest first.
+    Both reads seek the partial index of the measured rows (models.TensorSummary)."""
+    measured = (TensorSummary.run_id == run_id, TensorSummary.crest_bits.is_not(None))
+    step = session.scalar(select(func.max(TensorSummary.step)).where(*measured))
+    if step is None:
+        return None, []
+    rows = session.execute(
+        select(TensorSummary.tensor, TensorSummary.role, TensorSummary.crest_bits).where(
+            *measured, TensorSummary.step == step, TensorSummary.format == "e4m3"
+        )
+    )
+    finite = [(tensor, role, crest) for tensor, role, crest in rows if crest is not None and math.isfinite(crest)]
+    return step, sorted(finite, key=lambda x: (-x[2], x[0], x[1]))[:top_k]
 
 
 def cap_layers(

@@ -453,3 +453,14 @@ def test_heatmap_sql_time_range_and_run_are_variables() -> None:
     assert target["rawSql"] == sql and target["format"] == "time_series"
     assert heatmap["datasource"] == {"type": panels.POSTGRES_TYPE, "uid": "${sql_datasource}"}
     assert heatmap["options"]["calculate"] is False
+
+
+def test_the_crest_panel_draws_the_detectors_default_limit() -> None:
+    """Panel 505's line is where fp8_precision_crest starts counting (its default): a panel line
+    apart from the detector's would show a tensor as fine that the detector tickets, or the reverse."""
+    from trainvitals.service.detectors.fp8 import Fp8Config
+
+    (panel,) = [p for p in _panels(_boards()["trainvitals-run.json"]) if p["id"] == 505]
+    steps = panel["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    assert [s["value"] for s in steps] == [None, Fp8Config().crest_bits]
+    assert f"{Fp8Config().crest_sustain_steps} steps" in panel["description"]

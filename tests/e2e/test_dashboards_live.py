@@ -173,6 +173,7 @@ def test_every_panel_and_annotation_returns_data_from_a_real_prometheus(
         assert straggler.returncode == 0, straggler.stderr[-3000:]
         args = ["--run-name", RUN, "--project", PROJECT, "--steps", "230", "--collector", collector_url,
                 "--plan", str(plan), "--fp8", "--spike-steps", "100,130,160", "--spike-scale", "50",
+                "--fp8-expensive-every", "50",  # crest (panels 505, 506) in both incarnations
                 "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "50",
                 "--crash-rank", "1", "--crash-at", "170"]  # fmt: skip
         first = _torchrun(args, tmp_path, env)

@@ -357,3 +357,65 @@ def test_an_advisor_that_raises_leaves_the_scrape_whole(db_url: str, caplog: pyt
     assert registry.get_sample_value("trainvitals_checkpoint_recommended_interval_seconds", {"run": "c"}) is None
     assert "checkpoint advice for run" in caplog.text and "MemoryError" in caplog.text
     engine.dispose()
+
+
+def _fp8(step: int, tensor: str, role: str, crest: float | None, fmt: str = "e4m3") -> dict:
+    return {"kind": "tensor", "step": step, "tensor": tensor, "role": role, "format": fmt, "amax": 1.0,
+            "scale": 1.0, "headroom_bits": 4.0, "crest_bits": crest}  # fmt: skip
+
+
+def test_the_widest_e4m3_crest_of_the_newest_step_that_measured_one_is_exported(setup, db_url: str) -> None:
+    """Crest is measured on the agent's expensive steps only: the gauge holds the newest such step's
+    E4M3 tensors (max over ranks), not the newest FP8 step's (no crest there), and leaves out
+    E5M2 (not judged) and a crest that is not a number."""
+    maker, _clock, registry = setup
+    _store(maker, "c", ranks=2, steps=6)
+    for rank, wide in ((0, 13.0), (1, 10.0)):
+        expensive = [
+            _fp8(2, "layers.0.fc1", "input", wide),
+            _fp8(2, "layers.1.fc1", "weight", 9.0),
+            _fp8(2, "layers.0.fc1", "grad_output", 20.0, fmt="e5m2"),
+            _fp8(2, "layers.2.fc1", "input", float("nan")),
+        ]
+        ordinary = [_fp8(s, "layers.0.fc1", "input", None) for s in (3, 4, 5)]
+        _batch(maker, "c", rank, 1, expensive + ordinary, seq=1)
+    with maker() as session:
+        pipeline.process_run(session, queries.get_run(session, run_id="c"), now=1000.0)
+    text = generate_latest(registry).decode()
+    crests = {
+        line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("trainvitals_fp8_worst_crest_log2{")
+    }
+    assert crests == {
+        'role="input",run="c",tensor="layers.0.fc1"': 13.0,
+        'role="weight",run="c",tensor="layers.1.fc1"': 9.0,
+    }
+    assert registry.get_sample_value("trainvitals_fp8_crest_step", {"run": "c"}) == 2
+    assert registry.get_sample_value("trainvitals_fp8_step", {"run": "c"}) == 5
+
+    # A newer expensive step replaces the set: only what it measured.
+    step_6 = {"kind": "step", "step": 6, "ts": 1.0, "step_seconds": 1.0, "loss": 5.0, "tokens": 100}
+    for rank in (0, 1):
+        _batch(maker, "c", rank, 1, [step_6, _fp8(6, "layers.1.fc1", "weight", 5.0)], seq=2)
+    with maker() as session:
+        pipeline.process_run(session, queries.get_run(session, run_id="c"), now=1000.0)
+    sample = registry.get_sample_value
+    assert sample("trainvitals_fp8_crest_step", {"run": "c"}) == 6
+    assert sample("trainvitals_fp8_worst_crest_log2", {"run": "c", "tensor": "layers.1.fc1", "role": "weight"}) == 5
+    assert sample("trainvitals_fp8_worst_crest_log2", {"run": "c", "tensor": "layers.0.fc1", "role": "input"}) is None
+
+
+def test_the_newest_measured_crest_is_found_through_its_partial_index(db_url: str) -> None:
+    """The scrape's read of the newest step with a crest seeks the partial index of the measured rows
+    (migration 0019) instead of reading back over every tensor row of up to 200 steps."""
+    engine = db.make_engine(db_url)
+    sql = "SELECT max(step) FROM tensor_summaries WHERE run_id = 'r' AND crest_bits IS NOT NULL"
+    with engine.connect() as conn:
+        if engine.dialect.name == "sqlite":
+            plan = " ".join(str(row[-1]) for row in conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {sql}"))
+        else:
+            conn.exec_driver_sql("SET enable_seqscan = off")  # an empty table: make the index the planner's choice
+            plan = " ".join(row[0] for row in conn.exec_driver_sql(f"EXPLAIN {sql}"))
+    engine.dispose()
+    assert "ix_tensor_summaries_run_crest_step" in plan

@@ -34,7 +34,7 @@ SCRAPE_BUDGET_S = 5.0
 # family by family, as docs/metrics.md states it.
 TOP_K, GRAD_GROUPS, FINDING_KINDS, EVENTS, ROLES = 10, 256, 24, 11, 3
 PER_RUN_BOUND = (
-    26  # one series each: run_info, run_world_size_ranks, ... ingest_records
+    27  # one series each: run_info, run_world_size_ranks, ... ingest_records
     + 5  # rank_step_seconds stats
     + 2 + 2  # mfu band, checkpoint interval band
     + EVENTS
@@ -44,6 +44,7 @@ PER_RUN_BOUND = (
     + GRAD_GROUPS
     + (exposition.FP8_LAYERS_PER_RUN + 1) * ROLES
     + TOP_K  # worst tensors
+    + TOP_K  # widest crests
     + 2 * TOP_K  # slowest ranks
     + 4 * exposition.OPEN_FINDINGS_PER_RUN
     + FINDING_KINDS * 3  # findings_total by kind and severity
@@ -119,7 +120,10 @@ def test_layer_and_stage_attack_on_one_run_is_capped(db_url: str) -> None:
             step = {"kind": "step", "step": 0, "ts": NOW - 1, "step_seconds": 1.0 + rank / 1000, "pp_stage": rank}
             _batch(session, "attack", rank, [step])
         fp8 = {"kind": "tensor", "step": 0, "role": "input", "format": "e4m3", "amax": 1.0, "scale": 1.0}
-        records = [{**fp8, "tensor": f"blocks.{i}.mlp.fc", "headroom_bits": 8.0 - i / 1000} for i in range(tensors)]
+        records = [
+            {**fp8, "tensor": f"blocks.{i}.mlp.fc", "headroom_bits": 8.0 - i / 1000, "crest_bits": 10.0 + i / 1000}
+            for i in range(tensors)
+        ]
         # A real layer named like the summary series: it must join the summary, not repeat its labels.
         records.append({**fp8, "tensor": "other.proj", "headroom_bits": 20.0})
         _batch(session, "attack", 0, records, seq=1)
@@ -134,6 +138,8 @@ def test_layer_and_stage_attack_on_one_run_is_capped(db_url: str) -> None:
     assert layers == {f"blocks.{i}" for i in range(4936, 5000)} | {"other"}  # the least headroom
     other_layer = _value(series, "trainvitals_fp8_layer_min_headroom_log2", run="attack", layer="other", role="input")
     assert other_layer == pytest.approx(8.0 - 4935 / 1000)  # the least of the rest
+    crests = _label(series, "trainvitals_fp8_worst_crest_log2", "tensor")
+    assert crests == {f"blocks.{i}.mlp.fc" for i in range(4990, 5000)}  # the top_k widest of 5,000
 
     stages = _label(series, "trainvitals_run_stage_step_seconds", "stage")
     assert stages == {str(st) for st in range(936, 1000)} | {"other"}  # registered (< pp) and slowest
