@@ -414,8 +414,8 @@ def _fp8_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
     fp8_step = _gauge("trainvitals_fp8_step", "Newest step with FP8 statistics", ["run"])
     crest = _gauge(
         "trainvitals_fp8_worst_crest_log2",
-        "FP8 crest (log2 of amax over median |x|) of the top-k E4M3 tensors with the widest, newest step "
-        "with a measured crest (k = settings.top_k)",
+        "FP8 crest (log2 of amax over median |x|) of the top-k E4M3 tensors with the widest crest, at the "
+        "newest step that measured one (k = settings.top_k)",
         ["run", "tensor", "role"],
     )
     crest_step = _gauge("trainvitals_fp8_crest_step", "Newest step with a measured FP8 crest", ["run"])

@@ -324,7 +324,8 @@ def fp8_headroom(session: Session, *, run_id: str, top_k: int, max_layers: int |
 
 def _worst_crest(session: Session, *, run_id: str, top_k: int) -> tuple[int | None, list[tuple[str, str, float]]]:
     """The newest step with a measured crest and its top-k E4M3 tensors by crest, widest first.
-    Both reads seek the partial index of the measured rows (models.TensorSummary)."""
+    The first read seeks the partial index of the measured rows (models.TensorSummary); the second
+    reads that one step's rows."""
     measured = (TensorSummary.run_id == run_id, TensorSummary.crest_bits.is_not(None))
     step = session.scalar(select(func.max(TensorSummary.step)).where(*measured))
     if step is None:
