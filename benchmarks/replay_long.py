@@ -47,7 +47,9 @@ def main() -> None:
                 t0 = time.perf_counter()
                 report = replay_files(session, [path], analyse=False)
                 t1 = time.perf_counter()
-                run = queries.get_run(session, run_id=sc.series.run)
+                # The run's key as stored: a scenario's registration names its project (`<project>/<run>`).
+                (key,) = report.runs
+                run = queries.get_run(session, run_id=key)
                 assert run is not None
                 now = queries.last_step_time(session, run_id=run.run_id) or time.time()
                 config = pipeline.PipelineConfig(catch_up_steps=args.catch_up_steps)
