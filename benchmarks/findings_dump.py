@@ -71,8 +71,10 @@ def replayed() -> dict[str, list[str]]:
             db.upgrade(url)
             engine = db.make_engine(url)
             with db.make_sessionmaker(engine)() as session:
-                replay_files(session, [path])
-                rows: list[dict[str, Any]] = queries.findings(session, run_id=sc.series.run)
+                # The key the replay stored: a scenario's registration names its project (`<project>/<run>`
+                # since revision 0016); by the bare run id this read nothing and every list was empty.
+                (key,) = replay_files(session, [path]).runs
+                rows: list[dict[str, Any]] = queries.findings(session, run_id=key)
                 out[f"{fam}/{seed}"] = sorted(
                     repr((r["kind"], r["severity"], r["subject"], r["onset_step"], r["last_step"],
                           r.get("magnitude"), r.get("summary")))
