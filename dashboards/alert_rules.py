@@ -131,6 +131,10 @@ ALERT_PANELS: dict[str, AlertPanel] = {
         title="Minimum FP8 headroom per layer and role (20 tightest)",
         evidence="trainvitals_fp8_layer_min_headroom_log2",
     ),
+    # The detector's quantity, against its 12-bit line.
+    "TrainvitalsFp8Crest": AlertPanel(
+        board=p.RUN_UID, title="FP8 crest of the widest E4M3 tensors", evidence="trainvitals_fp8_worst_crest_log2"
+    ),
     # The detector's quantity: a rank's compute time over its stage cohort's median.
     "TrainvitalsStraggler": AlertPanel(
         board=p.RUN_UID, title="Slowest ranks over their cohort", evidence="trainvitals_rank_slowest_cohort_ratio"
