@@ -33,6 +33,7 @@ from trainvitals.agent._model_facts import BackwardShares, derive_into
 from trainvitals.agent._optimizer import hookable_optimizer, unhookable_notice
 from trainvitals.agent._position import FLOPS_CONVENTION, Position, flops_per_token, model_parallel_share, position_of
 from trainvitals.agent._protocol import TrainingAgent
+from trainvitals.agent._refusals import without_absent_later_fields
 from trainvitals.agent._sample import DeviceStack
 from trainvitals.agent._timing import StepTimer
 from trainvitals.agent._transport import Transport
@@ -793,6 +794,7 @@ def attach(
             body["project"] = project
         try:
             reg = RunRegistration(run=run_id, started_at=time.time(), **body).model_dump(mode="json")
+            without_absent_later_fields(reg)
         except pydantic.ValidationError as exc:
             raise AttachError(one_line(exc, "registration")) from None
         if not project:

@@ -52,6 +52,10 @@ _ROUTED = ("num_experts_per_tok", "moe_topk", "num_selected_experts")
 # DeepSeek): ffn_hidden is per expert for an MoE (the wire's ModelDims), and `intermediate_size`
 # there is the dense layers' width (Qwen3-30B-A3B: 6,144 against its experts' 768).
 _EXPERT_WIDTH = ("moe_intermediate_size",)
+# Shared experts, which every token passes through besides its routed k: Qwen2-MoE names their width
+# (one shared expert, 4-8 routed experts wide), DeepSeek their count (each of the experts' width).
+_SHARED_WIDTH = "shared_expert_intermediate_size"
+_SHARED_COUNT = "n_shared_experts"
 # Roles in _param_sizes: an nn.Embedding table (not in N), and a token embedding tied to a head (in
 # N: its matmul runs at the end of forward); any other parameter has the role "".
 _TABLE, _TIED = "table", "tied"
@@ -122,12 +126,20 @@ def model_dims(model: nn.Module | None, parallelism: dict[str, Any]) -> dict[str
 
 def _experts_of(config: object) -> dict[str, int]:
     """experts and active_experts of a mixture of experts whose config names both (a token routed
-    to k of E); nothing for a dense model, or a config that does not say both consistently."""
+    to k of E), and shared_ffn_hidden where it has shared experts; nothing for a dense model, or a
+    config that does not say both consistently."""
     experts = next((v for name in _EXPERTS if (v := _positive_int(getattr(config, name, None)))), None)
     routed = next((v for name in _ROUTED if (v := _positive_int(getattr(config, name, None)))), None)
     if experts is None or routed is None or routed > experts:
         return {}
-    return {"experts": experts, "active_experts": routed}
+    moe = {"experts": experts, "active_experts": routed}
+    shared = _positive_int(getattr(config, _SHARED_WIDTH, None))
+    if shared is None and (count := _positive_int(getattr(config, _SHARED_COUNT, None))) is not None:
+        width = next((v for name in _EXPERT_WIDTH if (v := _positive_int(getattr(config, name, None)))), None)
+        shared = None if width is None else count * width
+    if shared is not None:
+        moe["shared_ffn_hidden"] = shared
+    return moe
 
 
 def _idle_expert_params(model: nn.Module, config: object) -> int:

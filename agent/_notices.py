@@ -138,11 +138,13 @@ class Notices:
 
     def older_collector(self, fields: list[str]) -> None:
         """The collector refused registration fields it is older than; the run registered without them."""
+        dense = {"model.experts", "model.active_experts"} & set(fields)
+        loss = "takes the model as dense" if dense else "leaves the MoE's shared experts out"
         self._say(
             ("older_collector", *fields),
             f"the collector at {self.url} is older than this agent: it does not know the registration field(s) "
-            f"{', '.join(fields)}, so the run is registered without them (its MFU prediction takes the model as "
-            "dense). Upgrade the collector to the agent's version",
+            f"{', '.join(fields)}, so the run is registered without them (its MFU prediction {loss}). Upgrade the "
+            "collector to the agent's version",
         )
 
     def registered(self) -> None:

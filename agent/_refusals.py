@@ -29,7 +29,19 @@ refused at once cost a collector ~1.6k cached-token lookups a second, not ~8k.""
 # Registration fields added to wire v1 after it shipped. A collector older than them refuses them as
 # unknown (extra="forbid": a typo must not be dropped silently); the agent then registers without
 # them rather than lose the run's data (agent/_delivery.py).
-LATER_REGISTRATION_FIELDS: frozenset[tuple[str, str]] = frozenset({("model", "experts"), ("model", "active_experts")})
+LATER_REGISTRATION_FIELDS: frozenset[tuple[str, str]] = frozenset(
+    {("model", "experts"), ("model", "active_experts"), ("model", "shared_ffn_hidden")}
+)
+
+
+def without_absent_later_fields(registration: dict) -> dict:
+    """The registration without the later fields it has no value for: sent as null they would only
+    have a collector older than them refuse it once, and the notice name fields the model lacks."""
+    for section, name in LATER_REGISTRATION_FIELDS:
+        values = registration.get(section)
+        if isinstance(values, dict) and name in values and values[name] is None:
+            del values[name]
+    return registration
 
 
 def unknown_later_fields(reply: Reply) -> list[tuple[str, str]]:

@@ -83,6 +83,12 @@ class ModelDims(_Strict):
     non_embedding_params: _Positive | None = Field(None, description="N in 6N + 12LHQT")
     experts: _Degree | None = Field(None, description="MLP experts per layer, a mixture of experts (1: dense)")
     active_experts: _Degree | None = Field(None, description="experts each token is routed to (top-k)")
+    shared_ffn_hidden: _Positive | None = Field(
+        None,
+        description="MLP inner width every token passes through besides its routed experts: an MoE's "
+        "shared experts together (DeepSeek: n_shared_experts x moe_intermediate_size; Qwen2-MoE: "
+        "shared_expert_intermediate_size)",
+    )
 
     @model_validator(mode="after")
     def _routed_to_at_most_all_experts(self) -> ModelDims:

@@ -44,6 +44,7 @@ MODEL_ALIASES = {
     "seq_length": "seq_len",
     "num_experts": "experts",
     "top_k": "active_experts",
+    "shared_expert_intermediate_size": "shared_ffn_hidden",
 }
 PARALLELISM_ALIASES = {
     "world_size": "gpus",
@@ -57,7 +58,7 @@ HARDWARE_ALIASES = {"gpu_type": "gpu", "count": "gpus", "peak_tflops_per_gpu": "
 # The keys each section takes (after aliases); anything else is an error in strict parsing.
 MODEL_KEYS = frozenset({
     "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "gated_mlp", "vocab", "seq_len", "params", "experts",
-    "active_experts", "tied_embeddings",
+    "active_experts", "shared_ffn_hidden", "tied_embeddings",
 })
 PARALLELISM_KEYS = frozenset({
     "gpus", "tp", "pp", "dp", "cp", "ep", "vpp", "zero", "micro_batch", "global_batch", "recompute",
@@ -95,6 +96,10 @@ class ModelConfig:
     """MLP experts per layer (1 = dense)."""
     active_experts: int = 1
     """Experts each token is routed to (top-k)."""
+    shared_ffn_hidden: int = 0
+    """MLP width every token passes through besides its routed experts (an MoE's shared experts
+    together; DeepSeek and Qwen2-MoE have them): active, and replicated like attention, not sharded
+    by expert parallelism."""
     tied_embeddings: bool = False
     """Input embedding and output head share one matrix."""
 
@@ -137,6 +142,10 @@ class ModelConfig:
         return (3 if self.gated_mlp else 2) * self.hidden * self.ffn_hidden
 
     @property
+    def shared_mlp_params(self) -> int:
+        return (3 if self.gated_mlp else 2) * self.hidden * self.shared_ffn_hidden
+
+    @property
     def embedding_params(self) -> int:
         return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
 
@@ -149,7 +158,7 @@ class ModelConfig:
     @property
     def _block_counted(self) -> int:
         """One transformer block's parameters as the architecture counts them, all its experts included."""
-        return self.attention_params_per_layer + self.experts * self.mlp_params_per_expert
+        return self.attention_params_per_layer + self.experts * self.mlp_params_per_expert + self.shared_mlp_params
 
     @property
     def block_params(self) -> float:
@@ -158,7 +167,8 @@ class ModelConfig:
 
     @property
     def expert_params(self) -> float:
-        """Parameters that expert parallelism shards (all experts' MLPs); 0 for a dense model."""
+        """Parameters that expert parallelism shards (all routed experts' MLPs, not the shared ones);
+        0 for a dense model."""
         if self.experts == 1:
             return 0.0
         return self._scale * self.layers * self.experts * self.mlp_params_per_expert
@@ -171,10 +181,8 @@ class ModelConfig:
     @property
     def params_active(self) -> float:
         """Parameters one token touches (top-k experts only): what 6N counts."""
-        return self._scale * (
-            self.layers * (self.attention_params_per_layer + self.active_experts * self.mlp_params_per_expert)
-            + self.embedding_params
-        )
+        per_layer = self.attention_params_per_layer + self.active_experts * self.mlp_params_per_expert
+        return self._scale * (self.layers * (per_layer + self.shared_mlp_params) + self.embedding_params)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -403,6 +411,7 @@ def parse_model(data: Mapping[str, Any], *, strict: bool = True) -> ModelConfig:
         params_override=_float(sec, "model", "params"),
         experts=experts,
         active_experts=_int(sec, "model", "active_experts", min(2, experts)),
+        shared_ffn_hidden=_int(sec, "model", "shared_ffn_hidden", 0, minimum=0),
         tied_embeddings=_bool(sec, "model", "tied_embeddings", False),
     )
 

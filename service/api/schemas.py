@@ -502,6 +502,8 @@ class ModelSection(_Section):
     """Total parameter count; rescales the architecture's count."""
     experts: _Width | None = None
     active_experts: _Width | None = None
+    shared_ffn_hidden: _Ffn | None = None
+    """An MoE's shared experts: the MLP width every token passes through besides its routed ones."""
     tied_embeddings: StrictBool | None = None
 
 

@@ -259,3 +259,46 @@ def test_an_moe_registers_its_experts_width_where_the_config_names_it_apart() ->
     assert abs(model.params_total / model.params_override - 1) < 0.05  # the shape gives the published total
     dense = SimpleNamespace(**{k: v for k, v in vars(_QWEN3_MOE).items() if "expert" not in k})
     assert model_dims(_ConfigOnly(dense), {"pp": 2})["ffn_hidden"] == 6144  # no experts: the MLP's width
+
+
+# Qwen1.5-MoE-A2.7B's published config (the fields read here): 60 experts of width 1,408, 4 per token,
+# and one shared expert of width 5,632 that every token passes through. Published: 14.3B parameters,
+# 2.7B of them active.
+_QWEN15_MOE = SimpleNamespace(
+    num_hidden_layers=24, hidden_size=2048, num_attention_heads=16, num_key_value_heads=16,
+    intermediate_size=5632, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+    num_experts=60, num_experts_per_tok=4, vocab_size=151936, max_position_embeddings=8192,
+)  # fmt: skip
+
+
+def test_an_moe_registers_its_shared_experts_and_the_collector_counts_them_active() -> None:
+    """A shared expert runs on every token: left out, the collector's model of Qwen1.5-MoE-A2.7B
+    had 1.97B active parameters against the published 2.7B (its FLOPs, so the predicted step time,
+    27% short, and the MFU it predicts that much too high: a gap where there is none)."""
+    dims = model_dims(_ConfigOnly(_QWEN15_MOE), {"world_size": 64, "pp": 2})
+    assert (dims["ffn_hidden"], dims["shared_ffn_hidden"]) == (1408, 5632)
+    registered = RunRegistration(run="r", model=dims).model_dump(exclude_none=True)
+    model = parse_model(registered)
+    assert abs(model.params_total / 14.3e9 - 1) < 0.02  # the shape alone gives the published total
+    assert abs(model.params_active / 2.7e9 - 1) < 0.02
+    # Expert parallelism shards the routed experts only: the shared one is replicated like attention.
+    assert model.expert_params == 24 * 60 * 3 * 2048 * 1408
+    # With the published total registered too (as an agent that counts its module does), the same;
+    # without the shared expert the total rescales the rest and the active count stays 27% short.
+    published = {**registered["model"], "params": 14_300_000_000}
+    assert abs(parse_model({"model": published}).params_active / 2.7e9 - 1) < 0.02
+    published.pop("shared_ffn_hidden")
+    assert abs(parse_model({"model": published}).params_active / 2.7e9 - 1) > 0.25
+
+
+def test_deepseek_names_its_shared_experts_by_count() -> None:
+    """DeepSeek-V2/V3 configs give n_shared_experts, each of the routed experts' width."""
+    deepseek = SimpleNamespace(
+        hidden_size=2048, num_attention_heads=16, moe_intermediate_size=1408, intermediate_size=10944,
+        n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2,
+    )  # fmt: skip
+    dims = model_dims(_ConfigOnly(deepseek), {"pp": 2})
+    assert (dims["ffn_hidden"], dims["experts"], dims["shared_ffn_hidden"]) == (1408, 64, 2 * 1408)
+    for none in ({"n_shared_experts": 0}, {"n_shared_experts": None}, {"moe_intermediate_size": None}):
+        config = SimpleNamespace(**{**vars(deepseek), **none})
+        assert "shared_ffn_hidden" not in model_dims(_ConfigOnly(config), {"pp": 2})

@@ -20,7 +20,14 @@ from trainvitals.agent import AgentConfig
 from trainvitals.agent._delivery import spooling_exporter
 from trainvitals.agent._notices import Notices, display_url
 from trainvitals.agent._processor import BatchProcessor
-from trainvitals.agent._refusals import LATER_REGISTRATION_FIELDS, AuthWindow, reason, unknown_later_fields, verdict
+from trainvitals.agent._refusals import (
+    LATER_REGISTRATION_FIELDS,
+    AuthWindow,
+    reason,
+    unknown_later_fields,
+    verdict,
+    without_absent_later_fields,
+)
 from trainvitals.agent._transport import HttpTransport, Reply
 from trainvitals.service import auth, main
 from trainvitals.service.ingest.replay import replay_files
@@ -302,31 +309,36 @@ def test_an_invalid_batch_is_set_aside_under_the_registration_the_collector_took
     assert json.loads(batch)["records"][0]["step_seconds"] == -1.0
 
 
-class OlderCollectorTransport(HttpTransport):
-    """HTTP to the real collector, which answers a registration as a collector older than the
-    wire's later fields (agent/_refusals.py) would: validated against ModelDims without them, the
-    422 written by the collector's own handler. A stand-in: there is no earlier release to install,
-    so the older collector's answer is built from its own parts (the model, the handler)."""
-
-    OLDER_MODEL_DIMS = pydantic.create_model(  # type: ignore[call-overload]
+def _older_model_dims(unknown: frozenset[tuple[str, str]]) -> type[pydantic.BaseModel]:
+    """ModelDims as a collector that predates the `unknown` fields has it."""
+    return pydantic.create_model(  # type: ignore[call-overload,no-any-return]
         "ModelDims",
         __config__=ModelDims.model_config,
         **{
             name: (field.annotation, field)
             for name, field in ModelDims.model_fields.items()
-            if ("model", name) not in LATER_REGISTRATION_FIELDS
+            if ("model", name) not in unknown
         },
     )
 
-    def __init__(self, base_url: str) -> None:
+
+class OlderCollectorTransport(HttpTransport):
+    """HTTP to the real collector, which answers a registration as a collector older than the
+    wire's later fields (agent/_refusals.py) would: validated against ModelDims without them, the
+    422 written by the collector's own handler. A stand-in: there is no earlier release to install,
+    so the older collector's answer is built from its own parts (the model, the handler). By
+    default older than all of them; `unknown` names the ones it lacks."""
+
+    def __init__(self, base_url: str, unknown: frozenset[tuple[str, str]] = LATER_REGISTRATION_FIELDS) -> None:
         super().__init__(base_url)
+        self.older_model_dims = _older_model_dims(unknown)
         self.registrations: list[dict] = []
 
     def post(self, path: str, body: bytes, timeout: float) -> Reply:
         if path == "/v1/runs":
             self.registrations.append(json.loads(body))
             try:
-                self.OLDER_MODEL_DIMS.model_validate(json.loads(body).get("model", {}))
+                self.older_model_dims.model_validate(json.loads(body).get("model", {}))
             except pydantic.ValidationError as exc:
                 errors = [{**e, "loc": ("body", "model", *e["loc"])} for e in exc.errors()]
                 answer = asyncio.run(main._validation_error(None, RequestValidationError(errors)))  # type: ignore[arg-type]
@@ -343,7 +355,8 @@ def test_an_older_collector_that_refuses_the_moe_fields_gets_the_run_registered_
     caplog.set_level(logging.WARNING, "trainvitals.agent")
     transport = OlderCollectorTransport(collector.url)
     config = AgentConfig(collector=collector.url, token="", spill_dir=str(tmp_path / "spool"), retry_backoff_s=0.0)
-    reg = RunRegistration(run="r1", model={"hidden": 64, "experts": 8, "active_experts": 2}).model_dump(mode="json")
+    moe = RunRegistration(run="r1", model={"hidden": 64, "experts": 8, "active_experts": 2})
+    reg = without_absent_later_fields(moe.model_dump(mode="json"))  # as attach sends it
     exp = spooling_exporter(config=config, run="r1", rank=0, incarnation=1, registration=reg, transport=transport)
     _emit_steps(exp, range(STEPS))
     exp.shutdown()
@@ -358,9 +371,53 @@ def test_an_older_collector_that_refuses_the_moe_fields_gets_the_run_registered_
     ]
 
 
+def test_a_dense_model_registers_with_an_older_collector_at_once(
+    collector: CollectorServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The later fields a model has no value for are not sent as null: a collector older than them
+    takes the registration the first time, and nothing is said about fields the model lacks."""
+    caplog.set_level(logging.WARNING, "trainvitals.agent")
+    transport = OlderCollectorTransport(collector.url)
+    config = AgentConfig(collector=collector.url, token="", spill_dir=str(tmp_path / "spool"), retry_backoff_s=0.0)
+    dense = RunRegistration(run="r1", model={"hidden": 64, "ffn_hidden": 256}).model_dump(mode="json")
+    assert dense["model"]["experts"] is None  # what pydantic dumps, and what the agent leaves out
+    exp = spooling_exporter(
+        config=config, run="r1", rank=0, incarnation=1, registration=without_absent_later_fields(dense),
+        transport=transport,
+    )
+    _emit_steps(exp, range(STEPS))
+    exp.shutdown()
+    assert _stored(collector.db_url) == ({"r1": "default"}, [(1, s) for s in range(STEPS)])
+    assert len(transport.registrations) == 1 and _warnings(caplog) == []
+
+
+def test_a_collector_that_knows_the_experts_but_not_the_shared_ones_keeps_the_experts(
+    collector: CollectorServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A collector of the release before shared_ffn_hidden (session 47) knows experts and top-k:
+    only the shared width goes, and the line says what that costs the prediction."""
+    caplog.set_level(logging.WARNING, "trainvitals.agent")
+    transport = OlderCollectorTransport(collector.url, unknown=frozenset({("model", "shared_ffn_hidden")}))
+    config = AgentConfig(collector=collector.url, token="", spill_dir=str(tmp_path / "spool"), retry_backoff_s=0.0)
+    model = {"hidden": 64, "experts": 8, "active_experts": 2, "shared_ffn_hidden": 256}
+    reg = without_absent_later_fields(RunRegistration(run="r1", model=model).model_dump(mode="json"))
+    exp = spooling_exporter(config=config, run="r1", rank=0, incarnation=1, registration=reg, transport=transport)
+    _emit_steps(exp, range(STEPS))
+    exp.shutdown()
+    assert _stored(collector.db_url) == ({"r1": "default"}, [(1, s) for s in range(STEPS)])
+    assert [r["model"].get("shared_ffn_hidden") for r in transport.registrations] == [256, None]
+    assert transport.registrations[1]["model"]["experts"] == 8
+    assert _warnings(caplog) == [
+        f"trainvitals agent: the collector at {collector.url} is older than this agent: it does not know the "
+        "registration field(s) model.shared_ffn_hidden, so the run is registered without them (its MFU prediction "
+        "leaves the MoE's shared experts out). Upgrade the collector to the agent's version"
+    ]
+
+
 def test_the_current_collector_stores_the_moe_fields(collector: CollectorServer, tmp_path: Path) -> None:
     config = AgentConfig(collector=collector.url, token="", spill_dir=str(tmp_path / "spool"), retry_backoff_s=0.0)
-    reg = RunRegistration(run="r1", model={"experts": 8, "active_experts": 2}).model_dump(mode="json")
+    model = {"experts": 8, "active_experts": 2, "shared_ffn_hidden": 256}
+    reg = RunRegistration(run="r1", model=model).model_dump(mode="json")
     exp = spooling_exporter(config=config, run="r1", rank=0, incarnation=1, registration=reg)
     _emit_steps(exp, range(2))
     exp.shutdown()
@@ -368,7 +425,7 @@ def test_the_current_collector_stores_the_moe_fields(collector: CollectorServer,
     with engine.connect() as conn:
         (stored,) = conn.execute(select(Run.registration)).scalars()
     engine.dispose()
-    assert (stored["model"]["experts"], stored["model"]["active_experts"]) == (8, 2)
+    assert {k: stored["model"][k] for k in model} == model
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from trainvitals.service.advisors.cost_model import (
     plan,
     predict_mfu,
 )
+from trainvitals.service.advisors.memory import gathered_params
 from trainvitals.service.advisors.model_config import parse_plan_input
 
 LLAMA3_8K = next(p for p in POINTS if p.label.startswith("Llama3 405B 8192x"))
@@ -165,6 +166,25 @@ def test_moe_counts_active_parameters_only() -> None:
            "parallelism": {"gpus": 32, "tp": 4, "ep": 2}, "hardware": {"gpu": "H200", "gpus_per_node": 4}}
     r = plan(parse_plan_input(cfg))
     assert r.params_active < 0.4 * r.params_total and r.step.ep_comm_s > 0
+
+
+def test_moe_shared_experts_are_active_and_not_sharded_by_expert_parallelism() -> None:
+    """A shared expert (DeepSeek, Qwen2-MoE) runs on every token: its parameters are active, so its
+    FLOPs lengthen the predicted compute, and it is replicated across the EP group like attention."""
+    model = {"layers": 24, "hidden": 2048, "heads": 16, "vocab": 32000, "seq_len": 4096,
+             "ffn_hidden": 1408, "experts": 64, "active_experts": 6}
+    cfg = {"model": model, "parallelism": {"gpus": 32, "tp": 2, "ep": 4}, "hardware": {"gpu": "H100-SXM"}}
+    plain, shared = (parse_plan_input({**cfg, "model": {**model, **extra}})
+                     for extra in ({}, {"shared_ffn_hidden": 2 * 1408}))
+    per_layer = 3 * 2048 * 2 * 1408
+    assert shared.model.params_active - plain.model.params_active == 24 * per_layer
+    assert shared.model.params_total - plain.model.params_total == 24 * per_layer
+    assert shared.model.expert_params == plain.model.expert_params  # EP shards the routed experts only
+    flops = model_flops_per_token(shared) / model_flops_per_token(plain)
+    assert plan(shared).step.compute_s / plan(plain).step.compute_s == pytest.approx(flops, rel=0.02)
+    assert flops > 1.15  # 2 shared of 6 routed experts, with attention and 12LHQT unchanged
+    # Replicated across EP: a ZeRO-3 gather holds it whole on every rank of the group.
+    assert gathered_params(shared) - gathered_params(plain) == pytest.approx(2 * per_layer / 2)
 
 
 def test_calibration_is_not_sensitive_to_one_dropped_point() -> None:

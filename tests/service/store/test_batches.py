@@ -149,8 +149,8 @@ def test_another_job_reusing_the_run_id_is_refused_with_what_differs(session) ->
 
 
 def test_an_moe_with_other_experts_is_another_job(session) -> None:
-    def moe(incarnation: int, **experts: int) -> RunRegistration:
-        return RunRegistration(run="m", incarnation=incarnation, model={"hidden": 1024, **experts})
+    def moe(incarnation: int, run: str = "m", **experts: int) -> RunRegistration:
+        return RunRegistration(run=run, incarnation=incarnation, model={"hidden": 1024, **experts})
 
     batches.register_run(session, moe(1, experts=8, active_experts=2))
     with pytest.raises(batches.RunConflictError, match=r"model.experts: 8 registered, 16 now\)"):
@@ -159,6 +159,13 @@ def test_an_moe_with_other_experts_is_another_job(session) -> None:
         batches.register_run(session, moe(3, experts=8, active_experts=1))
     # Registered without them (an older agent, or one an older collector made drop them): the same job.
     assert batches.register_run(session, moe(4)) is False
+    # Shared experts: absent on either side contradicts nothing (an agent of session 47 read none);
+    # two widths are two models.
+    assert batches.register_run(session, moe(5, experts=8, active_experts=2, shared_ffn_hidden=4096)) is False
+    batches.register_run(session, moe(1, "s", experts=8, active_experts=2, shared_ffn_hidden=4096))
+    with pytest.raises(batches.RunConflictError, match=r"model.shared_ffn_hidden: 4096 registered, 2048 now\)"):
+        batches.register_run(session, moe(2, "s", experts=8, active_experts=2, shared_ffn_hidden=2048))
+    assert batches.register_run(session, moe(3, "s", experts=8, active_experts=2)) is False
 
 
 def test_a_declared_resume_continues_the_run_on_a_new_layout(session) -> None:
