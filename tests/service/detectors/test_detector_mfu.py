@@ -178,6 +178,52 @@ def test_a_mixture_of_experts_registered_with_its_experts_gets_a_prediction() ->
     assert moe is not None and 0.05 < moe.predicted < 0.8 and moe.low is not None and moe.low < moe.predicted
 
 
+def test_an_moe_with_a_shared_expert_at_the_predicted_speed_has_no_gap(series) -> None:
+    """Qwen1.5-MoE-A2.7B (60 experts of width 1,408, top-4, one shared expert of width 5,632 every
+    token passes through) as the agent registers it, running at the speed the cost model predicts
+    for it. Its shared expert registered, no gap; left out (as before shared_ffn_hidden), the
+    predicted step was 27% of the active FLOPs short and this healthy run fired a gap."""
+    from trainvitals.service.advisors.cost_model import plan
+    from trainvitals.service.advisors.model_config import parse_plan_input
+    from trainvitals.service.analysis.expectations import mfu_expectation
+    from trainvitals.wire import RunRegistration
+
+    hidden, layers, seq, vocab = 2048, 24, 4096, 151936
+    per_layer = 4 * hidden**2 + 4 * 3 * hidden * 1408 + 3 * hidden * 5632  # attention, 4 routed, shared
+    n = layers * per_layer + vocab * hidden  # what the agent counts: the head in, the input table out
+
+    def registered(**shared: int) -> dict:
+        return RunRegistration(
+            run="qwen-moe",
+            model={"layers": layers, "hidden": hidden, "heads": 16, "kv_heads": 16, "ffn_hidden": 1408,
+                   "vocab": vocab, "seq_len": seq, "experts": 60, "active_experts": 4, "params": 14_300_000_000,
+                   "non_embedding_params": n, **shared},
+            parallelism={"world_size": 64, "ep": 4, "micro_batch": 2, "global_batch": 512},
+            hardware={"gpu_type": "H100-SXM", "gpu_count": 64},
+        ).model_dump(mode="json", exclude_none=True)  # fmt: skip
+
+    true = registered(shared_ffn_hidden=5632)
+    tokens_per_s = plan(parse_plan_input(true, strict=False)).tokens_per_s
+    measured = tokens_per_s * (6 * n + 12 * layers * hidden * seq) / (64 * 989e12)
+
+    def gaps(reg: dict) -> list:
+        e = mfu_expectation(reg)
+        assert e is not None
+        s = series(3000)
+        s.peak_flops_total = PEAK
+        s.steps.mfu = np.full(3000, measured)
+        s.steps.step_seconds = np.ones(3000)
+        s.steps.flops = s.steps.mfu * PEAK
+        s.expected_mfu, s.expected_mfu_low, s.mfu_convention = e.predicted, e.low, e.convention
+        return detect_mfu_gap(s, suppression_for(s, SuppressionConfig()), MfuConfig())
+
+    expected = mfu_expectation(true)
+    assert expected is not None and expected.predicted == pytest.approx(measured, rel=1e-9)
+    assert gaps(true) == []
+    (f,) = gaps(registered())
+    assert f.kind == "mfu_gap" and f.magnitude > 0.2
+
+
 def _impossible(series, flops_scale: np.ndarray, expected: float | None = 0.41, *, fp8: bool = False) -> list:
     sec = np.ones(len(flops_scale))
     s = series(len(sec))
