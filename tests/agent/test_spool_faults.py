@@ -25,12 +25,14 @@ from trainvitals.agent import AgentConfig
 from trainvitals.agent._delivery import spooling_exporter
 from trainvitals.agent._guard import ErrorBudget
 from trainvitals.agent._processor import DROP_REASONS, BatchProcessor
+from trainvitals.agent._refusals import without_absent_later_fields
 from trainvitals.agent._spool import Spool
 from trainvitals.service.store import db
 from trainvitals.service.store.models import EventRow, StepRow
 from trainvitals.wire import RunRegistration
 
-REG = RunRegistration(run="r1", parallelism={"world_size": 1}).model_dump(mode="json")
+# As attach sends it: the later fields it has no value for left out (agent/_refusals.py).
+REG = without_absent_later_fields(RunRegistration(run="r1", parallelism={"world_size": 1}).model_dump(mode="json"))
 CHILD = Path(__file__).parent / "fault_scripts" / "spool_fsize_child.py"
 NO_DROPS = dict.fromkeys(DROP_REASONS, 0)
 
