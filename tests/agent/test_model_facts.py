@@ -302,3 +302,35 @@ def test_deepseek_names_its_shared_experts_by_count() -> None:
     for none in ({"n_shared_experts": 0}, {"n_shared_experts": None}, {"moe_intermediate_size": None}):
         config = SimpleNamespace(**{**vars(deepseek), **none})
         assert "shared_ffn_hidden" not in model_dims(_ConfigOnly(config), {"pp": 2})
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_a_real_hf_moe_with_shared_experts_gets_the_active_parameters_it_has(family: str) -> None:
+    """Tiny random transformers models of the two families with shared experts, built from their own
+    config classes (no download): the agent registers the shared width, and the collector's
+    architecture count of the active parameters agrees with what the agent counted from the
+    module itself (N plus the input table) within 2% (routers, gates and norms are not in the
+    shape; DeepSeek's MLA attention is counted as plain attention)."""
+    import transformers
+
+    tiny = {"hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 4, "vocab_size": 1000, "max_position_embeddings": 128, "num_experts_per_tok": 2}
+    if family == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(
+            **tiny, moe_intermediate_size=44, shared_expert_intermediate_size=176, num_experts=8
+        )
+        model, shared = transformers.Qwen2MoeForCausalLM(config), 176
+    else:
+        config = transformers.DeepseekV3Config(
+            **tiny, moe_intermediate_size=32, n_shared_experts=2, n_routed_experts=8, first_k_dense_replace=0,
+            q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1,
+            topk_group=1,
+        )
+        model, shared = transformers.DeepseekV3ForCausalLM(config), 2 * 32
+    dims = model_dims(model, {"world_size": 1})
+    assert (dims["experts"], dims["active_experts"], dims["shared_ffn_hidden"]) == (8, 2, shared)
+    registered = RunRegistration(run="r", model=dims).model_dump(exclude_none=True)
+    collector = parse_model(registered, strict=False)
+    counted = dims["non_embedding_params"] + 1000 * 64  # the agent's N, the input table added back
+    assert abs(collector.params_active / counted - 1) < 0.02
+    assert collector.params_total == pytest.approx(dims["params"], rel=0.02)
