@@ -157,6 +157,9 @@ def test_attach_registers_the_derived_dims_and_explicit_values_win(tmp_path: Pat
     model = _HFLike()
     derived = _registered(tmp_path / "a", model)
     assert derived["model"]["hidden"] == 24 and derived["model"]["seq_len"] == 128
+    # A dense model's body leaves out the later fields it has no value for (not null: a collector
+    # older than them would refuse it once, agent/_refusals.py).
+    assert not {"experts", "active_experts", "shared_ffn_hidden"} & set(derived["model"])
     assert derived["hardware"] == {"gpu_type": "cpu", "gpu_count": None, "gpus_per_node": None, "peak_flops": None}
     explicit = _registered(
         tmp_path / "b", model,
