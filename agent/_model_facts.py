@@ -128,14 +128,13 @@ def _experts_of(config: object) -> dict[str, int]:
     """experts and active_experts of a mixture of experts whose config names both (a token routed
     to k of E), and shared_ffn_hidden where it has shared experts; nothing for a dense model, or a
     config that does not say both consistently."""
-    experts = next((v for name in _EXPERTS if (v := _positive_int(getattr(config, name, None)))), None)
-    routed = next((v for name in _ROUTED if (v := _positive_int(getattr(config, name, None)))), None)
+    experts, routed = _config_int(config, _EXPERTS), _config_int(config, _ROUTED)
     if experts is None or routed is None or routed > experts:
         return {}
     moe = {"experts": experts, "active_experts": routed}
-    shared = _positive_int(getattr(config, _SHARED_WIDTH, None))
-    if shared is None and (count := _positive_int(getattr(config, _SHARED_COUNT, None))) is not None:
-        width = next((v for name in _EXPERT_WIDTH if (v := _positive_int(getattr(config, name, None)))), None)
+    shared = _config_int(config, (_SHARED_WIDTH,))
+    if shared is None and (count := _config_int(config, (_SHARED_COUNT,))) is not None:
+        width = _config_int(config, _EXPERT_WIDTH)
         shared = None if width is None else count * width
     if shared is not None:
         moe["shared_ffn_hidden"] = shared
@@ -201,6 +200,11 @@ def _positive_int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
 
 
+def _config_int(config: object, names: tuple[str, ...]) -> int | None:
+    """The first of the config's attributes `names` that holds a positive int."""
+    return next((v for name in names if (v := _positive_int(getattr(config, name, None)))), None)
+
+
 def _from_config(config: object) -> dict[str, int]:
     if config is None:
         return {}
@@ -208,11 +212,8 @@ def _from_config(config: object) -> dict[str, int]:
     for key, names in _CONFIG_NAMES.items():
         if key == "ffn_hidden" and _experts_of(config):
             names = _EXPERT_WIDTH + names  # an MoE's ffn_hidden is its experts' width
-        for name in names:
-            value = _positive_int(getattr(config, name, None))
-            if value is not None:
-                dims[key] = value
-                break
+        if (value := _config_int(config, names)) is not None:
+            dims[key] = value
     return dims
 
 

@@ -35,8 +35,9 @@ LATER_REGISTRATION_FIELDS: frozenset[tuple[str, str]] = frozenset(
 
 
 def without_absent_later_fields(registration: dict) -> dict:
-    """The registration without the later fields it has no value for: sent as null they would only
-    have a collector older than them refuse it once, and the notice name fields the model lacks."""
+    """The registration without the later fields it has no value for, removed in place (and the
+    registration returned): sent as null they would only have a collector older than them refuse it
+    once, and the notice name fields the model lacks."""
     for section, name in LATER_REGISTRATION_FIELDS:
         values = registration.get(section)
         if isinstance(values, dict) and name in values and values[name] is None:
