@@ -584,16 +584,23 @@ def _findings(board: dash_b.Dashboard) -> dash_b.Dashboard:
             "Open findings: onset and magnitude",
             unit=p.COUNT,
             description="Each open finding with the first step of its evidence (kept while the finding stays "
-            "open), the step it was first raised at, and its magnitude (unit per kind, docs/detectors.md).",
+            "open), the step it was first raised at, the step it first paged at (empty: it has not paged), and "
+            "its magnitude (unit per kind, docs/detectors.md).",
             targets=[
                 p.prom(with_severity("trainvitals_finding_onset_step"), ref="A", instant=True, table=True),
                 p.prom(with_severity("trainvitals_finding_detected_step"), ref="C", instant=True, table=True),
+                p.prom(with_severity("trainvitals_finding_paged_step"), ref="D", instant=True, table=True),
                 p.prom(with_severity("trainvitals_finding_magnitude"), ref="B", instant=True, table=True),
             ],
             transformations=[
                 p.transformation("merge"),
                 p.organize(
-                    {"Value #A": "onset step", "Value #C": "detected at step", "Value #B": "magnitude"},
+                    {
+                        "Value #A": "onset step",
+                        "Value #C": "detected at step",
+                        "Value #D": "paged at step",
+                        "Value #B": "magnitude",
+                    },
                     exclude=("Time",),
                 ),
             ],

@@ -469,6 +469,11 @@ def _finding_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
         "Complete step at which an open finding was first raised (onset_step is where its evidence starts)",
         labels,
     )
+    paged = _gauge(
+        "trainvitals_finding_paged_step",
+        "Complete step at which an open finding first was a page (absent: it has not paged)",
+        labels,
+    )
     magnitude = _gauge(
         "trainvitals_finding_magnitude", "Size of an open finding (unit per kind: docs/detectors.md)", labels
     )
@@ -486,11 +491,13 @@ def _finding_families(snaps: list[snapshot.RunSnapshot]) -> Iterator[Metric]:
             onset.add_metric([sn.label, f.kind, f.subject_kind, f.subject], f.onset_step)
             if f.detected_step is not None:  # None: stored before revision 0009
                 detected.add_metric([sn.label, f.kind, f.subject_kind, f.subject], f.detected_step)
+            if f.paged_step is not None:  # a ticket that never escalated, or stored before revision 0020
+                paged.add_metric([sn.label, f.kind, f.subject_kind, f.subject], f.paged_step)
             magnitude.add_metric([sn.label, f.kind, f.subject_kind, f.subject], f.magnitude)
         for (kind, severity), n in sorted(sn.findings.by_kind.items()):
             total.add_metric([sn.label, kind, severity], n)
         omitted.add_metric([sn.label], sn.findings.omitted)
-    yield from (active, onset, detected, magnitude, total, omitted)
+    yield from (active, onset, detected, paged, magnitude, total, omitted)
 
 
 def _checkpoint_families(snaps: list[snapshot.RunSnapshot], now: float) -> Iterator[Metric]:

@@ -153,6 +153,9 @@ class FindingPublic(_Public):
     detected_step: int | None
     """Step at which it was first raised (kept while it stays open); null: stored before this was
     recorded (revision 0009)."""
+    paged_step: int | None
+    """First step at which it was a page (kept while it stays open; later than detected_step when a
+    ticket escalated); null: it never paged, or stored before this was recorded (revision 0020)."""
     last_step: int
     magnitude: float
     summary: str

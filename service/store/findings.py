@@ -8,9 +8,10 @@ Onsets are stable (the rule lives here, in `fold_findings`, so the live worker, 
 analysis on request all get it): each cycle recomputes a finding over the detectors' lookback,
 which slides forward, so a recomputed onset can move later although nothing changed (a straggler
 paged "since step 600" would read "since step 900"). While a stored finding is open, its onset may
-move earlier (new evidence backdates it) but never later, and `detected_step` stays the step it was
-first raised at. A closed finding reported open again is a new episode: onset and detected step
-start afresh.
+move earlier (new evidence backdates it) but never later, `detected_step` stays the step it was
+first raised at and `paged_step` the first step it was a page (the detectors recompute both over
+the lookback, where they too would move later). A closed finding reported open again is a new
+episode: onset, detected and paged step start afresh.
 
 A run whose analysis raises (service/analysis/worker.py) gets one finding of its own,
 `analysis_failed` (`record_analysis_failure`), open while it keeps failing; the first cycle that
@@ -82,8 +83,8 @@ class HeldFinding:
     summary: str
     active: bool
     paged_step: int | None = None
-    """The first step this episode was a page, kept like detected_step (in memory only: the store
-    has no column for it yet)."""
+    """The first step this episode was a page, kept like detected_step; None: it never paged (or a
+    row stored before revision 0020)."""
 
 
 def fold_findings(held: Mapping[Key, HeldFinding], findings: Sequence[FindingLike]) -> dict[Key, HeldFinding]:
@@ -144,6 +145,7 @@ def store_findings(session: Session, *, run_id: str, findings: Sequence[FindingL
             )
             session.add(row)
         row.severity, row.onset_step, row.detected_step = h.severity, h.onset_step, h.detected_step
+        row.paged_step = h.paged_step
         row.last_step, row.magnitude, row.summary, row.active = h.last_step, h.magnitude, h.summary, h.active
         row.updated_at = now
     session.commit()
@@ -161,6 +163,7 @@ def _held(row: FindingRow) -> HeldFinding:
         magnitude=row.magnitude,
         summary=row.summary,
         active=row.active,
+        paged_step=row.paged_step,
     )
 
 

@@ -351,6 +351,9 @@ class FindingRow(Base):
     magnitude: Mapped[float] = mapped_column(Real)
     summary: Mapped[str] = mapped_column(Text)
     active: Mapped[bool] = mapped_column(Boolean, default=True)
+    # The first step the episode was a page, kept like detected_step; None if it never paged, or
+    # stored before revision 0020.
+    paged_step: Mapped[int | None] = mapped_column(BigInteger)
     first_seen_at: Mapped[float] = mapped_column(Real)
     updated_at: Mapped[float] = mapped_column(Real)
 

@@ -293,7 +293,7 @@ def test_analysis_cycles_are_counted_in_the_database_and_exported_by_any_process
     assert sample("trainvitals_analysis_seconds_since_last_cycle") == 5
 
 
-def test_open_findings_export_their_kept_onset_and_detected_step(setup) -> None:
+def test_open_findings_export_their_kept_onset_detected_and_paged_step(setup) -> None:
     from trainvitals.service.detectors.findings import Finding
     from trainvitals.service.store import findings
 
@@ -302,15 +302,26 @@ def test_open_findings_export_their_kept_onset_and_detected_step(setup) -> None:
     straggler = {"run": "f", "kind": "straggler", "severity": "page", "subject_kind": "rank", "subject": "1",
                  "magnitude": 1.3, "summary": "rank 1 slow since step 600", "active": True}  # fmt: skip
     with maker() as session:
-        findings.store_findings(session, run_id="f", findings=[Finding(**straggler, onset_step=600, last_step=700)],
-                                now=1000.0)  # fmt: skip
-        # The next cycle's lookback has slid past step 600: the recomputed onset is later.
-        findings.store_findings(session, run_id="f", findings=[Finding(**straggler, onset_step=900, last_step=1000)],
-                                now=1001.0)  # fmt: skip
+        ticket = Finding(**{**straggler, "kind": "straggler_intermittent", "severity": "ticket"}, onset_step=600,
+                         last_step=700)  # fmt: skip
+        findings.store_findings(
+            session, run_id="f", findings=[Finding(**straggler, onset_step=600, last_step=700, paged_step=680), ticket],
+            now=1000.0,
+        )
+        # The next cycle's lookback has slid past step 600: the recomputed onset and page step are later.
+        findings.store_findings(
+            session, run_id="f", findings=[Finding(**straggler, onset_step=900, last_step=1000, paged_step=950), ticket],
+            now=1001.0,
+        )
     labels = {"run": "f", "kind": "straggler", "subject_kind": "rank", "subject": "1"}
     assert registry.get_sample_value("trainvitals_finding_onset_step", labels) == 600
     assert registry.get_sample_value("trainvitals_finding_detected_step", labels) == 700
+    assert registry.get_sample_value("trainvitals_finding_paged_step", labels) == 680
     assert registry.get_sample_value("trainvitals_finding_active", {**labels, "severity": "page"}) == 1
+    # A ticket that has not paged has no page step (no series, not 0).
+    ticket_labels = {**labels, "kind": "straggler_intermittent"}
+    assert registry.get_sample_value("trainvitals_finding_detected_step", ticket_labels) == 700
+    assert registry.get_sample_value("trainvitals_finding_paged_step", ticket_labels) is None
 
 
 def test_checkpoint_advice_is_cached_a_minute_and_its_absence_ten_seconds(db_url: str) -> None:

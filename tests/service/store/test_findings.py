@@ -1,5 +1,5 @@
-"""Findings upsert: onsets are stable while a finding stays open, detected_step is kept, a reopened
-finding starts afresh; the findings API and CLI show both steps. The same rules on findings held in
+"""Findings upsert: onsets are stable while a finding stays open, detected_step and paged_step are
+kept, a reopened finding starts afresh; the findings API and CLI show all three steps. The same rules on findings held in
 memory (`fold_findings`, the analysis on request's) give what the store keeps."""
 
 import dataclasses
@@ -67,6 +67,26 @@ def test_a_later_episode_seen_only_closed_is_new_too(session) -> None:
     assert (later.onset_step, later.detected_step) == (3000, 3050)
 
 
+def test_a_ticket_that_escalates_keeps_the_step_it_first_paged_at(session) -> None:
+    """paged_step was held in memory only: the stored row had no column for it, so a post-mortem could
+    not read from the collector when a ticket became a page, and the detector's own recomputation over
+    a later lookback would have moved it later."""
+    ticket = _later(STRAGGLER, severity="ticket", paged_step=None)
+    row = _cycle(session, ticket, now=1.0)
+    assert (row.severity, row.detected_step, row.paged_step) == ("ticket", 650, None)
+    row = _cycle(session, _later(STRAGGLER, last_step=1200, paged_step=1100), now=2.0)
+    assert (row.severity, row.detected_step, row.paged_step) == ("page", 650, 1100)
+    # The lookback slid: the detector recomputes the page at 1,400. The stored episode paged at 1,100.
+    row = _cycle(session, _later(STRAGGLER, onset_step=900, detected_step=950, last_step=1500, paged_step=1400),
+                 now=3.0)  # fmt: skip
+    assert (row.detected_step, row.paged_step) == (650, 1100)
+    # Back to a ticket and closed: the episode's page step stays with it; a new episode starts afresh.
+    row = _cycle(session, _later(ticket, active=False, last_step=1600), now=4.0)
+    assert (row.active, row.paged_step) == (False, 1100)
+    row = _cycle(session, _later(ticket, onset_step=3000, detected_step=3050, last_step=3100), now=5.0)
+    assert (row.active, row.detected_step, row.paged_step) == (True, 3050, None)
+
+
 def test_detected_step_without_a_step_based_detection_is_the_newest_step(session) -> None:
     row = _cycle(session, _later(STRAGGLER, detected_step=None), now=1.0)
     assert row.detected_step == STRAGGLER.last_step
@@ -74,7 +94,7 @@ def test_detected_step_without_a_step_based_detection_is_the_newest_step(session
 
 def test_findings_held_in_memory_follow_the_stored_rules(session) -> None:
     """Cycle after cycle, `fold_findings` holds what `store_findings` stores; the held findings
-    are not changed in place. paged_step (no column yet) is kept like detected_step."""
+    are not changed in place; paged_step is kept like detected_step."""
     other = _later(STRAGGLER, kind="mfu_gap", subject_kind="run", subject="", summary="low MFU since step 600")
     moved = _later(STRAGGLER, onset_step=900, detected_step=950, last_step=1500, paged_step=950,
                    summary="rank 3 is 20% slower than its pipeline stage since step 900")  # fmt: skip
@@ -96,8 +116,10 @@ def test_findings_held_in_memory_follow_the_stored_rules(session) -> None:
         assert held.keys() == rows.keys()
         for key, h in held.items():
             r = rows[key]
-            stored = (r.severity, r.onset_step, r.detected_step, r.last_step, r.magnitude, r.summary, r.active)
-            assert (h.severity, h.onset_step, h.detected_step, h.last_step, h.magnitude, h.summary, h.active) == stored
+            stored = (r.severity, r.onset_step, r.detected_step, r.paged_step, r.last_step, r.magnitude, r.summary,
+                      r.active)  # fmt: skip
+            assert (h.severity, h.onset_step, h.detected_step, h.paged_step, h.last_step, h.magnitude, h.summary,
+                    h.active) == stored  # fmt: skip
         if now == 1:  # open: the first onset, detected and paged step kept; the other one closed
             s = held[("straggler", "rank", "3")]
             assert (s.onset_step, s.detected_step, s.paged_step) == (600, 650, 650)
@@ -109,20 +131,22 @@ def test_findings_held_in_memory_follow_the_stored_rules(session) -> None:
 @pytest.fixture
 def stored(db_url: str, session) -> str:
     batches.register_run(session, RunRegistration(run="r"))
-    _cycle(session, STRAGGLER, now=1.0)
-    _cycle(session, _later(STRAGGLER, onset_step=900, detected_step=950, last_step=1500), now=2.0)
+    _cycle(session, _later(STRAGGLER, severity="ticket"), now=1.0)
+    _cycle(session, _later(STRAGGLER, onset_step=900, detected_step=950, last_step=1500, paged_step=1400), now=2.0)
     return db_url
 
 
-def test_findings_api_and_cli_show_onset_and_detected_step(stored: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_findings_api_and_cli_show_onset_detected_and_paged_step(
+    stored: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with TestClient(create_app(Settings(db=stored, auth=False, run_analysis=False))) as client:
         (api,) = client.get("/v1/runs/r/findings").json()
         header = client.get("/v1/runs/r/findings", params={"format": "csv"}).text.splitlines()[0]
-    assert (api["onset_step"], api["detected_step"], api["last_step"]) == (600, 650, 1500)
-    assert header.startswith("kind,severity,subject_kind,subject,onset_step,detected_step,last_step,")
+    assert (api["onset_step"], api["detected_step"], api["paged_step"], api["last_step"]) == (600, 650, 1400, 1500)
+    assert header.startswith("kind,severity,subject_kind,subject,onset_step,detected_step,paged_step,last_step,")
     assert cli.main(["query", "findings", "--db", stored, "--run", "r"]) == 0
     (shown,) = json.loads(capsys.readouterr().out)
-    assert (shown["onset_step"], shown["detected_step"]) == (600, 650)
+    assert (shown["onset_step"], shown["detected_step"], shown["paged_step"]) == (600, 650, 1400)
 
 
 def test_the_default_rollback_goes_before_the_first_open_finding_on_the_models_state(session) -> None:

@@ -267,3 +267,48 @@ def test_two_upgrades_at_once_on_postgresql_both_succeed(empty_pg_url: str) -> N
         results = [p.communicate(timeout=60) for p in upgrades]
     assert [p.returncode for p in upgrades] == [0, 0], results
     assert db.current_revision(empty_pg_url) == db._revisions()[1]
+
+
+def _paged_step_case(url: str) -> None:
+    from sqlalchemy import text
+
+    from trainvitals.service.store import queries
+    from trainvitals.service.store.findings import store_findings
+
+    db.upgrade(url, "0019")
+    engine = db.make_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(
+                "INSERT INTO findings (run_id, kind, severity, subject_kind, subject, onset_step, detected_step, "
+                "last_step, magnitude, summary, active, first_seen_at, updated_at) VALUES "
+                "('r', 'straggler', 'page', 'rank', '3', 600, 650, 700, 1.2, 'rank 3 slow since step 600', "
+                "true, 1.0, 1.0)"
+            ))  # fmt: skip
+    finally:
+        engine.dispose()
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    try:
+        with db.make_sessionmaker(engine)() as session:
+            (before,) = queries.findings(session, run_id="r")
+            assert (before["onset_step"], before["detected_step"], before["paged_step"]) == (600, 650, None)
+            # The same episode's next cycle: its page step was not stored, so the detector's (recomputed) one.
+            store_findings(session, run_id="r", findings=[_straggler(paged_step=900)], now=2.0)
+            (after,) = queries.findings(session, run_id="r")
+            assert (after["onset_step"], after["detected_step"], after["paged_step"]) == (600, 650, 900)
+    finally:
+        engine.dispose()
+
+
+def _straggler(**kw: object) -> object:
+    from trainvitals.service.detectors.findings import Finding
+
+    return Finding(kind="straggler", severity="page", run="r", subject_kind="rank", subject="3", onset_step=900,
+                   last_step=1000, magnitude=1.2, summary="rank 3 slow since step 900", detected_step=950,
+                   **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_0020_findings_stored_before_it_have_no_paged_step(tmp_path: Path, empty_pg_url: str) -> None:
+    _paged_step_case(f"sqlite:///{tmp_path / 'p.db'}")
+    _paged_step_case(empty_pg_url)
