@@ -56,6 +56,13 @@ _EXPERT_WIDTH = ("moe_intermediate_size",)
 # (one shared expert, 4-8 routed experts wide), DeepSeek their count (each of the experts' width).
 _SHARED_WIDTH = "shared_expert_intermediate_size"
 _SHARED_COUNT = "n_shared_experts"
+# The width of one attention head, where heads x head_dim is not the model's width: Qwen3 and Gemma
+# name it (`head_dim`: Qwen3-4B's 32 heads of 128 against a width of 2,560), DeepSeek's MLA its
+# query-key (no-RoPE + RoPE parts) and value widths apart, whose mean is the Q of 12LHQT (its
+# `head_dim`, where set, is the RoPE part alone). Registered only where it differs from hidden / heads.
+_HEAD_DIM = ("head_dim",)
+_MLA_QK = ("qk_nope_head_dim", "qk_rope_head_dim")
+_MLA_V = ("v_head_dim",)
 # Roles in _param_sizes: an nn.Embedding table (not in N), and a token embedding tied to a head (in
 # N: its matmul runs at the end of forward); any other parameter has the role "".
 _TABLE, _TIED = "table", "tied"
@@ -214,7 +221,21 @@ def _from_config(config: object) -> dict[str, int]:
             names = _EXPERT_WIDTH + names  # an MoE's ffn_hidden is its experts' width
         if (value := _config_int(config, names)) is not None:
             dims[key] = value
+    head_dim = _head_dim_of(config)
+    heads, hidden = dims.get("heads"), dims.get("hidden")
+    if head_dim is not None and heads is not None and heads * head_dim != hidden:
+        dims["head_dim"] = head_dim
     return dims
+
+
+def _head_dim_of(config: object) -> int | None:
+    """One attention head's width as the config names it (module comment at _HEAD_DIM); None when
+    it names none."""
+    nope, rope = (_config_int(config, (name,)) for name in _MLA_QK)
+    value = _config_int(config, _MLA_V)
+    if nope is not None and rope is not None and value is not None:
+        return round((nope + rope + value) / 2)
+    return _config_int(config, _HEAD_DIM)
 
 
 def _from_modules(model: nn.Module, *, heads: bool) -> dict[str, int]:

@@ -138,8 +138,16 @@ class Notices:
 
     def older_collector(self, fields: list[str]) -> None:
         """The collector refused registration fields it is older than; the run registered without them."""
-        dense = {"model.experts", "model.active_experts"} & set(fields)
-        loss = "takes the model as dense" if dense else "leaves the MoE's shared experts out"
+        losses = [
+            text
+            for names, text in (
+                ({"model.experts", "model.active_experts"}, "takes the model as dense"),
+                ({"model.shared_ffn_hidden"}, "leaves the MoE's shared experts out"),
+                ({"model.head_dim"}, "counts its attention hidden wide, not heads x head_dim"),
+            )
+            if names & set(fields)
+        ]
+        loss = " and ".join(losses) or "is made without them"
         self._say(
             ("older_collector", *fields),
             f"the collector at {self.url} is older than this agent: it does not know the registration field(s) "

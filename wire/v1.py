@@ -89,6 +89,11 @@ class ModelDims(_Strict):
         "shared experts together (DeepSeek: n_shared_experts x moe_intermediate_size; Qwen2-MoE: "
         "shared_expert_intermediate_size)",
     )
+    head_dim: _Positive | None = Field(
+        None,
+        description="width of one attention head, Q in 12LHQT, where heads x head_dim is not hidden (Qwen3, Gemma: "
+        "the config's head_dim; DeepSeek's MLA: the mean of its query-key and value widths); absent: hidden / heads",
+    )
 
     @model_validator(mode="after")
     def _routed_to_at_most_all_experts(self) -> ModelDims:

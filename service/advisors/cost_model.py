@@ -41,7 +41,9 @@ from typing import Any
 from trainvitals.service.advisors.memory import MemoryBreakdown, per_gpu_memory
 from trainvitals.service.advisors.model_config import PlanInput, parse_plan_input
 
-FLOP_CONVENTION = "6*N_active + 12*L*h*S per token (PaLM app. B; N counts embeddings, recompute excluded)"
+FLOP_CONVENTION = (
+    "6*N_active + 12*L*h*S per token (PaLM app. B; h = heads x head_dim; N counts embeddings, recompute excluded)"
+)
 UNCALIBRATED_BAND = 0.30  # stragglers_and_mfu.md: uncalibrated analytic models miss by 20-30%
 BAND_FLOOR = 0.10  # a handful of held-out points per regime cannot vouch for less
 MIN_REGIME_POINTS = 3  # a thinner regime also takes the worst held-out error of its GPU type
@@ -234,9 +236,10 @@ class PlanResult:
 
 
 def model_flops_per_token(plan: PlanInput) -> float:
-    """6 N_active + 12 L h S (KempnerForge/PaLM; attention counted once, causal mask not halved)."""
+    """6 N_active + 12 L h S (KempnerForge/PaLM; attention counted once, causal mask not halved), h the
+    attention width heads x head_dim (= hidden unless the model's head_dim says otherwise)."""
     m = plan.model
-    return 6 * m.params_active + 12 * m.layers * m.hidden * m.seq_len
+    return 6 * m.params_active + 12 * m.layers * m.attention_width * m.seq_len
 
 
 def hardware_flops_per_token(plan: PlanInput) -> float:
@@ -246,7 +249,7 @@ def hardware_flops_per_token(plan: PlanInput) -> float:
     if mode == "full":
         return base * 4 / 3
     if mode == "selective":
-        return base + 4 * m.layers * m.hidden * m.seq_len
+        return base + 4 * m.layers * m.attention_width * m.seq_len
     return base
 
 
@@ -328,7 +331,7 @@ def predict_step(plan: PlanInput, calibration: Calibration) -> StepTime:
         chunk = 2 * p.micro_batch * (m.seq_len / p.cp) * kv_dim * 2
         bw = group_bandwidth(plan, stride=p.tp, size=p.cp)
         ring = 3 * (p.cp - 1) * chunk / bw
-        attention = p.micro_batch * (m.seq_len / p.cp) * 12 * m.hidden * m.seq_len / p.tp / rate
+        attention = p.micro_batch * (m.seq_len / p.cp) * 12 * m.attention_width * m.seq_len / p.tp / rate
         cp_comm = layers * micro * max(0.0, ring - attention)
 
     pp_comm = 0.0

@@ -58,7 +58,7 @@ HARDWARE_ALIASES = {"gpu_type": "gpu", "count": "gpus", "peak_tflops_per_gpu": "
 # The keys each section takes (after aliases); anything else is an error in strict parsing.
 MODEL_KEYS = frozenset({
     "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "gated_mlp", "vocab", "seq_len", "params", "experts",
-    "active_experts", "shared_ffn_hidden", "tied_embeddings",
+    "active_experts", "shared_ffn_hidden", "tied_embeddings", "head_dim",
 })
 PARALLELISM_KEYS = frozenset({
     "gpus", "tp", "pp", "dp", "cp", "ep", "vpp", "zero", "micro_batch", "global_batch", "recompute",
@@ -102,9 +102,13 @@ class ModelConfig:
     by expert parallelism."""
     tied_embeddings: bool = False
     """Input embedding and output head share one matrix."""
+    attention_head_dim: int = 0
+    """Width of one attention head where the model says so apart from hidden / heads (Qwen3, Gemma:
+    heads x head_dim wider than hidden; DeepSeek's MLA: the mean of its query-key and value widths,
+    the Q of 12LHQT); 0: hidden / heads."""
 
     def __post_init__(self) -> None:
-        if self.hidden % self.heads:
+        if not self.attention_head_dim and self.hidden % self.heads:
             raise ValueError(f"model.hidden: {self.hidden} is not divisible by model.heads={self.heads}")
         if self.heads % self.kv_heads:
             raise ValueError(f"model.kv_heads: {self.kv_heads} does not divide model.heads={self.heads}")
@@ -124,7 +128,13 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.attention_head_dim or self.hidden // self.heads
+
+    @property
+    def attention_width(self) -> int:
+        """heads x head_dim: the H*Q of 12LHQT, the attention core's FLOPs per token and layer over
+        12 S (= hidden unless head_dim says otherwise)."""
+        return self.heads * self.head_dim
 
     @property
     def attention_params_per_layer(self) -> int:
@@ -413,6 +423,7 @@ def parse_model(data: Mapping[str, Any], *, strict: bool = True) -> ModelConfig:
         active_experts=_int(sec, "model", "active_experts", min(2, experts)),
         shared_ffn_hidden=_int(sec, "model", "shared_ffn_hidden", 0, minimum=0),
         tied_embeddings=_bool(sec, "model", "tied_embeddings", False),
+        attention_head_dim=_int(sec, "model", "head_dim", 0),
     )
 
 

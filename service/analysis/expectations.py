@@ -69,7 +69,7 @@ def run_flops_per_token(registration: dict[str, Any], plan_input: PlanInput) -> 
     n = (registration.get("model") or {}).get("non_embedding_params")
     if not n:
         n = m.params_active - (0 if m.tied_embeddings else m.vocab * m.hidden)
-    return 6.0 * float(n) + 12.0 * m.layers * m.hidden * m.seq_len
+    return 6.0 * float(n) + 12.0 * m.layers * m.attention_width * m.seq_len
 
 
 def _convention(registration: dict[str, Any]) -> str:

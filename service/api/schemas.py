@@ -507,6 +507,9 @@ class ModelSection(_Section):
     active_experts: _Width | None = None
     shared_ffn_hidden: _Ffn | None = None
     """An MoE's shared experts: the MLP width every token passes through besides its routed ones."""
+    head_dim: _Width | None = None
+    """Width of one attention head, where heads x head_dim is not hidden (Qwen3, Gemma; MLA: the mean of
+    the query-key and value widths). Default: hidden / heads."""
     tied_embeddings: StrictBool | None = None
 
 

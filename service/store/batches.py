@@ -92,7 +92,10 @@ class RefusedIncarnationError(ValueError):
 # counts, which an agent counting its own module sees per pipeline stage or shard. Batch sizes,
 # sequence length, recompute, ZeRO stage, FP8 recipe, checkpoints and tags may change on a relaunch.
 _IDENTITY: dict[str, tuple[str, ...]] = {
-    "model": ("hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "experts", "active_experts", "shared_ffn_hidden"),
+    "model": (
+        "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "experts", "active_experts", "shared_ffn_hidden",
+        "head_dim",
+    ),
     "parallelism": ("world_size", "tp", "pp", "cp", "ep"),
 }
 

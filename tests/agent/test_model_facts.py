@@ -236,7 +236,7 @@ def test_an_moe_registers_its_experts_and_top_k_when_the_config_says_both(top_k:
 # Qwen3-30B-A3B's published config (the fields read here): 128 experts of width 768, 8 per token;
 # `intermediate_size` is the width a dense layer would have, which none of its 48 layers has.
 _QWEN3_MOE = SimpleNamespace(
-    num_hidden_layers=48, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4,
+    num_hidden_layers=48, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
     intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
     vocab_size=151936, max_position_embeddings=40960,
 )  # fmt: skip
@@ -252,13 +252,14 @@ def test_an_moe_registers_its_experts_width_where_the_config_names_it_apart() ->
     """ffn_hidden is per expert for an MoE (wire ModelDims): a config with `moe_intermediate_size`
     registers that, not its dense width. Read as 6,144 the collector's model of Qwen3-30B-A3B had
     233B parameters, and scaled to the published 30.5B its active ones came out at 2.0B; read as
-    768 they are 2.9B, the published 3.3B within 15% (attention counted at hidden/heads per head)."""
+    768 they are 3.34B, the published 3.3B within 2% (2.9B with its 32 heads of 128 taken 2,048 wide,
+    as before head_dim)."""
     dims = model_dims(_ConfigOnly(_QWEN3_MOE), {"world_size": 64, "pp": 2})  # pp: the config alone
     assert dims["ffn_hidden"] == 768
     assert (dims["experts"], dims["active_experts"]) == (128, 8)
     registered = RunRegistration(run="r", model={**dims, "params": 30_500_000_000}).model
     model = parse_model({"model": registered.model_dump(exclude_none=True)})
-    assert abs(model.params_active / 3.3e9 - 1) < 0.15
+    assert abs(model.params_active / 3.3e9 - 1) < 0.02
     assert abs(model.params_total / model.params_override - 1) < 0.05  # the shape gives the published total
     dense = SimpleNamespace(**{k: v for k, v in vars(_QWEN3_MOE).items() if "expert" not in k})
     assert model_dims(_ConfigOnly(dense), {"pp": 2})["ffn_hidden"] == 6144  # no experts: the MLP's width
@@ -337,3 +338,68 @@ def test_a_real_hf_moe_with_shared_experts_gets_the_active_parameters_it_has(fam
     counted = dims["non_embedding_params"] + 1000 * 64  # the agent's N, the input table added back
     assert abs(collector.params_active / counted - 1) < 0.02
     assert collector.params_total == pytest.approx(dims["params"], rel=0.02)
+
+
+# Published configs (the fields read here). Qwen3-4B: 32 query heads of 128 on a width of 2,560.
+# DeepSeek-V3's MLA: 128 heads, query-key 128 + 64 (RoPE) wide, value 128, on a width of 7,168; its
+# `head_dim` is the RoPE part alone. Llama 3 8B names a head_dim that is hidden / heads.
+_QWEN3_4B = SimpleNamespace(
+    num_hidden_layers=36, hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    intermediate_size=9728, vocab_size=151936, max_position_embeddings=40960,
+)  # fmt: skip
+_DEEPSEEK_V3_ATTENTION = SimpleNamespace(
+    num_hidden_layers=61, hidden_size=7168, num_attention_heads=128, num_key_value_heads=128, head_dim=64,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=129280,
+)  # fmt: skip
+_LLAMA3_8B = SimpleNamespace(
+    num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    intermediate_size=14336, vocab_size=128256,
+)  # fmt: skip
+
+
+def test_heads_wider_than_the_model_register_their_head_dim() -> None:
+    """12LHQT counts H*Q, the attention's width, which the agent and the collector took to be hidden:
+    Qwen3-4B attends 4,096 wide on a width of 2,560, DeepSeek-V3's MLA 20,480 (Q = (192 + 128) / 2)
+    on 7,168. A config whose head_dim is hidden / heads registers none (it would tell nothing)."""
+    assert model_dims(_ConfigOnly(_QWEN3_4B), {"pp": 2})["head_dim"] == 128
+    assert model_dims(_ConfigOnly(_DEEPSEEK_V3_ATTENTION), {"pp": 2})["head_dim"] == 160
+    assert "head_dim" not in model_dims(_ConfigOnly(_LLAMA3_8B), {"pp": 2})
+    no_head_dim = SimpleNamespace(**{k: v for k, v in vars(_QWEN3_4B).items() if k != "head_dim"})
+    assert "head_dim" not in model_dims(_ConfigOnly(no_head_dim), {"pp": 2})
+    # Both sides count the attention heads x head_dim wide, and agree (expectations.run_flops_per_token).
+    from trainvitals.service.advisors.model_config import parse_plan_input
+    from trainvitals.service.analysis.expectations import run_flops_per_token
+
+    dims = {**model_dims(_ConfigOnly(_QWEN3_4B), {"pp": 2}), "seq_len": 32768, "non_embedding_params": 3_600_000_000}
+    registration = {"model": dims, "parallelism": {"world_size": 8}, "hardware": {"gpu_type": "H100-SXM"}}
+    agent = flops_per_token(dims)
+    collector = run_flops_per_token(registration, parse_plan_input(registration, strict=False))
+    assert agent == pytest.approx(collector, rel=1e-12)
+    assert agent == pytest.approx(6 * 3.6e9 + 12 * 36 * 32 * 128 * 32768, rel=1e-12)
+    hidden_wide = flops_per_token({k: v for k, v in dims.items() if k != "head_dim"})
+    assert agent / hidden_wide > 1.35  # at a 32k context the attention is most of the step
+
+
+def test_a_real_hf_model_with_wide_heads_has_the_forward_flops_the_agent_counts() -> None:
+    """A tiny random transformers Qwen3 (its own config class, no download) whose 4 heads of 32 are
+    twice its width of 64: the forward FLOPs torch's FlopCounterMode counts in its matmuls agree with
+    the agent's 2N + 4LHQT (a third of full training's 6N + 12LHQT) within 2%; with the attention
+    taken hidden wide, as before head_dim, they were a fifth short."""
+    import transformers
+    from torch.utils.flop_counter import FlopCounterMode
+
+    seq = 256
+    config = transformers.Qwen3Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, vocab_size=1000, max_position_embeddings=seq, attn_implementation="eager",
+    )  # fmt: skip
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    dims = {**model_dims(model, {"world_size": 1}), "seq_len": seq}
+    assert dims["head_dim"] == 32
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(torch.zeros(1, seq, dtype=torch.long))
+    counted = counter.get_total_flops() / seq
+    forward = flops_per_token(dims) / 3
+    assert abs(forward / counted - 1) < 0.02
+    hidden_wide = flops_per_token({k: v for k, v in dims.items() if k != "head_dim"}) / 3
+    assert hidden_wide / counted < 0.85

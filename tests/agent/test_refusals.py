@@ -414,9 +414,32 @@ def test_a_collector_that_knows_the_experts_but_not_the_shared_ones_keeps_the_ex
     ]
 
 
+def test_a_collector_that_knows_the_shared_experts_but_not_head_dim_keeps_the_rest(
+    collector: CollectorServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A collector of the release before head_dim (session 48) refuses it alone: a Qwen3-style dense
+    model's registration goes again without it, and the line says what that costs the prediction."""
+    caplog.set_level(logging.WARNING, "trainvitals.agent")
+    transport = OlderCollectorTransport(collector.url, unknown=frozenset({("model", "head_dim")}))
+    config = AgentConfig(collector=collector.url, token="", spill_dir=str(tmp_path / "spool"), retry_backoff_s=0.0)
+    model = {"hidden": 2560, "heads": 32, "kv_heads": 8, "head_dim": 128}
+    reg = without_absent_later_fields(RunRegistration(run="r1", model=model).model_dump(mode="json"))
+    exp = spooling_exporter(config=config, run="r1", rank=0, incarnation=1, registration=reg, transport=transport)
+    _emit_steps(exp, range(STEPS))
+    exp.shutdown()
+    assert _stored(collector.db_url) == ({"r1": "default"}, [(1, s) for s in range(STEPS)])
+    assert [r["model"].get("head_dim") for r in transport.registrations] == [128, None]
+    assert transport.registrations[1]["model"]["heads"] == 32
+    assert _warnings(caplog) == [
+        f"trainvitals agent: the collector at {collector.url} is older than this agent: it does not know the "
+        "registration field(s) model.head_dim, so the run is registered without them (its MFU prediction counts "
+        "its attention hidden wide, not heads x head_dim). Upgrade the collector to the agent's version"
+    ]
+
+
 def test_the_current_collector_stores_the_moe_fields(collector: CollectorServer, tmp_path: Path) -> None:
     config = AgentConfig(collector=collector.url, token="", spill_dir=str(tmp_path / "spool"), retry_backoff_s=0.0)
-    model = {"experts": 8, "active_experts": 2, "shared_ffn_hidden": 256}
+    model = {"experts": 8, "active_experts": 2, "shared_ffn_hidden": 256, "head_dim": 128}
     reg = RunRegistration(run="r1", model=model).model_dump(mode="json")
     exp = spooling_exporter(config=config, run="r1", rank=0, incarnation=1, registration=reg)
     _emit_steps(exp, range(2))

@@ -309,10 +309,8 @@ def test_open_findings_export_their_kept_onset_detected_and_paged_step(setup) ->
             now=1000.0,
         )
         # The next cycle's lookback has slid past step 600: the recomputed onset and page step are later.
-        findings.store_findings(
-            session, run_id="f", findings=[Finding(**straggler, onset_step=900, last_step=1000, paged_step=950), ticket],
-            now=1001.0,
-        )
+        later = Finding(**straggler, onset_step=900, last_step=1000, paged_step=950)
+        findings.store_findings(session, run_id="f", findings=[later, ticket], now=1001.0)
     labels = {"run": "f", "kind": "straggler", "subject_kind": "rank", "subject": "1"}
     assert registry.get_sample_value("trainvitals_finding_onset_step", labels) == 600
     assert registry.get_sample_value("trainvitals_finding_detected_step", labels) == 700

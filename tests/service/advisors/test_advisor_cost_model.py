@@ -15,6 +15,7 @@ from trainvitals.service.advisors.cost_model import (
     DEFAULT_CALIBRATION,
     UNCALIBRATED_BAND,
     group_bandwidth,
+    hardware_flops_per_token,
     model_flops_per_token,
     plan,
     predict_mfu,
@@ -166,6 +167,31 @@ def test_moe_counts_active_parameters_only() -> None:
            "parallelism": {"gpus": 32, "tp": 4, "ep": 2}, "hardware": {"gpu": "H200", "gpus_per_node": 4}}
     r = plan(parse_plan_input(cfg))
     assert r.params_active < 0.4 * r.params_total and r.step.ep_comm_s > 0
+
+
+def test_heads_wider_than_the_model_count_their_attention_heads_x_head_dim_wide() -> None:
+    """12LHQT's H*Q is heads x head_dim: Qwen3-4B's 32 heads of 128 attend 4,096 wide on a width of
+    2,560. The attention core's FLOPs, and so the predicted compute, grow with it; the projections'
+    parameters grow too (q and o 2,560 x 4,096). A head_dim of hidden / heads changes nothing, and
+    with one given, hidden need not divide by heads."""
+    model = {"layers": 36, "hidden": 2560, "heads": 32, "kv_heads": 8, "ffn_hidden": 9728, "vocab": 151936,
+             "seq_len": 32768}  # fmt: skip
+    cfg = {"model": model, "parallelism": {"gpus": 64, "tp": 4, "cp": 2}, "hardware": {"gpu": "H100-SXM"}}
+    plain, wide, same = (parse_plan_input({**cfg, "model": {**model, **extra}})
+                         for extra in ({}, {"head_dim": 128}, {"head_dim": 80}))  # fmt: skip
+    assert wide.model.attention_width == 4096 and plain.model.attention_width == same.model.attention_width == 2560
+    assert model_flops_per_token(same) == model_flops_per_token(plain)
+    extra_core = 12 * 36 * (4096 - 2560) * 32768
+    extra_params = 36 * (2 * 2560 * 4096 + 2 * 2560 * 8 * 128 - 2 * 2560 * 2560 - 2 * 2560 * 8 * 80)
+    assert wide.model.params_active - plain.model.params_active == extra_params
+    assert model_flops_per_token(wide) - model_flops_per_token(plain) == 6 * extra_params + extra_core
+    flops = hardware_flops_per_token(wide) / hardware_flops_per_token(plain)  # recompute included
+    assert plan(wide).step.compute_s / plan(plain).step.compute_s == pytest.approx(flops, rel=0.02)
+    assert flops > 1.3
+    odd = parse_plan_input({**cfg, "model": {**model, "hidden": 2500, "head_dim": 128}, "parallelism": {"gpus": 8}})
+    assert odd.model.attention_width == 4096
+    with pytest.raises(ValueError, match=r"model.head_dim: must be >= 1, got 0"):
+        parse_plan_input({**cfg, "model": {**model, "head_dim": 0}})
 
 
 def test_moe_shared_experts_are_active_and_not_sharded_by_expert_parallelism() -> None:

@@ -274,3 +274,45 @@ def test_a_miscount_that_was_fixed_is_inactive(series) -> None:
     scale[400:1400] = 8.0
     (f,) = _impossible(series, scale)
     assert f.onset_step == 400 and f.last_step == 1399 and not f.active
+
+
+def test_a_model_with_heads_wider_than_its_width_at_the_predicted_speed_has_no_gap(series) -> None:
+    """Qwen3-4B (32 heads of 128 on a width of 2,560) training at a 32k context, as the agent
+    registers it, running at the speed the cost model predicts for it. With head_dim registered both
+    sides count its attention 4,096 wide: no gap. Without it (as before head_dim) the cost model took
+    the attention 2,560 wide, predicted a step a fifth too short, and this healthy run fired a gap."""
+    from trainvitals.agent._position import flops_per_token
+    from trainvitals.service.advisors.cost_model import plan
+    from trainvitals.service.advisors.model_config import parse_plan_input
+    from trainvitals.service.analysis.expectations import mfu_expectation
+    from trainvitals.wire import RunRegistration
+
+    layers, seq, n = 36, 32768, 3_600_000_000
+
+    def registered(**head_dim: int) -> dict:
+        return RunRegistration(
+            run="qwen3-4b",
+            model={"layers": layers, "hidden": 2560, "heads": 32, "kv_heads": 8, "ffn_hidden": 9728,
+                   "vocab": 151936, "seq_len": seq, "params": 4_000_000_000, "non_embedding_params": n, **head_dim},
+            parallelism={"world_size": 64, "micro_batch": 1, "global_batch": 64},
+            hardware={"gpu_type": "H100-SXM", "gpu_count": 64},
+        ).model_dump(mode="json", exclude_none=True)  # fmt: skip
+
+    true = registered(head_dim=128)
+    tokens_per_s = plan(parse_plan_input(true, strict=False)).tokens_per_s
+
+    def gaps(reg: dict) -> list:
+        e = mfu_expectation(reg)
+        assert e is not None
+        measured = tokens_per_s * flops_per_token(reg["model"]) / (64 * 989e12)  # the agent's count
+        s = series(3000)
+        s.peak_flops_total = PEAK
+        s.steps.mfu = np.full(3000, measured)
+        s.steps.step_seconds = np.ones(3000)
+        s.steps.flops = s.steps.mfu * PEAK
+        s.expected_mfu, s.expected_mfu_low, s.mfu_convention = e.predicted, e.low, e.convention
+        return detect_mfu_gap(s, suppression_for(s, SuppressionConfig()), MfuConfig())
+
+    assert gaps(true) == []
+    (f,) = gaps(registered())
+    assert f.kind == "mfu_gap"

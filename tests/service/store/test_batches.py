@@ -166,6 +166,11 @@ def test_an_moe_with_other_experts_is_another_job(session) -> None:
     with pytest.raises(batches.RunConflictError, match=r"model.shared_ffn_hidden: 4096 registered, 2048 now\)"):
         batches.register_run(session, moe(2, "s", experts=8, active_experts=2, shared_ffn_hidden=2048))
     assert batches.register_run(session, moe(3, "s", experts=8, active_experts=2)) is False
+    # Head width (session 49): the same rule.
+    batches.register_run(session, moe(1, "h", head_dim=128))
+    with pytest.raises(batches.RunConflictError, match=r"model.head_dim: 128 registered, 64 now\)"):
+        batches.register_run(session, moe(2, "h", head_dim=64))
+    assert batches.register_run(session, moe(3, "h")) is False
 
 
 def test_a_declared_resume_continues_the_run_on_a_new_layout(session) -> None:

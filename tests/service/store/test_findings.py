@@ -1,6 +1,7 @@
-"""Findings upsert: onsets are stable while a finding stays open, detected_step and paged_step are
-kept, a reopened finding starts afresh; the findings API and CLI show all three steps. The same rules on findings held in
-memory (`fold_findings`, the analysis on request's) give what the store keeps."""
+"""Findings upsert: onsets are stable while a finding stays open, detected_step and paged_step
+are kept, a reopened finding starts afresh; the findings API and CLI show all three steps. The
+same rules on findings held in memory (`fold_findings`, the analysis on request's) give what the
+store keeps."""
 
 import dataclasses
 import json
