@@ -391,20 +391,29 @@ def test_a_dense_model_registers_with_an_older_collector_at_once(
     assert len(transport.registrations) == 1 and _warnings(caplog) == []
 
 
+def _run_through_an_older_collector(
+    collector: CollectorServer, tmp_path: Path, model: dict, *, unknown: tuple[str, str]
+) -> OlderCollectorTransport:
+    """A job registering `model` (as attach sends it) through a collector that lacks one later field;
+    every batch stored. The transport, for the registrations it saw."""
+    transport = OlderCollectorTransport(collector.url, unknown=frozenset({unknown}))
+    config = AgentConfig(collector=collector.url, token="", spill_dir=str(tmp_path / "spool"), retry_backoff_s=0.0)
+    reg = without_absent_later_fields(RunRegistration(run="r1", model=model).model_dump(mode="json"))
+    exp = spooling_exporter(config=config, run="r1", rank=0, incarnation=1, registration=reg, transport=transport)
+    _emit_steps(exp, range(STEPS))
+    exp.shutdown()
+    assert _stored(collector.db_url) == ({"r1": "default"}, [(1, s) for s in range(STEPS)])
+    return transport
+
+
 def test_a_collector_that_knows_the_experts_but_not_the_shared_ones_keeps_the_experts(
     collector: CollectorServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A collector of the release before shared_ffn_hidden (session 47) knows experts and top-k:
     only the shared width goes, and the line says what that costs the prediction."""
     caplog.set_level(logging.WARNING, "trainvitals.agent")
-    transport = OlderCollectorTransport(collector.url, unknown=frozenset({("model", "shared_ffn_hidden")}))
-    config = AgentConfig(collector=collector.url, token="", spill_dir=str(tmp_path / "spool"), retry_backoff_s=0.0)
     model = {"hidden": 64, "experts": 8, "active_experts": 2, "shared_ffn_hidden": 256}
-    reg = without_absent_later_fields(RunRegistration(run="r1", model=model).model_dump(mode="json"))
-    exp = spooling_exporter(config=config, run="r1", rank=0, incarnation=1, registration=reg, transport=transport)
-    _emit_steps(exp, range(STEPS))
-    exp.shutdown()
-    assert _stored(collector.db_url) == ({"r1": "default"}, [(1, s) for s in range(STEPS)])
+    transport = _run_through_an_older_collector(collector, tmp_path, model, unknown=("model", "shared_ffn_hidden"))
     assert [r["model"].get("shared_ffn_hidden") for r in transport.registrations] == [256, None]
     assert transport.registrations[1]["model"]["experts"] == 8
     assert _warnings(caplog) == [
@@ -420,14 +429,8 @@ def test_a_collector_that_knows_the_shared_experts_but_not_head_dim_keeps_the_re
     """A collector of the release before head_dim (session 48) refuses it alone: a Qwen3-style dense
     model's registration goes again without it, and the line says what that costs the prediction."""
     caplog.set_level(logging.WARNING, "trainvitals.agent")
-    transport = OlderCollectorTransport(collector.url, unknown=frozenset({("model", "head_dim")}))
-    config = AgentConfig(collector=collector.url, token="", spill_dir=str(tmp_path / "spool"), retry_backoff_s=0.0)
     model = {"hidden": 2560, "heads": 32, "kv_heads": 8, "head_dim": 128}
-    reg = without_absent_later_fields(RunRegistration(run="r1", model=model).model_dump(mode="json"))
-    exp = spooling_exporter(config=config, run="r1", rank=0, incarnation=1, registration=reg, transport=transport)
-    _emit_steps(exp, range(STEPS))
-    exp.shutdown()
-    assert _stored(collector.db_url) == ({"r1": "default"}, [(1, s) for s in range(STEPS)])
+    transport = _run_through_an_older_collector(collector, tmp_path, model, unknown=("model", "head_dim"))
     assert [r["model"].get("head_dim") for r in transport.registrations] == [128, None]
     assert transport.registrations[1]["model"]["heads"] == 32
     assert _warnings(caplog) == [

@@ -205,23 +205,27 @@ def test_an_moe_with_a_shared_expert_at_the_predicted_speed_has_no_gap(series) -
     true = registered(shared_ffn_hidden=5632)
     tokens_per_s = plan(parse_plan_input(true, strict=False)).tokens_per_s
     measured = tokens_per_s * (6 * n + 12 * layers * hidden * seq) / (64 * 989e12)
-
-    def gaps(reg: dict) -> list:
-        e = mfu_expectation(reg)
-        assert e is not None
-        s = series(3000)
-        s.peak_flops_total = PEAK
-        s.steps.mfu = np.full(3000, measured)
-        s.steps.step_seconds = np.ones(3000)
-        s.steps.flops = s.steps.mfu * PEAK
-        s.expected_mfu, s.expected_mfu_low, s.mfu_convention = e.predicted, e.low, e.convention
-        return detect_mfu_gap(s, suppression_for(s, SuppressionConfig()), MfuConfig())
-
     expected = mfu_expectation(true)
     assert expected is not None and expected.predicted == pytest.approx(measured, rel=1e-9)
-    assert gaps(true) == []
-    (f,) = gaps(registered())
+    assert _gaps_of_a_steady_run(series, true, measured) == []
+    (f,) = _gaps_of_a_steady_run(series, registered(), measured)
     assert f.kind == "mfu_gap" and f.magnitude > 0.2
+
+
+def _gaps_of_a_steady_run(series, registration: dict, measured: float) -> list:
+    """The MFU detector's findings on 3,000 steps at the measured MFU, against the expectation the
+    collector derives from `registration`."""
+    from trainvitals.service.analysis.expectations import mfu_expectation
+
+    e = mfu_expectation(registration)
+    assert e is not None
+    s = series(3000)
+    s.peak_flops_total = PEAK
+    s.steps.mfu = np.full(3000, measured)
+    s.steps.step_seconds = np.ones(3000)
+    s.steps.flops = s.steps.mfu * PEAK
+    s.expected_mfu, s.expected_mfu_low, s.mfu_convention = e.predicted, e.low, e.convention
+    return detect_mfu_gap(s, suppression_for(s, SuppressionConfig()), MfuConfig())
 
 
 def _impossible(series, flops_scale: np.ndarray, expected: float | None = 0.41, *, fp8: bool = False) -> list:
@@ -284,7 +288,6 @@ def test_a_model_with_heads_wider_than_its_width_at_the_predicted_speed_has_no_g
     from trainvitals.agent._position import flops_per_token
     from trainvitals.service.advisors.cost_model import plan
     from trainvitals.service.advisors.model_config import parse_plan_input
-    from trainvitals.service.analysis.expectations import mfu_expectation
     from trainvitals.wire import RunRegistration
 
     layers, seq, n = 36, 32768, 3_600_000_000
@@ -298,21 +301,12 @@ def test_a_model_with_heads_wider_than_its_width_at_the_predicted_speed_has_no_g
             hardware={"gpu_type": "H100-SXM", "gpu_count": 64},
         ).model_dump(mode="json", exclude_none=True)  # fmt: skip
 
-    true = registered(head_dim=128)
-    tokens_per_s = plan(parse_plan_input(true, strict=False)).tokens_per_s
+    true, hidden_wide = registered(head_dim=128), registered()
+    tokens_per_s = plan(parse_plan_input(true, strict=False)).tokens_per_s  # the speed its attention allows
 
-    def gaps(reg: dict) -> list:
-        e = mfu_expectation(reg)
-        assert e is not None
-        measured = tokens_per_s * flops_per_token(reg["model"]) / (64 * 989e12)  # the agent's count
-        s = series(3000)
-        s.peak_flops_total = PEAK
-        s.steps.mfu = np.full(3000, measured)
-        s.steps.step_seconds = np.ones(3000)
-        s.steps.flops = s.steps.mfu * PEAK
-        s.expected_mfu, s.expected_mfu_low, s.mfu_convention = e.predicted, e.low, e.convention
-        return detect_mfu_gap(s, suppression_for(s, SuppressionConfig()), MfuConfig())
+    def measured(reg: dict) -> float:  # what the agent measures at that speed, counting as it registered
+        return tokens_per_s * flops_per_token(reg["model"]) / (64 * 989e12)
 
-    assert gaps(true) == []
-    (f,) = gaps(registered())
+    assert _gaps_of_a_steady_run(series, true, measured(true)) == []
+    (f,) = _gaps_of_a_steady_run(series, hidden_wide, measured(hidden_wide))
     assert f.kind == "mfu_gap"
