@@ -347,13 +347,14 @@ class FindingRow(Base):
     # The step the finding was first raised at; None for findings stored before revision 0009.
     # Both are kept while the finding stays open (store/findings.py: the onset only moves earlier).
     detected_step: Mapped[int | None] = mapped_column(BigInteger)
+    # The first step the episode was a page, kept like detected_step; None if it never paged, or
+    # stored before revision 0020. Declared here, where the API's columns have it (the table holds
+    # it last: 0020 adds it).
+    paged_step: Mapped[int | None] = mapped_column(BigInteger)
     last_step: Mapped[int] = mapped_column(BigInteger)
     magnitude: Mapped[float] = mapped_column(Real)
     summary: Mapped[str] = mapped_column(Text)
     active: Mapped[bool] = mapped_column(Boolean, default=True)
-    # The first step the episode was a page, kept like detected_step; None if it never paged, or
-    # stored before revision 0020.
-    paged_step: Mapped[int | None] = mapped_column(BigInteger)
     first_seen_at: Mapped[float] = mapped_column(Real)
     updated_at: Mapped[float] = mapped_column(Real)
 
