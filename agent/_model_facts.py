@@ -57,12 +57,13 @@ _EXPERT_WIDTH = ("moe_intermediate_size",)
 _SHARED_WIDTH = "shared_expert_intermediate_size"
 _SHARED_COUNT = "n_shared_experts"
 # The width of one attention head, where heads x head_dim is not the model's width: Qwen3 and Gemma
-# name it (`head_dim`: Qwen3-4B's 32 heads of 128 against a width of 2,560), DeepSeek's MLA its
-# query-key (no-RoPE + RoPE parts) and value widths apart, whose mean is the Q of 12LHQT (its
-# `head_dim`, where set, is the RoPE part alone). Registered only where it differs from hidden / heads.
+# name it (`head_dim`: Qwen3-4B's 32 heads of 128 against a width of 2,560; their q/k/v/o projections
+# are that wide too). Registered only where it differs from hidden / heads. Not for DeepSeek's MLA
+# (a config naming `kv_lora_rank`): its projections are low-rank, far smaller than heads x head_dim,
+# and the collector counts a head_dim into the projections' parameters as well as into 12LHQT:
+# DeepSeek-V3's active parameters came out at 57B against the published 37B (hidden wide: 36.7B).
 _HEAD_DIM = ("head_dim",)
-_MLA_QK = ("qk_nope_head_dim", "qk_rope_head_dim")
-_MLA_V = ("v_head_dim",)
+_MLA = "kv_lora_rank"
 # Roles in _param_sizes: an nn.Embedding table (not in N), and a token embedding tied to a head (in
 # N: its matmul runs at the end of forward); any other parameter has the role "".
 _TABLE, _TIED = "table", "tied"
@@ -230,11 +231,9 @@ def _from_config(config: object) -> dict[str, int]:
 
 def _head_dim_of(config: object) -> int | None:
     """One attention head's width as the config names it (module comment at _HEAD_DIM); None when
-    it names none."""
-    nope, rope = (_config_int(config, (name,)) for name in _MLA_QK)
-    value = _config_int(config, _MLA_V)
-    if nope is not None and rope is not None and value is not None:
-        return round((nope + rope + value) / 2)
+    it names none, or is an MLA model's."""
+    if _config_int(config, (_MLA,)) is not None:
+        return None
     return _config_int(config, _HEAD_DIM)
 
 

@@ -91,8 +91,8 @@ class ModelDims(_Strict):
     )
     head_dim: _Positive | None = Field(
         None,
-        description="width of one attention head, Q in 12LHQT, where heads x head_dim is not hidden (Qwen3, Gemma: "
-        "the config's head_dim; DeepSeek's MLA: the mean of its query-key and value widths); absent: hidden / heads",
+        description="width of one attention head (Q in 12LHQT) and of its q/k/v/o projections, where heads x "
+        "head_dim is not hidden (Qwen3, Gemma: the config's head_dim); absent: hidden / heads",
     )
 
     @model_validator(mode="after")

@@ -104,8 +104,8 @@ class ModelConfig:
     """Input embedding and output head share one matrix."""
     attention_head_dim: int = 0
     """Width of one attention head where the model says so apart from hidden / heads (Qwen3, Gemma:
-    heads x head_dim wider than hidden; DeepSeek's MLA: the mean of its query-key and value widths,
-    the Q of 12LHQT); 0: hidden / heads."""
+    heads x head_dim wider than hidden), in the attention core's FLOPs (12LHQT's Q) and the q/k/v/o
+    projections' parameters; 0: hidden / heads."""
 
     def __post_init__(self) -> None:
         if not self.attention_head_dim and self.hidden % self.heads:

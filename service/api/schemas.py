@@ -508,8 +508,8 @@ class ModelSection(_Section):
     shared_ffn_hidden: _Ffn | None = None
     """An MoE's shared experts: the MLP width every token passes through besides its routed ones."""
     head_dim: _Width | None = None
-    """Width of one attention head, where heads x head_dim is not hidden (Qwen3, Gemma; MLA: the mean of
-    the query-key and value widths). Default: hidden / heads."""
+    """Width of one attention head and of its q/k/v/o projections, where heads x head_dim is not hidden
+    (Qwen3, Gemma). Default: hidden / heads."""
     tied_embeddings: StrictBool | None = None
 
 

@@ -341,15 +341,18 @@ def test_a_real_hf_moe_with_shared_experts_gets_the_active_parameters_it_has(fam
 
 
 # Published configs (the fields read here). Qwen3-4B: 32 query heads of 128 on a width of 2,560.
-# DeepSeek-V3's MLA: 128 heads, query-key 128 + 64 (RoPE) wide, value 128, on a width of 7,168; its
-# `head_dim` is the RoPE part alone. Llama 3 8B names a head_dim that is hidden / heads.
+# DeepSeek-V3: MLA (low-rank query and key-value projections, `kv_lora_rank`) with 128 heads on a
+# width of 7,168, its `head_dim` the RoPE part alone; 256 experts of 2,048, 8 per token, one shared.
+# Llama 3 8B names a head_dim that is hidden / heads.
 _QWEN3_4B = SimpleNamespace(
     num_hidden_layers=36, hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
     intermediate_size=9728, vocab_size=151936, max_position_embeddings=40960,
 )  # fmt: skip
-_DEEPSEEK_V3_ATTENTION = SimpleNamespace(
+_DEEPSEEK_V3 = SimpleNamespace(
     num_hidden_layers=61, hidden_size=7168, num_attention_heads=128, num_key_value_heads=128, head_dim=64,
-    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=129280,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512, q_lora_rank=1536,
+    intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=8,
+    n_shared_experts=1, vocab_size=129280, max_position_embeddings=4096,
 )  # fmt: skip
 _LLAMA3_8B = SimpleNamespace(
     num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -359,11 +362,17 @@ _LLAMA3_8B = SimpleNamespace(
 
 def test_heads_wider_than_the_model_register_their_head_dim() -> None:
     """12LHQT counts H*Q, the attention's width, which the agent and the collector took to be hidden:
-    Qwen3-4B attends 4,096 wide on a width of 2,560, DeepSeek-V3's MLA 20,480 (Q = (192 + 128) / 2)
-    on 7,168. A config whose head_dim is hidden / heads registers none (it would tell nothing)."""
+    Qwen3-4B attends 4,096 wide on a width of 2,560. A config whose head_dim is hidden / heads
+    registers none (it would tell nothing), nor does an MLA model: the collector counts head_dim into
+    the q/k/v/o projections too, and DeepSeek-V3's low-rank ones are far smaller than 128 heads of
+    192 and 128 (so counted, its active parameters came out at 57B against the published 37B)."""
     assert model_dims(_ConfigOnly(_QWEN3_4B), {"pp": 2})["head_dim"] == 128
-    assert model_dims(_ConfigOnly(_DEEPSEEK_V3_ATTENTION), {"pp": 2})["head_dim"] == 160
     assert "head_dim" not in model_dims(_ConfigOnly(_LLAMA3_8B), {"pp": 2})
+    deepseek = model_dims(_ConfigOnly(_DEEPSEEK_V3), {"pp": 2})
+    assert "head_dim" not in deepseek
+    registered = RunRegistration(run="r", model={**deepseek, "params": 671_000_000_000}).model_dump(exclude_none=True)
+    assert abs(parse_model(registered).params_active / 37e9 - 1) < 0.02
+    assert parse_model({"model": {**registered["model"], "head_dim": 160}}).params_active > 55e9
     no_head_dim = SimpleNamespace(**{k: v for k, v in vars(_QWEN3_4B).items() if k != "head_dim"})
     assert "head_dim" not in model_dims(_ConfigOnly(no_head_dim), {"pp": 2})
     # Both sides count the attention heads x head_dim wide, and agree (expectations.run_flops_per_token).
