@@ -282,6 +282,47 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / _CLK_TCK
 
 
+# The parts of the collector's CPU, in the order printed: which thread or process does what
+# (`trainvitals serve` names its threads for the OS: service/thread_names.py).
+COLLECTOR_PARTS = ("event loop", "batch writer", "other threads", "analysis child")
+
+
+def _part_of(pid: int, tid: int, comm: str, analysis_pids: set[int]) -> str:
+    if pid in analysis_pids:
+        return "analysis child"
+    if tid == pid:
+        return "event loop"  # serve's main thread: uvicorn's loop, the route (HTTP, decode, rows)
+    if comm.startswith("batch-writer"):
+        return "batch writer"
+    return "other threads"  # the WAL checkpointer, the ingest summary, thread pools
+
+
+def cpu_seconds_by_part(pids: list[int]) -> dict[str, float]:
+    """utime + stime of these processes' threads, in seconds, summed by COLLECTOR_PARTS (a thread
+    that has ended since is not counted: serve's threads live as long as it does)."""
+    analysis = set()
+    for pid in pids:
+        try:
+            if b"analyse" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                analysis.add(pid)
+        except OSError:
+            pass
+    parts = dict.fromkeys(COLLECTOR_PARTS, 0.0)
+    for pid in pids:
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+                fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            parts[_part_of(pid, tid, comm, analysis)] += (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    return parts
+
+
 def process_tree(pid: int) -> list[int]:
     """pid and all its descendants (the worker processes of `serve --workers N`)."""
     children: dict[int, list[int]] = {}
@@ -495,6 +536,8 @@ class IngestResult:
     collector_cpu: float
     collector_processes: int
     """Processes counted in collector_cpu and the RSS columns: `serve`, its --workers, its analysis child."""
+    collector_parts: dict[str, float]
+    """collector_cpu by COLLECTOR_PARTS, cores busy on average."""
     postgres_cpu: float
     clients_cpu: float
     rss_mb: float
@@ -566,6 +609,16 @@ def _pg_server_delta(start: tuple[Any, ...], end: tuple[Any, ...]) -> PgServerDe
         checkpoint_sync_ms=float(end[3] - start[3]),
         max_wal_size=str(end[4]),
     )
+
+
+def _collector_parts_line(r: IngestResult) -> str:
+    """Where the collector's CPU goes, per acknowledged record: the first place to look when ingest
+    falls short of its floor (the writer near a core's worth: bound by it; the loop or the analysis
+    large: they take the cores the writer needs)."""
+    rate = max(r.records_per_s, 1.0)
+    parts = ", ".join(f"{part} {1e6 * r.collector_parts[part] / rate:.1f}" for part in COLLECTOR_PARTS)
+    cores = ", ".join(f"{r.collector_parts[part]:.2f}" for part in COLLECTOR_PARTS)
+    return f"[{r.backend}] collector CPU us/rec by part: {parts} (cores busy: {cores})"
 
 
 def _pg_server_line(r: IngestResult) -> str:
@@ -706,6 +759,7 @@ def _drive(
         collector_pids = process_tree(col.proc.pid)
         pg_server0 = _pg_server_counters() if backend == "postgresql" else None
         cpu0 = (cpu_seconds(collector_pids), cpu_seconds(pg_pids), cpu_seconds(client_pids))
+        parts0 = cpu_seconds_by_part(collector_pids)
         t_start = time.monotonic()
         rss_peak = 0
         while time.monotonic() - t_start < seconds:
@@ -715,6 +769,7 @@ def _drive(
         # Backends connected after the warm-up (pool growth) are counted from zero.
         pg_pids_end = _postgres_pids(url) if backend == "postgresql" else []
         cpu1 = (cpu_seconds(collector_pids), cpu_seconds(pg_pids_end), cpu_seconds(client_pids))
+        parts1 = cpu_seconds_by_part(collector_pids)
         pg_server1 = _pg_server_counters() if pg_server0 is not None else None
         hwm = sum(read_status_kb(p, "VmHWM") for p in collector_pids)
         if schedule is not None:
@@ -760,6 +815,7 @@ def _drive(
         errors=sum(e for _, _, e, _ in results),
         collector_cpu=(cpu1[0] - cpu0[0]) / span,
         collector_processes=len(collector_pids),
+        collector_parts={part: (parts1[part] - parts0[part]) / span for part in COLLECTOR_PARTS},
         postgres_cpu=(cpu1[1] - cpu0[1]) / span,
         clients_cpu=(cpu1[2] - cpu0[2]) / span,
         rss_mb=rss_peak / 1024,
@@ -1157,6 +1213,9 @@ def main() -> None:
                 print(line)
         if r.pg_server is not None:
             print(_pg_server_line(r))
+    print()
+    for r in results:
+        print(_collector_parts_line(r))
     if floors:
         # Where the rest goes: the CPU each record costs on the way in (collector, PostgreSQL, load
         # generator: all on this machine's cores) against what the floor's insert costs alone. At

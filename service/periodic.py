@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from trainvitals.service.thread_names import name_this_thread
+
 
 class Periodic:
     """Usage::
@@ -38,6 +40,7 @@ class Periodic:
             self._thread = None
 
     def _run(self) -> None:
+        name_this_thread()
         if self._first_now:
             self._tick()
         while not self._stop.wait(self._interval):

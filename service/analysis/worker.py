@@ -29,6 +29,7 @@ from trainvitals.service.analysis.detector_inputs import DetectorInputs
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import analysis_status, detector_blocks, findings, queries, summaries
 from trainvitals.service.store.lease import AnalysisLease, LeaseLost, RunGone, fence
+from trainvitals.service.thread_names import name_this_thread
 
 logger = logging.getLogger("trainvitals.service")
 
@@ -166,6 +167,7 @@ class AnalysisWorker:
             logger.debug("recording the analysis cycle failed", exc_info=True)
 
     def _loop(self) -> None:
+        name_this_thread()
         interval = self._settings.analysis_interval_seconds
         pause = interval
         failures = 0  # cycles in a row that raised outside any run's analysis

@@ -43,6 +43,7 @@ from sqlalchemy.orm import Session
 
 from trainvitals.service.store import batches, run_keys
 from trainvitals.service.store.batches import AnyBatch
+from trainvitals.service.thread_names import name_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,7 @@ class BatchWriter:
         return future
 
     def _run(self, name: str) -> None:
+        name_this_thread()
         stopping = False
         while not stopping:
             first = self._queue.get()

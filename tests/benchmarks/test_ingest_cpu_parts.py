@@ -1,0 +1,73 @@
+"""The ingest benchmark's split of the collector's CPU by part (benchmarks/ingest_throughput.py):
+the event loop (serve's main thread), the batch writers (named for the OS by the collector), other
+threads and the analysis child (its argv says `analyse`), read from /proc per thread."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from trainvitals.service.thread_names import name_this_thread
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import ingest_throughput as bench  # noqa: E402 - benchmarks/ is a directory of scripts, not a package
+
+
+def _burn(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_each_part_counts_the_cpu_of_its_threads() -> None:
+    """A thread named like the batch writer, this process's main thread and a process whose argv
+    says `analyse`, each burning CPU, land in their own parts."""
+    burnt, done = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        name_this_thread()
+        _burn(0.4)
+        burnt.set()
+        done.wait(30)  # alive when read: an ended thread's CPU is no longer listed per thread
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time\nwhile time.process_time() < 0.4: pass\ntime.sleep(30)", "analyse"]
+    )
+    thread = threading.Thread(target=writer, name="trainvitals-batch-writer-9")
+    try:
+        pids = [os.getpid(), child.pid]
+        before = bench.cpu_seconds_by_part(pids)
+        _burn(0.3)
+        thread.start()
+        assert burnt.wait(30)
+        deadline = time.monotonic() + 30
+        while bench.cpu_seconds_by_part(pids)["analysis child"] < 0.35 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        after = bench.cpu_seconds_by_part(pids)
+    finally:
+        done.set()
+        thread.join()
+        child.kill()
+        child.wait()
+    assert list(after) == list(bench.COLLECTOR_PARTS)
+    grew = {part: after[part] - before[part] for part in bench.COLLECTOR_PARTS}
+    assert grew["batch writer"] >= 0.3
+    assert grew["event loop"] >= 0.2
+    assert grew["analysis child"] >= 0.2
+
+
+def test_the_line_gives_each_part_per_record_and_in_cores() -> None:
+    parts = {"event loop": 0.45, "batch writer": 0.9, "other threads": 0.05, "analysis child": 0.3}
+    result = bench.IngestResult(
+        backend="sqlite", records_per_s=150_000.0, batches_per_s=694.4, records_per_batch=216, body_kb=36.8,
+        p50_ms=20.0, p99_ms=60.0, errors=0, collector_cpu=1.7, collector_processes=2, collector_parts=parts,
+        postgres_cpu=0.0, clients_cpu=0.1, rss_mb=500.0, hwm_mb=510.0, stored_rows=0, reduced="3/7", command="",
+    )  # fmt: skip
+    assert bench._collector_parts_line(result) == (  # noqa: SLF001 - the benchmark's own line
+        "[sqlite] collector CPU us/rec by part: event loop 3.0, batch writer 6.0, other threads 0.3, "
+        "analysis child 2.0 (cores busy: 0.45, 0.90, 0.05, 0.30)"
+    )
