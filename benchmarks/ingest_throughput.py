@@ -297,9 +297,9 @@ def _part_of(pid: int, tid: int, comm: str, analysis_pids: set[int]) -> str:
     return "other threads"  # the WAL checkpointer, the ingest summary, thread pools
 
 
-def cpu_seconds_by_part(pids: list[int]) -> dict[str, float]:
-    """utime + stime of these processes' threads, in seconds, summed by COLLECTOR_PARTS (a thread
-    that has ended since is not counted: serve's threads live as long as it does)."""
+def thread_cpu_seconds(pids: list[int]) -> dict[tuple[int, int], tuple[str, float]]:
+    """(pid, tid) -> (its part of COLLECTOR_PARTS, utime + stime in seconds) for every thread of
+    these processes, read from /proc."""
     analysis = set()
     for pid in pids:
         try:
@@ -307,7 +307,7 @@ def cpu_seconds_by_part(pids: list[int]) -> dict[str, float]:
                 analysis.add(pid)
         except OSError:
             pass
-    parts = dict.fromkeys(COLLECTOR_PARTS, 0.0)
+    out: dict[tuple[int, int], tuple[str, float]] = {}
     for pid in pids:
         try:
             tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
@@ -319,7 +319,20 @@ def cpu_seconds_by_part(pids: list[int]) -> dict[str, float]:
                 fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
             except (OSError, IndexError):
                 continue
-            parts[_part_of(pid, tid, comm, analysis)] += (int(fields[11]) + int(fields[12])) / _CLK_TCK
+            out[pid, tid] = (_part_of(pid, tid, comm, analysis), (int(fields[11]) + int(fields[12])) / _CLK_TCK)
+    return out
+
+
+def cpu_seconds_by_part(
+    before: dict[tuple[int, int], tuple[str, float]], after: dict[tuple[int, int], tuple[str, float]]
+) -> dict[str, float]:
+    """CPU seconds spent between two thread_cpu_seconds readings, summed by COLLECTOR_PARTS. A thread
+    started since counts from zero; one that ended since is not counted (its CPU left with it: a
+    thread pool's idle worker, not the loop, the writers or the analysis child, which live as long
+    as the collector)."""
+    parts = dict.fromkeys(COLLECTOR_PARTS, 0.0)
+    for key, (part, seconds) in after.items():
+        parts[part] += seconds - before.get(key, (part, 0.0))[1]
     return parts
 
 
@@ -759,7 +772,7 @@ def _drive(
         collector_pids = process_tree(col.proc.pid)
         pg_server0 = _pg_server_counters() if backend == "postgresql" else None
         cpu0 = (cpu_seconds(collector_pids), cpu_seconds(pg_pids), cpu_seconds(client_pids))
-        parts0 = cpu_seconds_by_part(collector_pids)
+        threads0 = thread_cpu_seconds(collector_pids)
         t_start = time.monotonic()
         rss_peak = 0
         while time.monotonic() - t_start < seconds:
@@ -769,7 +782,7 @@ def _drive(
         # Backends connected after the warm-up (pool growth) are counted from zero.
         pg_pids_end = _postgres_pids(url) if backend == "postgresql" else []
         cpu1 = (cpu_seconds(collector_pids), cpu_seconds(pg_pids_end), cpu_seconds(client_pids))
-        parts1 = cpu_seconds_by_part(collector_pids)
+        parts = cpu_seconds_by_part(threads0, thread_cpu_seconds(collector_pids))
         pg_server1 = _pg_server_counters() if pg_server0 is not None else None
         hwm = sum(read_status_kb(p, "VmHWM") for p in collector_pids)
         if schedule is not None:
@@ -815,7 +828,7 @@ def _drive(
         errors=sum(e for _, _, e, _ in results),
         collector_cpu=(cpu1[0] - cpu0[0]) / span,
         collector_processes=len(collector_pids),
-        collector_parts={part: (parts1[part] - parts0[part]) / span for part in COLLECTOR_PARTS},
+        collector_parts={part: seconds / span for part, seconds in parts.items()},
         postgres_cpu=(cpu1[1] - cpu0[1]) / span,
         clients_cpu=(cpu1[2] - cpu0[2]) / span,
         rss_mb=rss_peak / 1024,

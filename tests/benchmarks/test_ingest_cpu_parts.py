@@ -40,24 +40,46 @@ def test_each_part_counts_the_cpu_of_its_threads() -> None:
     thread = threading.Thread(target=writer, name="trainvitals-batch-writer-9")
     try:
         pids = [os.getpid(), child.pid]
-        before = bench.cpu_seconds_by_part(pids)
+        before = bench.thread_cpu_seconds(pids)
         _burn(0.3)
         thread.start()
         assert burnt.wait(30)
         deadline = time.monotonic() + 30
-        while bench.cpu_seconds_by_part(pids)["analysis child"] < 0.35 and time.monotonic() < deadline:
+        while _child_cpu(bench.thread_cpu_seconds([child.pid])) < 0.35 and time.monotonic() < deadline:
             time.sleep(0.05)
-        after = bench.cpu_seconds_by_part(pids)
+        grew = bench.cpu_seconds_by_part(before, bench.thread_cpu_seconds(pids))
     finally:
         done.set()
         thread.join()
         child.kill()
         child.wait()
-    assert list(after) == list(bench.COLLECTOR_PARTS)
-    grew = {part: after[part] - before[part] for part in bench.COLLECTOR_PARTS}
+    assert list(grew) == list(bench.COLLECTOR_PARTS)
     assert grew["batch writer"] >= 0.3
     assert grew["event loop"] >= 0.2
     assert grew["analysis child"] >= 0.2
+
+
+def _child_cpu(threads: dict[tuple[int, int], tuple[str, float]]) -> float:
+    return sum(seconds for part, seconds in threads.values() if part == "analysis child")
+
+
+def test_a_thread_that_ended_between_the_readings_takes_nothing_away() -> None:
+    """Its CPU before the first reading left with it: no part goes negative (a thread pool's worker
+    that exits mid-window once made "other threads" read -0.0)."""
+
+    def idle() -> None:
+        _burn(0.2)
+        time.sleep(0.2)
+
+    pid = os.getpid()
+    thread = threading.Thread(target=idle)
+    thread.start()
+    time.sleep(0.1)
+    before = bench.thread_cpu_seconds([pid])
+    assert (pid, thread.native_id) in before
+    thread.join()
+    grew = bench.cpu_seconds_by_part(before, bench.thread_cpu_seconds([pid]))
+    assert all(seconds >= 0 for seconds in grew.values())
 
 
 def test_the_line_gives_each_part_per_record_and_in_cores() -> None:
