@@ -144,6 +144,7 @@ class Notices:
                 ({"model.experts", "model.active_experts"}, "takes the model as dense"),
                 ({"model.shared_ffn_hidden"}, "leaves the MoE's shared experts out"),
                 ({"model.head_dim"}, "counts its attention hidden wide, not heads x head_dim"),
+                ({"model.attention_core_width"}, "counts its attention core hidden wide, not as wide as its heads"),
             )
             if names & set(fields)
         ]

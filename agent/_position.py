@@ -41,17 +41,18 @@ def model_parallel_share(parallelism: dict[str, Any]) -> float:
 def flops_per_token(
     model: dict[str, Any], *, trained: float = 1.0, reach: float = 1.0, share: float = 1.0
 ) -> float | None:
-    """PaLM appendix B, 6N + 12 L H Q T (H*Q = the attention width: heads x head_dim where the model
-    gives head_dim, else hidden), with backward's parts apart so that frozen parameters count what
-    they cost: forward 2N + 4LHQT; backward's activation gradients 2N + 8LHQT over the share `reach`
-    it passes through, and its weight gradients 2N over the `trained` share
-    (agent/_model_facts.py, BackwardShares). Full training
-    (1, 1) is 6N + 12LHQT; a LoRA job's ~4N, which 6N read as 1.5x the work done. `share`: this
-    rank's part of it (model_parallel_share)."""
+    """PaLM appendix B, 6N + 12 L H Q T (H*Q = the attention core's width: attention_core_width where
+    the model gives it (MLA), else heads x head_dim where it gives head_dim, else hidden), with
+    backward's parts apart so that frozen parameters count what they cost: forward 2N + 4LHQT;
+    backward's activation gradients 2N + 8LHQT over the share `reach` it passes through, and its
+    weight gradients 2N over the `trained` share (agent/_model_facts.py, BackwardShares). Full
+    training (1, 1) is 6N + 12LHQT; a LoRA job's ~4N, which 6N read as 1.5x the work done. `share`:
+    this rank's part of it (model_parallel_share)."""
     n = model.get("non_embedding_params")
     layers, hidden, seq = model.get("layers"), model.get("hidden"), model.get("seq_len")
     if not (n and layers and hidden and seq):
         return None
     heads, head_dim = model.get("heads"), model.get("head_dim")
-    attention = layers * (heads * head_dim if heads and head_dim else hidden) * seq
+    width = model.get("attention_core_width") or (heads * head_dim if heads and head_dim else hidden)
+    attention = layers * width * seq
     return ((2.0 + 2.0 * reach + 2.0 * trained) * n + (4.0 + 8.0 * reach) * attention) * share

@@ -30,7 +30,13 @@ refused at once cost a collector ~1.6k cached-token lookups a second, not ~8k.""
 # unknown (extra="forbid": a typo must not be dropped silently); the agent then registers without
 # them rather than lose the run's data (agent/_delivery.py).
 LATER_REGISTRATION_FIELDS: frozenset[tuple[str, str]] = frozenset(
-    {("model", "experts"), ("model", "active_experts"), ("model", "shared_ffn_hidden"), ("model", "head_dim")}
+    {
+        ("model", "experts"),
+        ("model", "active_experts"),
+        ("model", "shared_ffn_hidden"),
+        ("model", "head_dim"),
+        ("model", "attention_core_width"),
+    }
 )
 
 

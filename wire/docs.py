@@ -72,9 +72,11 @@ A batch is stored whole or not at all; the acknowledgement comes after the commi
 `ModelDims.experts` and `ModelDims.active_experts` (an MoE's E experts per layer and top-k, which
 its MFU prediction needs) came after v1 shipped: optional, so an older agent's messages are still
 valid. `ModelDims.shared_ffn_hidden` (the width of an MoE's shared experts, which every token passes
-through) and `ModelDims.head_dim` (one attention head's width, where heads x head_dim is not hidden)
-came later again, in the same way. A collector older than any of them refuses them as unknown (422
-naming `model.experts`, `model.shared_ffn_hidden` or `model.head_dim`); the agent then registers
+through), `ModelDims.head_dim` (one attention head's width, where heads x head_dim is not hidden) and
+`ModelDims.attention_core_width` (the attention core's width where its heads are not as wide as its
+projections: MLA) came later again, in the same way. A collector older than any of them refuses
+them as unknown (422 naming `model.experts`, `model.shared_ffn_hidden`, `model.head_dim` or
+`model.attention_core_width`); the agent then registers
 again without them and says so once (docs/agent.md, "When the collector refuses"), so upgrade
 collectors before agents.
 
@@ -85,7 +87,7 @@ A run id names one job. Registering an id the collector already holds is one of 
 - **A relaunch of the same job** (a crash, a requeue, torchrun restarting it, the same script run
   again): the project agrees and so does every identity field the registration sends,
   `model.hidden` / `heads` / `kv_heads` / `ffn_hidden` / `vocab` / `experts` / `active_experts` /
-  `shared_ffn_hidden` / `head_dim` and
+  `shared_ffn_hidden` / `head_dim` / `attention_core_width` and
   `parallelism.world_size` / `tp` / `pp` / `cp` / `ep` (a field absent or null on either side
   contradicts nothing). Accepted
   (200) as a restart: the process is a new incarnation, and where it sends steps the run already

@@ -94,6 +94,13 @@ class ModelDims(_Strict):
         description="width of one attention head (Q in 12LHQT) and of its q/k/v/o projections, where heads x "
         "head_dim is not hidden (Qwen3, Gemma: the config's head_dim); absent: hidden / heads",
     )
+    attention_core_width: _Positive | None = Field(
+        None,
+        description="H x Q in 12LHQT where the attention core's heads are not as wide as its q/k/v/o "
+        "projections: heads x (query-key head width + value head width) / 2 (DeepSeek's MLA: "
+        "qk_nope_head_dim + qk_rope_head_dim and v_head_dim; V3: 128 x (192 + 128) / 2 = 20,480); "
+        "absent: heads x head_dim",
+    )
 
     @model_validator(mode="after")
     def _routed_to_at_most_all_experts(self) -> ModelDims:

@@ -510,6 +510,10 @@ class ModelSection(_Section):
     head_dim: _Width | None = None
     """Width of one attention head and of its q/k/v/o projections, where heads x head_dim is not hidden
     (Qwen3, Gemma). Default: hidden / heads."""
+    attention_core_width: _Width | None = None
+    """The attention core's width in 12LHQT (H x Q) where its heads are not as wide as its q/k/v/o
+    projections: heads x (query-key + value head width) / 2 (DeepSeek's MLA). Default: heads x
+    head_dim."""
     tied_embeddings: StrictBool | None = None
 
 

@@ -94,7 +94,7 @@ class RefusedIncarnationError(ValueError):
 _IDENTITY: dict[str, tuple[str, ...]] = {
     "model": (
         "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "experts", "active_experts", "shared_ffn_hidden",
-        "head_dim",
+        "head_dim", "attention_core_width",
     ),
     "parallelism": ("world_size", "tp", "pp", "cp", "ep"),
 }

@@ -412,3 +412,55 @@ def test_a_real_hf_model_with_wide_heads_has_the_forward_flops_the_agent_counts(
     assert abs(forward / counted - 1) < 0.02
     hidden_wide = flops_per_token({k: v for k, v in dims.items() if k != "head_dim"}) / 3
     assert hidden_wide / counted < 0.85
+
+
+def test_an_mla_model_registers_its_attention_cores_width() -> None:
+    """DeepSeek-V3 attends with 128 query-key heads of 192 (128 + 64 RoPE) and value heads of 128 on
+    a width of 7,168: attention_core_width 128 x (192 + 128) / 2 = 20,480 is its 12LHQT H*Q. Its
+    parameters are unchanged by it (37B active, as published), agent and collector count the same
+    FLOPs, and at a 32k context they are 1.8x the hidden-wide count (1.16x at 4k)."""
+    from trainvitals.service.advisors.model_config import parse_plan_input
+    from trainvitals.service.analysis.expectations import run_flops_per_token
+
+    dims = model_dims(_ConfigOnly(_DEEPSEEK_V3), {"pp": 2})
+    assert dims["attention_core_width"] == 20480 and "head_dim" not in dims
+    registered = RunRegistration(run="r", model={**dims, "params": 671_000_000_000}).model_dump(exclude_none=True)
+    assert abs(parse_model(registered).params_active / 37e9 - 1) < 0.02
+    for seq, more in ((4096, 1.16), (32768, 1.81)):
+        model = {**dims, "seq_len": seq, "non_embedding_params": 37_000_000_000}
+        registration = {"model": model, "parallelism": {"world_size": 2048, "ep": 64, "pp": 16},
+                        "hardware": {"gpu_type": "H100-SXM"}}  # fmt: skip
+        agent = flops_per_token(model)
+        assert agent == pytest.approx(run_flops_per_token(registration, parse_plan_input(registration, strict=False)))
+        assert agent == pytest.approx(6 * 37e9 + 12 * 61 * 20480 * seq, rel=1e-12)
+        hidden_wide = flops_per_token({k: v for k, v in model.items() if k != "attention_core_width"})
+        assert agent / hidden_wide == pytest.approx(more, abs=0.01)
+    # Other models register none: Llama's heads are hidden wide, Qwen3's width is its head_dim's.
+    assert "attention_core_width" not in model_dims(_ConfigOnly(_LLAMA3_8B), {"pp": 2})
+    assert "attention_core_width" not in model_dims(_ConfigOnly(_QWEN3_4B), {"pp": 2})
+
+
+def test_a_real_hf_mla_model_has_the_forward_flops_the_agent_counts() -> None:
+    """A tiny random transformers DeepSeek-V3 (its own config class, no download; MLA with query-key
+    heads of 24 + 8 and value heads of 32, 4 of them on a width of 64, every layer dense): torch's
+    FlopCounterMode counts the forward's matmul FLOPs, and the agent's 2N + 4LHQT with its attention
+    core 128 wide agrees within 2%; hidden wide, as before attention_core_width, a fifth short."""
+    import transformers
+    from torch.utils.flop_counter import FlopCounterMode
+
+    seq = 256
+    config = transformers.DeepseekV3Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        vocab_size=1000, max_position_embeddings=seq, first_k_dense_replace=2, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, q_lora_rank=None, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=24, v_head_dim=32, n_group=1, topk_group=1, attn_implementation="eager",
+    )  # fmt: skip
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    dims = {**model_dims(model, {"world_size": 1}), "seq_len": seq}
+    assert dims["attention_core_width"] == 4 * (32 + 32) // 2 and "head_dim" not in dims
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(torch.zeros(1, seq, dtype=torch.long))
+    counted = counter.get_total_flops() / seq
+    assert abs(flops_per_token(dims) / 3 / counted - 1) < 0.02
+    hidden_wide = flops_per_token({k: v for k, v in dims.items() if k != "attention_core_width"}) / 3
+    assert hidden_wide / counted < 0.85

@@ -440,9 +440,27 @@ def test_a_collector_that_knows_the_shared_experts_but_not_head_dim_keeps_the_re
     ]
 
 
+def test_a_collector_that_knows_head_dim_but_not_the_attention_core_width_keeps_the_rest(
+    collector: CollectorServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A collector of the release before attention_core_width (session 49) refuses it alone: an MLA
+    model's registration goes again without it, and the line says what that costs the prediction."""
+    caplog.set_level(logging.WARNING, "trainvitals.agent")
+    model = {"hidden": 7168, "heads": 128, "experts": 256, "active_experts": 8, "attention_core_width": 20480}
+    transport = _run_through_an_older_collector(collector, tmp_path, model, unknown=("model", "attention_core_width"))
+    assert [r["model"].get("attention_core_width") for r in transport.registrations] == [20480, None]
+    assert transport.registrations[1]["model"]["experts"] == 256
+    assert _warnings(caplog) == [
+        f"trainvitals agent: the collector at {collector.url} is older than this agent: it does not know the "
+        "registration field(s) model.attention_core_width, so the run is registered without them (its MFU "
+        "prediction counts its attention core hidden wide, not as wide as its heads). Upgrade the collector to the "
+        "agent's version"
+    ]
+
+
 def test_the_current_collector_stores_the_moe_fields(collector: CollectorServer, tmp_path: Path) -> None:
     config = AgentConfig(collector=collector.url, token="", spill_dir=str(tmp_path / "spool"), retry_backoff_s=0.0)
-    model = {"experts": 8, "active_experts": 2, "shared_ffn_hidden": 256, "head_dim": 128}
+    model = {"experts": 8, "active_experts": 2, "shared_ffn_hidden": 256, "head_dim": 128, "attention_core_width": 512}
     reg = RunRegistration(run="r1", model=model).model_dump(mode="json")
     exp = spooling_exporter(config=config, run="r1", rank=0, incarnation=1, registration=reg)
     _emit_steps(exp, range(2))

@@ -194,6 +194,28 @@ def test_heads_wider_than_the_model_count_their_attention_heads_x_head_dim_wide(
         parse_plan_input({**cfg, "model": {**model, "head_dim": 0}})
 
 
+def test_an_mla_attention_core_counts_its_own_width_and_leaves_the_parameters() -> None:
+    """DeepSeek-V3's MLA attends with 128 heads of 192 (query-key) and 128 (value) on a width of 7,168:
+    attention_core_width 20,480 is 12LHQT's H*Q, so the attention core's FLOPs and the predicted
+    compute grow with it, while the parameters (its low-rank projections, counted hidden wide) do
+    not. A width of 0 is refused with one line."""
+    model = {"layers": 61, "hidden": 7168, "heads": 128, "ffn_hidden": 2048, "vocab": 129280, "seq_len": 32768,
+             "experts": 256, "active_experts": 8, "shared_ffn_hidden": 2048, "params": 671e9}  # fmt: skip
+    cfg = {"model": model, "parallelism": {"gpus": 2048, "ep": 64, "pp": 16, "uneven_stages": True},
+           "hardware": {"gpu": "H100-SXM"}}  # fmt: skip
+    plain, mla = (parse_plan_input({**cfg, "model": {**model, **extra}})
+                  for extra in ({}, {"attention_core_width": 20480}))  # fmt: skip
+    assert (plain.model.attention_width, mla.model.attention_width) == (7168, 20480)
+    assert mla.model.params_active == plain.model.params_active
+    extra_core = 12 * 61 * (20480 - 7168) * 32768  # params counted with a scale: not an exact float
+    assert model_flops_per_token(mla) - model_flops_per_token(plain) == pytest.approx(extra_core, rel=1e-12)
+    flops = hardware_flops_per_token(mla) / hardware_flops_per_token(plain)
+    assert plan(mla).step.compute_s / plan(plain).step.compute_s == pytest.approx(flops, rel=0.02)
+    assert flops > 1.5
+    with pytest.raises(ValueError, match=r"model.attention_core_width: must be >= 1, got 0"):
+        parse_plan_input({**cfg, "model": {**model, "attention_core_width": 0}})
+
+
 def test_moe_shared_experts_are_active_and_not_sharded_by_expert_parallelism() -> None:
     """A shared expert (DeepSeek, Qwen2-MoE) runs on every token: its parameters are active, so its
     FLOPs lengthen the predicted compute, and it is replicated across the EP group like attention."""

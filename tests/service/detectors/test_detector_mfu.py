@@ -285,9 +285,6 @@ def test_a_model_with_heads_wider_than_its_width_at_the_predicted_speed_has_no_g
     registers it, running at the speed the cost model predicts for it. With head_dim registered both
     sides count its attention 4,096 wide: no gap. Without it (as before head_dim) the cost model took
     the attention 2,560 wide, predicted a step a fifth too short, and this healthy run fired a gap."""
-    from trainvitals.agent._position import flops_per_token
-    from trainvitals.service.advisors.cost_model import plan
-    from trainvitals.service.advisors.model_config import parse_plan_input
     from trainvitals.wire import RunRegistration
 
     layers, seq, n = 36, 32768, 3_600_000_000
@@ -301,12 +298,49 @@ def test_a_model_with_heads_wider_than_its_width_at_the_predicted_speed_has_no_g
             hardware={"gpu_type": "H100-SXM", "gpu_count": 64},
         ).model_dump(mode="json", exclude_none=True)  # fmt: skip
 
-    true, hidden_wide = registered(head_dim=128), registered()
-    tokens_per_s = plan(parse_plan_input(true, strict=False)).tokens_per_s  # the speed its attention allows
+    with_it, hidden_wide = _gaps_at_the_speed_its_attention_allows(series, registered(head_dim=128), registered())
+    assert with_it == []
+    (f,) = hidden_wide
+    assert f.kind == "mfu_gap"
 
-    def measured(reg: dict) -> float:  # what the agent measures at that speed, counting as it registered
-        return tokens_per_s * flops_per_token(reg["model"]) / (64 * 989e12)
 
-    assert _gaps_of_a_steady_run(series, true, measured(true)) == []
-    (f,) = _gaps_of_a_steady_run(series, hidden_wide, measured(hidden_wide))
+def _gaps_at_the_speed_its_attention_allows(series, true: dict, hidden_wide: dict) -> tuple[list, list]:
+    """A healthy run at the speed the cost model predicts for the `true` registration, as the agent
+    measures it counting as each registration says: the MFU detector's findings under each."""
+    from trainvitals.agent._position import flops_per_token
+    from trainvitals.service.advisors.cost_model import plan
+    from trainvitals.service.advisors.model_config import parse_plan_input
+
+    tokens_per_s = plan(parse_plan_input(true, strict=False)).tokens_per_s
+    gpus = true["parallelism"]["world_size"]
+
+    def gaps(reg: dict) -> list:
+        return _gaps_of_a_steady_run(series, reg, tokens_per_s * flops_per_token(reg["model"]) / (gpus * 989e12))
+
+    return gaps(true), gaps(hidden_wide)
+
+
+def test_an_mla_model_at_the_predicted_speed_has_no_gap(series) -> None:
+    """DeepSeek-V3 (MLA: 128 heads of 192 query-key and 128 value on a width of 7,168) at a 32k
+    context, as the agent registers it, running at the speed the cost model predicts for it on 2,048
+    H100s. With attention_core_width both sides count its attention core 20,480 wide: no gap.
+    Hidden wide (as before the field) the agent counted 0.55 of its FLOPs and the cost model
+    predicted a step too short: this healthy run read 0.59 of the prediction and fired a gap."""
+    from trainvitals.wire import RunRegistration
+
+    def registered(**core: int) -> dict:
+        return RunRegistration(
+            run="deepseek-v3",
+            model={"layers": 61, "hidden": 7168, "heads": 128, "kv_heads": 128, "ffn_hidden": 2048, "vocab": 129280,
+                   "seq_len": 32768, "experts": 256, "active_experts": 8, "shared_ffn_hidden": 2048,
+                   "params": 671_000_000_000, "non_embedding_params": 37_000_000_000, **core},
+            parallelism={"world_size": 2048, "ep": 64, "pp": 16, "micro_batch": 1, "global_batch": 2048},
+            hardware={"gpu_type": "H100-SXM", "gpu_count": 2048},
+        ).model_dump(mode="json", exclude_none=True)  # fmt: skip
+
+    with_it, hidden_wide = _gaps_at_the_speed_its_attention_allows(
+        series, registered(attention_core_width=20480), registered()
+    )
+    assert with_it == []
+    (f,) = hidden_wide
     assert f.kind == "mfu_gap"

@@ -171,6 +171,11 @@ def test_an_moe_with_other_experts_is_another_job(session) -> None:
     with pytest.raises(batches.RunConflictError, match=r"model.head_dim: 128 registered, 64 now\)"):
         batches.register_run(session, moe(2, "h", head_dim=64))
     assert batches.register_run(session, moe(3, "h")) is False
+    # An MLA attention core's width (session 50): the same rule.
+    batches.register_run(session, moe(1, "c", attention_core_width=20480))
+    with pytest.raises(batches.RunConflictError, match=r"model.attention_core_width: 20480 registered, 16384 now\)"):
+        batches.register_run(session, moe(2, "c", attention_core_width=16384))
+    assert batches.register_run(session, moe(3, "c")) is False
 
 
 def test_a_declared_resume_continues_the_run_on_a_new_layout(session) -> None:
