@@ -70,7 +70,7 @@ _MLA = "kv_lora_rank"
 # which only the attention core's FLOPs read (its projections stay counted hidden wide): V3's 4k step
 # is 16% more FLOPs than hidden wide, a 32k step 81% more.
 _MLA_QK = ("qk_nope_head_dim", "qk_rope_head_dim")
-_MLA_V = "v_head_dim"
+_MLA_V = ("v_head_dim",)
 # Roles in _param_sizes: an nn.Embedding table (not in N), and a token embedding tied to a head (in
 # N: its matmul runs at the end of forward); any other parameter has the role "".
 _TABLE, _TIED = "table", "tied"
@@ -244,8 +244,8 @@ def _mla_core_width(config: object, heads: int | None) -> int | None:
     an MLA config that does not name its head widths."""
     if heads is None or _config_int(config, (_MLA,)) is None:
         return None
-    query_key = sum(_positive_int(getattr(config, name, None)) or 0 for name in _MLA_QK)
-    value = _positive_int(getattr(config, _MLA_V, None))
+    query_key = sum(_config_int(config, (name,)) or 0 for name in _MLA_QK)
+    value = _config_int(config, _MLA_V)
     if not query_key or value is None:
         return None
     return (heads * (query_key + value) + 1) // 2

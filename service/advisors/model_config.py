@@ -106,7 +106,7 @@ class ModelConfig:
     """Width of one attention head where the model says so apart from hidden / heads (Qwen3, Gemma:
     heads x head_dim wider than hidden), in the attention core's FLOPs (12LHQT's Q) and the q/k/v/o
     projections' parameters; 0: hidden / heads."""
-    attention_core: int = 0
+    attention_core_width: int = 0
     """The attention core's width (12LHQT's H x Q) where its heads are not as wide as its q/k/v/o
     projections (DeepSeek's MLA: heads x (query-key + value head width) / 2, against low-rank
     projections counted hidden wide); 0: heads x head_dim."""
@@ -139,7 +139,7 @@ class ModelConfig:
         """The H*Q of 12LHQT, the attention core's FLOPs per token and layer over 12 S: the core's own
         width where the model gives it (MLA), else heads x head_dim (= hidden unless head_dim says
         otherwise)."""
-        return self.attention_core or self.heads * self.head_dim
+        return self.attention_core_width or self.heads * self.head_dim
 
     @property
     def attention_params_per_layer(self) -> int:
@@ -429,7 +429,7 @@ def parse_model(data: Mapping[str, Any], *, strict: bool = True) -> ModelConfig:
         shared_ffn_hidden=_int(sec, "model", "shared_ffn_hidden", 0, minimum=0),
         tied_embeddings=_bool(sec, "model", "tied_embeddings", False),
         attention_head_dim=_int(sec, "model", "head_dim", 0),
-        attention_core=_int(sec, "model", "attention_core_width", 0),
+        attention_core_width=_int(sec, "model", "attention_core_width", 0),
     )
 
 
