@@ -324,16 +324,46 @@ def thread_cpu_seconds(pids: list[int]) -> dict[tuple[int, int], tuple[str, floa
 
 
 def cpu_seconds_by_part(
-    before: dict[tuple[int, int], tuple[str, float]], after: dict[tuple[int, int], tuple[str, float]]
+    before: dict[Any, tuple[str, float]],
+    after: dict[Any, tuple[str, float]],
+    parts_in_order: tuple[str, ...] = COLLECTOR_PARTS,
 ) -> dict[str, float]:
-    """CPU seconds spent between two thread_cpu_seconds readings, summed by COLLECTOR_PARTS. A thread
-    started since counts from zero; one that ended since is not counted (its CPU left with it: a
-    thread pool's idle worker, not the loop, the writers or the analysis child, which live as long
-    as the collector)."""
-    parts = dict.fromkeys(COLLECTOR_PARTS, 0.0)
+    """CPU seconds spent between two readings (thread_cpu_seconds, or postgres_cpu_seconds with
+    SERVER_PARTS), summed by part. A thread or backend started since counts from zero; one that
+    ended since is not counted (its CPU left with it: a thread pool's idle worker, not the loop,
+    the writers or the analysis child, which live as long as the collector; a pooled connection
+    the collector closed)."""
+    parts = dict.fromkeys(parts_in_order, 0.0)
     for key, (part, seconds) in after.items():
         parts[part] += seconds - before.get(key, (part, 0.0))[1]
     return parts
+
+
+# The parts of the PostgreSQL server's CPU, by the client each backend serves (the collector names
+# its connections: store/db.py's application names): `serve` (ingest's writers, and the reads of
+# routes and /metrics, which the benchmark does not call), the analysis child, and anything else
+# connected to the scratch database.
+SERVER_PARTS = ("serve", "analysis child", "other")
+
+
+def _server_part_of(application_name: str) -> str:
+    from trainvitals.service.store import db
+
+    parts = {db.SERVE_APPLICATION_NAME: "serve", db.ANALYSE_APPLICATION_NAME: "analysis child"}
+    return parts.get(application_name, "other")
+
+
+def postgres_cpu_seconds(backends: dict[int, str]) -> dict[int, tuple[str, float]]:
+    """pid -> (its part of SERVER_PARTS, utime + stime in seconds) for these PostgreSQL backends
+    (pid -> application_name, as `_postgres_backends` reads them); a backend gone since is left out."""
+    out = {}
+    for pid, application_name in backends.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[pid] = (_server_part_of(application_name), (int(fields[11]) + int(fields[12])) / _CLK_TCK)
+    return out
 
 
 def process_tree(pid: int) -> list[int]:
@@ -552,6 +582,8 @@ class IngestResult:
     collector_parts: dict[str, float]
     """collector_cpu by COLLECTOR_PARTS, cores busy on average."""
     postgres_cpu: float
+    server_parts: dict[str, float]
+    """postgres_cpu by SERVER_PARTS, cores busy on average (all 0 on SQLite)."""
     clients_cpu: float
     rss_mb: float
     hwm_mb: float
@@ -631,7 +663,12 @@ def _collector_parts_line(r: IngestResult) -> str:
     rate = max(r.records_per_s, 1.0)
     parts = ", ".join(f"{part} {1e6 * r.collector_parts[part] / rate:.1f}" for part in COLLECTOR_PARTS)
     cores = ", ".join(f"{r.collector_parts[part]:.2f}" for part in COLLECTOR_PARTS)
-    return f"[{r.backend}] collector CPU us/rec by part: {parts} (cores busy: {cores})"
+    line = f"[{r.backend}] collector CPU us/rec by part: {parts} (cores busy: {cores})"
+    if r.backend == "postgresql":
+        parts = ", ".join(f"{part} {1e6 * r.server_parts[part] / rate:.1f}" for part in SERVER_PARTS)
+        cores = ", ".join(f"{r.server_parts[part]:.2f}" for part in SERVER_PARTS)
+        line += f"\n[{r.backend}] PostgreSQL CPU us/rec by client: {parts} (cores busy: {cores})"
+    return line
 
 
 def _pg_server_line(r: IngestResult) -> str:
@@ -647,13 +684,15 @@ def _pg_server_line(r: IngestResult) -> str:
     )
 
 
-def _postgres_pids(url: str) -> list[int]:
+def _postgres_backends(url: str) -> dict[int, str]:
+    """pid -> application_name of every backend connected to the scratch database."""
     import psycopg
 
     dbname = url.rsplit("/", 1)[1]
     with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-        rows = conn.execute("SELECT pid FROM pg_stat_activity WHERE datname = %s", (dbname,)).fetchall()
-    return [int(r[0]) for r in rows]
+        query = "SELECT pid, application_name FROM pg_stat_activity WHERE datname = %s"
+        rows = conn.execute(query, (dbname,)).fetchall()
+    return {int(pid): name for pid, name in rows}
 
 
 def _analysis_progress(url: str) -> str:
@@ -768,10 +807,10 @@ def _drive(
     try:
         time.sleep(warmup)
         client_pids = [p.pid for p in procs if p.pid is not None]
-        pg_pids = _postgres_pids(url) if backend == "postgresql" else []
+        pg0 = postgres_cpu_seconds(_postgres_backends(url)) if backend == "postgresql" else {}
         collector_pids = process_tree(col.proc.pid)
         pg_server0 = _pg_server_counters() if backend == "postgresql" else None
-        cpu0 = (cpu_seconds(collector_pids), cpu_seconds(pg_pids), cpu_seconds(client_pids))
+        cpu0 = (cpu_seconds(collector_pids), cpu_seconds(client_pids))
         threads0 = thread_cpu_seconds(collector_pids)
         t_start = time.monotonic()
         rss_peak = 0
@@ -780,8 +819,9 @@ def _drive(
             rss_peak = max(rss_peak, sum(read_status_kb(p, "VmRSS") for p in collector_pids))
         t_end = time.monotonic()
         # Backends connected after the warm-up (pool growth) are counted from zero.
-        pg_pids_end = _postgres_pids(url) if backend == "postgresql" else []
-        cpu1 = (cpu_seconds(collector_pids), cpu_seconds(pg_pids_end), cpu_seconds(client_pids))
+        pg1 = postgres_cpu_seconds(_postgres_backends(url)) if backend == "postgresql" else {}
+        cpu1 = (cpu_seconds(collector_pids), cpu_seconds(client_pids))
+        server_parts = cpu_seconds_by_part(pg0, pg1, SERVER_PARTS)
         parts = cpu_seconds_by_part(threads0, thread_cpu_seconds(collector_pids))
         pg_server1 = _pg_server_counters() if pg_server0 is not None else None
         hwm = sum(read_status_kb(p, "VmHWM") for p in collector_pids)
@@ -829,8 +869,9 @@ def _drive(
         collector_cpu=(cpu1[0] - cpu0[0]) / span,
         collector_processes=len(collector_pids),
         collector_parts={part: seconds / span for part, seconds in parts.items()},
-        postgres_cpu=(cpu1[1] - cpu0[1]) / span,
-        clients_cpu=(cpu1[2] - cpu0[2]) / span,
+        postgres_cpu=sum(server_parts.values()) / span,
+        server_parts={part: seconds / span for part, seconds in server_parts.items()},
+        clients_cpu=(cpu1[1] - cpu0[1]) / span,
         rss_mb=rss_peak / 1024,
         hwm_mb=hwm / 1024,
         stored_rows=stored,

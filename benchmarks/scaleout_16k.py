@@ -684,9 +684,9 @@ def _cpu_groups(procs: list[subprocess.Popen[bytes]], proxy: subprocess.Popen[by
                 db_url: str) -> dict[str, float]:  # fmt: skip
     """CPU seconds so far of each part (PostgreSQL: the backends now connected to the scratch database,
     so the pool's connections must be open at both ends, as they are under load)."""
-    from ingest_throughput import _postgres_pids, cpu_seconds
+    from ingest_throughput import _postgres_backends, cpu_seconds
 
-    out = {"nginx": cpu_seconds(process_tree(proxy.pid)), "postgres": cpu_seconds(_postgres_pids(db_url)),
+    out = {"nginx": cpu_seconds(process_tree(proxy.pid)), "postgres": cpu_seconds(list(_postgres_backends(db_url))),
            "job": cpu_seconds(job_pids)}  # fmt: skip
     for name, proc in zip("AB", procs, strict=True):
         out[f"serve {name}"] = cpu_seconds([proc.pid])

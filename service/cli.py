@@ -241,7 +241,7 @@ def _analyse(args: argparse.Namespace) -> int:
     if ANALYSE_PARENT_ENV not in os.environ:  # serve's child: serve has said it
         _warn_misspelt(log)
     db.prepare(settings.db, migrate=settings.migrate_on_start)
-    engine = db.make_engine(settings.db)
+    engine = db.make_engine(settings.db, application_name=db.ANALYSE_APPLICATION_NAME)
     worker = AnalysisWorker(db.make_sessionmaker(engine), settings, lease=AnalysisLease(engine))
     # The main thread polls rather than blocking in Event.wait(): a signal the kernel delivers to
     # the worker's thread does not wake a lock wait in this one, so the Python handler never ran

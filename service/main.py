@@ -45,7 +45,7 @@ class CollectorApp(FastAPI):
 def create_app(settings: Settings | None = None) -> CollectorApp:
     settings = settings or Settings()
     db.prepare(settings.db, migrate=settings.migrate_on_start)
-    engine = db.make_engine(settings.db)
+    engine = db.make_engine(settings.db, application_name=db.SERVE_APPLICATION_NAME)
     sessions = db.make_sessionmaker(engine)
     worker = AnalysisWorker(sessions, settings, lease=AnalysisLease(engine))
     writer = BatchWriter(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, make_url
 from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import Session, sessionmaker
@@ -26,8 +26,19 @@ _BUSY_TIMEOUT_S = 30.0  # how long a SQLite connection waits for another's lock
 log = logging.getLogger(__name__)
 
 
-def make_engine(url: str) -> Engine:
-    """An engine tuned for append-heavy ingest on either backend."""
+# What PostgreSQL's pg_stat_activity (and a log_line_prefix with %a) shows for a connection the
+# collector did not name more precisely: `serve` and `analyse` name theirs (make_engine).
+APPLICATION_NAME = "trainvitals"
+SERVE_APPLICATION_NAME = "trainvitals-serve"  # the collector's process: ingest, reads, /metrics
+ANALYSE_APPLICATION_NAME = "trainvitals-analyse"  # the analysis worker's process
+
+
+def make_engine(url: str, *, application_name: str = APPLICATION_NAME) -> Engine:
+    """An engine tuned for append-heavy ingest on either backend.
+
+    application_name: on PostgreSQL, the name its connections show in pg_stat_activity, so that a
+    DBA (and benchmarks/ingest_throughput.py) can tell the collector's ingest from its analysis;
+    an `application_name` in the URL's query wins. Unused on SQLite."""
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": _BUSY_TIMEOUT_S})
 
@@ -58,7 +69,12 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    engine = create_engine(url, pool_size=8, max_overflow=8)
+    # In the URL, not connect_args: the analysis lease's own connection (store/lease.py) is made
+    # from the engine's URL, and carries the name too.
+    parsed = make_url(url)
+    if "application_name" not in parsed.query:
+        parsed = parsed.update_query_dict({"application_name": application_name})
+    engine = create_engine(parsed, pool_size=8, max_overflow=8)
     _ping_when_idle(engine)
     return engine
 

@@ -87,9 +87,51 @@ def test_the_line_gives_each_part_per_record_and_in_cores() -> None:
     result = bench.IngestResult(
         backend="sqlite", records_per_s=150_000.0, batches_per_s=694.4, records_per_batch=216, body_kb=36.8,
         p50_ms=20.0, p99_ms=60.0, errors=0, collector_cpu=1.7, collector_processes=2, collector_parts=parts,
-        postgres_cpu=0.0, clients_cpu=0.1, rss_mb=500.0, hwm_mb=510.0, stored_rows=0, reduced="3/7", command="",
+        postgres_cpu=0.0, server_parts=dict.fromkeys(bench.SERVER_PARTS, 0.0), clients_cpu=0.1, rss_mb=500.0,
+        hwm_mb=510.0, stored_rows=0, reduced="3/7", command="",
     )  # fmt: skip
     assert bench._collector_parts_line(result) == (  # noqa: SLF001 - the benchmark's own line
         "[sqlite] collector CPU us/rec by part: event loop 3.0, batch writer 6.0, other threads 0.3, "
         "analysis child 2.0 (cores busy: 0.45, 0.90, 0.05, 0.30)"
     )
+
+
+def test_the_postgresql_line_also_splits_the_server_by_client() -> None:
+    """On PostgreSQL a second line: the server's CPU by the collector's process each backend serves."""
+    parts = {"event loop": 0.45, "batch writer": 0.3, "other threads": 0.0, "analysis child": 0.03}
+    result = bench.IngestResult(
+        backend="postgresql", records_per_s=100_000.0, batches_per_s=463.0, records_per_batch=216, body_kb=36.8,
+        p50_ms=20.0, p99_ms=60.0, errors=0, collector_cpu=0.78, collector_processes=2, collector_parts=parts,
+        postgres_cpu=0.8, server_parts={"serve": 0.6, "analysis child": 0.2, "other": 0.0}, clients_cpu=0.1,
+        rss_mb=500.0, hwm_mb=510.0, stored_rows=0, reduced="3/7", command="",
+    )  # fmt: skip
+    assert bench._collector_parts_line(result).splitlines()[1] == (  # noqa: SLF001 - the benchmark's own line
+        "[postgresql] PostgreSQL CPU us/rec by client: serve 6.0, analysis child 2.0, other 0.0 "
+        "(cores busy: 0.60, 0.20, 0.00)"
+    )
+
+
+def test_a_backends_cpu_lands_with_the_process_that_named_its_connection(empty_pg_url: str) -> None:
+    """A query the analysis worker's connection runs is the server's 'analysis child' CPU; a
+    connection the collector did not name is 'other'; serve's, idle here, gets none."""
+    import psycopg
+
+    from trainvitals.service.store import db
+
+    dsn = empty_pg_url.replace("postgresql+psycopg://", "postgresql://")
+    with (
+        psycopg.connect(dsn, application_name=db.ANALYSE_APPLICATION_NAME) as analysis,
+        psycopg.connect(dsn, application_name=db.SERVE_APPLICATION_NAME),
+        psycopg.connect(dsn, application_name="psql") as stranger,
+    ):
+        before = bench.postgres_cpu_seconds(bench._postgres_backends(empty_pg_url))  # noqa: SLF001
+        assert sorted(part for part, _ in before.values()) == ["analysis child", "other", "serve"]
+        analysis.execute("SELECT count(*) FROM generate_series(1, 8000000)").fetchone()
+        stranger.execute("SELECT count(*) FROM generate_series(1, 1000000)").fetchone()
+        grew = bench.cpu_seconds_by_part(
+            before, bench.postgres_cpu_seconds(bench._postgres_backends(empty_pg_url)), bench.SERVER_PARTS  # noqa: SLF001
+        )
+    assert list(grew) == list(bench.SERVER_PARTS)
+    assert grew["analysis child"] >= 0.1
+    assert grew["serve"] == 0.0
+    assert 0.0 < grew["other"] < grew["analysis child"]
