@@ -121,6 +121,37 @@ def test_writer_groups_what_queued_during_a_commit(sessions) -> None:
     assert _count(sessions, StepRow) == 16
 
 
+def test_a_writer_told_to_wait_gathers_batches_that_arrive_apart_into_one_group(sessions) -> None:
+    """With group_wait_s, batches sent 20 ms apart share one transaction; without it each is written
+    as it comes (at most as many groups as batches, and more than one)."""
+    groups = {}
+    for wait_s in (0.6, 0.0):
+        writer = BatchWriter(sessions, group_wait_s=wait_s)
+        try:
+            futures = []
+            for rank in range(5):
+                futures.append(writer.submit(_batch(rank, 0 if wait_s else 1), project=None))
+                threading.Event().wait(0.02)
+            assert all(f.result(10) == BatchAck(accepted=4, duplicate=False) for f in futures)
+        finally:
+            writer.stop()
+        groups[wait_s] = writer.groups
+    assert groups[0.6] == 1
+    assert groups[0.0] > 1
+    assert _count(sessions, StepRow) == 20
+
+
+def test_a_full_group_is_written_without_waiting(sessions) -> None:
+    """A writer stops waiting once its group holds full_group_records: here two batches of 4 records
+    are answered long before the 60 s the writer would otherwise wait."""
+    writer = BatchWriter(sessions, group_wait_s=60.0, full_group_records=8)
+    try:
+        futures = [writer.submit(_batch(rank, 0), project=None) for rank in range(2)]
+        assert all(f.result(10) == BatchAck(accepted=4, duplicate=False) for f in futures)
+    finally:
+        writer.stop()
+
+
 def test_concurrent_senders_and_retries_store_every_record_once(sessions) -> None:
     writer = BatchWriter(sessions, threads=2)
     batches = [_batch(rank, seq) for rank in range(8) for seq in range(6)]
