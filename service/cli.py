@@ -72,11 +72,12 @@ def _serve(args: argparse.Namespace) -> int:
     commit = None
     if make_url(settings.db).get_backend_name() == "postgresql":
         commit = "sync" if settings.ingest_synchronous_commit else "async"
+    group_wait_ms = f"{1000 * settings.ingest_group_wait_s:g}"  # the writers' wait for a fuller group
     # What an operator checks first: where, which database (password hidden), auth, who analyses.
     logs.log_event(
         log, "serve", listen=f"http://{settings.host}:{settings.port}", db=db_url.describe(settings.db),
         auth="on" if settings.auth else "off", workers=args.workers, analysis=analysis, ingest_commit=commit,
-        log_level=settings.log_level, summary_every_s=settings.log_summary_seconds,
+        ingest_group_wait_ms=group_wait_ms, log_level=settings.log_level, summary_every_s=settings.log_summary_seconds,
     )  # fmt: skip
     _warn_misspelt(log)
     if not settings.auth:

@@ -42,19 +42,6 @@ class CollectorApp(FastAPI):
             await super().__call__(scope, receive, send)
 
 
-# PostgreSQL's writers wait this long for a fuller group by default (batch_writer.py's docstring);
-# SQLite's one writer never waits: its groups fill while its previous commit runs.
-_PG_GROUP_WAIT_MS = 5.0
-
-
-def ingest_group_wait_s(settings: Settings, dialect: str) -> float:
-    """The writers' wait for a fuller group, in seconds: the setting, else the backend's default."""
-    ms = settings.ingest_group_wait_ms
-    if ms is None:
-        ms = 0.0 if dialect == "sqlite" else _PG_GROUP_WAIT_MS
-    return ms / 1000
-
-
 def create_app(settings: Settings | None = None) -> CollectorApp:
     settings = settings or Settings()
     db.prepare(settings.db, migrate=settings.migrate_on_start)
@@ -66,7 +53,7 @@ def create_app(settings: Settings | None = None) -> CollectorApp:
         threads=settings.ingest_writer_threads or (1 if engine.dialect.name == "sqlite" else 2),
         max_pending_records=settings.max_pending_records,
         synchronous_commit=settings.ingest_synchronous_commit,
-        group_wait_s=ingest_group_wait_s(settings, engine.dialect.name),
+        group_wait_s=settings.ingest_group_wait_s,
     )
     checkpointer = db.WalCheckpointer(engine)
     process_metrics = ProcessMetrics(

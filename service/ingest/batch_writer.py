@@ -8,11 +8,12 @@ stores it with one COPY per record kind and one commit. A request is acknowledge
 commit that holds its batch.
 
 Waiting for a group (`group_wait_s`, PostgreSQL's default 5 ms): a writer that finds fewer than
-`full_group_records` queued waits up to that long for more before it writes. A transaction costs
+`full_group_records` queued waits up to that long for more before it writes, as long as the next
+batch comes within half of it (`_NEXT_BATCH_WAIT`). A transaction costs
 PostgreSQL and the writer fixed work whatever it holds (two round trips per COPY, the claim, the
 tail, the commit: the server spent 5.2 us a record on groups of one batch, 3.1 on groups of 16),
-and two writers splitting a moderate flow between them write groups of a few batches each. An
-idle collector still writes a lone batch after the wait, and SQLite's one writer, whose groups fill
+and two writers splitting a moderate flow between them write groups of a few batches each. A lone
+batch waits half the wait (2.5 ms) longer for its answer. SQLite's one writer, whose groups fill
 while its previous commit runs, does not wait (0).
 
 On PostgreSQL two writer threads (own connections) overlap: one builds and sends a group while
@@ -58,6 +59,11 @@ log = logging.getLogger(__name__)
 
 
 _INLINE_ROWS_MAX = 4096
+_NEXT_BATCH_WAIT = 0.5
+"""Of group_wait_s: the longest a waiting writer waits for the next batch. A flow that pauses this
+long (a closed loop whose senders all wait for answers) is written at once instead of idling to the
+end of the wait, which cost such a loop 12% of its throughput; the 0.5 kept the wait's whole saving
+at 100k records/s offered (docs/performance.md, session 51)."""
 FULL_GROUP_RECORDS = 4096
 """A group this large is written at once, without waiting for more (about 19 batches of a rank
 that sends 4 steps of 48 FP8 tensors: the benchmark's; the server's cost a record levels off there)."""
@@ -181,7 +187,9 @@ class BatchWriter:
             group, records = [first], len(first.batch.records)
             deadline = time.monotonic() + self._group_wait_s
             while records < self._max_group_records:
-                wait = deadline - time.monotonic() if records < self._full_group_records else 0.0
+                wait = 0.0
+                if records < self._full_group_records:  # wait while batches keep coming, to the deadline
+                    wait = min(deadline - time.monotonic(), self._group_wait_s * _NEXT_BATCH_WAIT)
                 try:
                     item = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
                 except queue.Empty:

@@ -71,6 +71,7 @@ def test_serve_logs_its_setup_and_traffic_and_never_a_token(
     assert f" db=postgresql+psycopg://postgres:***@127.0.0.1:5432/{empty_pg_url.rsplit('/', 1)[1]} " in startup
     assert " auth=on " in startup and " analysis=process " in startup
     assert " ingest_commit=async " in startup  # PostgreSQL: acknowledged before the WAL flush (the default)
+    assert " ingest_group_wait_ms=5 " in startup  # PostgreSQL's writers wait for a fuller group (the default)
     assert any(" event=analyse " in line for line in lines)  # the child process says where it analyses
     misspelt = [line for line in lines if " event=unknown_setting " in line]
     assert len(misspelt) == 1 and " level=warning logger=trainvitals.serve " in misspelt[0], text  # not the child too

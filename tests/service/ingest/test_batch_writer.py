@@ -121,24 +121,28 @@ def test_writer_groups_what_queued_during_a_commit(sessions) -> None:
     assert _count(sessions, StepRow) == 16
 
 
-def test_a_writer_told_to_wait_gathers_batches_that_arrive_apart_into_one_group(sessions) -> None:
-    """With group_wait_s, batches sent 20 ms apart share one transaction; without it each is written
-    as it comes (at most as many groups as batches, and more than one)."""
-    groups = {}
-    for wait_s in (0.6, 0.0):
-        writer = BatchWriter(sessions, group_wait_s=wait_s)
-        try:
-            futures = []
-            for rank in range(5):
-                futures.append(writer.submit(_batch(rank, 0 if wait_s else 1), project=None))
-                threading.Event().wait(0.02)
-            assert all(f.result(10) == BatchAck(accepted=4, duplicate=False) for f in futures)
-        finally:
-            writer.stop()
-        groups[wait_s] = writer.groups
-    assert groups[0.6] == 1
-    assert groups[0.0] > 1
-    assert _count(sessions, StepRow) == 20
+@pytest.mark.parametrize(
+    ("wait_s", "apart_s", "groups"),
+    [
+        (0.6, 0.06, 1),  # each next batch within half the wait (0.3 s), all within it: one transaction
+        (0.4, 0.3, 5),  # a pause past half the wait (0.2 s) ends it: a wait to its end would make 3 groups
+        (0.0, 0.06, None),  # no wait: each written as it comes (more than one group)
+    ],
+)
+def test_a_writer_told_to_wait_gathers_batches_while_they_keep_coming(
+    sessions, wait_s: float, apart_s: float, groups: int | None
+) -> None:
+    writer = BatchWriter(sessions, group_wait_s=wait_s)
+    try:
+        futures = []
+        for rank in range(5):
+            futures.append(writer.submit(_batch(rank, 0), project=None))
+            threading.Event().wait(apart_s)
+        assert all(f.result(10) == BatchAck(accepted=4, duplicate=False) for f in futures)
+    finally:
+        writer.stop()
+    assert writer.groups == groups if groups is not None else writer.groups > 1, writer.groups
+    assert _count(sessions, StepRow) == 10
 
 
 def test_a_full_group_is_written_without_waiting(sessions) -> None:
