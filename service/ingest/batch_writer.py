@@ -8,13 +8,13 @@ stores it with one COPY per record kind and one commit. A request is acknowledge
 commit that holds its batch.
 
 Waiting for a group (`group_wait_s`, PostgreSQL's default 5 ms): a writer that finds fewer than
-`full_group_records` queued waits up to that long for more before it writes, as long as the next
-batch comes within half of it (`_NEXT_BATCH_WAIT`). A transaction costs
-PostgreSQL and the writer fixed work whatever it holds (two round trips per COPY, the claim, the
-tail, the commit: the server spent 5.2 us a record on groups of one batch, 3.1 on groups of 16),
-and two writers splitting a moderate flow between them write groups of a few batches each. A lone
-batch waits half the wait (2.5 ms) longer for its answer. SQLite's one writer, whose groups fill
-while its previous commit runs, does not wait (0).
+`full_group_records` queued waits up to that long for more before it writes, as long as each next
+batch comes within half of it (`_NEXT_BATCH_WAIT`). A transaction costs PostgreSQL and the writer
+fixed work whatever it holds (two round trips per COPY, the claim, the tail, the commit: the server
+spent 5.2 us a record on groups of one batch, 3.1 on groups of 16), and two writers splitting a
+moderate flow between them write groups of a few batches each. A lone batch waits half the wait
+(2.5 ms) longer for its answer. SQLite's one writer, whose groups fill while its previous commit
+runs, does not wait (0).
 
 On PostgreSQL two writer threads (own connections) overlap: one builds and sends a group while
 the server indexes and commits the other's. Idempotency holds across them (and across collector
@@ -62,11 +62,12 @@ _INLINE_ROWS_MAX = 4096
 _NEXT_BATCH_WAIT = 0.5
 """Of group_wait_s: the longest a waiting writer waits for the next batch. A flow that pauses this
 long (a closed loop whose senders all wait for answers) is written at once instead of idling to the
-end of the wait, which cost such a loop 12% of its throughput; the 0.5 kept the wait's whole saving
+end of the wait, which cost such a loop 12% of its throughput; 0.5 kept most of the wait's saving
 at 100k records/s offered (docs/performance.md, session 51)."""
 FULL_GROUP_RECORDS = 4096
-"""A group this large is written at once, without waiting for more (about 19 batches of a rank
-that sends 4 steps of 48 FP8 tensors: the benchmark's; the server's cost a record levels off there)."""
+"""A group this large is written at once, without waiting for more: about 19 of the benchmark's
+batches (a rank's 4 steps of 48 FP8 tensors), past the 16 at which a group's fixed work is about a
+fifth of what the server spends on it."""
 
 
 class WriterBusyError(RuntimeError):
