@@ -38,7 +38,10 @@ Two modes (named in the header line; the `offered` column says which):
 Measured after `--warmup` seconds, over `--seconds`: acknowledged records/s and batches/s, p50/p99
 request latency (see the modes above), CPU seconds per second of the collector, the PostgreSQL
 backends and the load generators (the machine has few cores: everything here shares them), and the
-collector's RSS (VmRSS at the end and VmHWM, from /proc/<pid>/status).
+collector's RSS (VmRSS at the end and VmHWM, from /proc/<pid>/status). Under the table, where
+that CPU goes: the collector's by part (event loop, batch writers, other threads, analysis child;
+per thread from /proc), and on PostgreSQL the server's by the collector process each backend
+serves (its `application_name`).
 
 PostgreSQL also gets a line on the server over the window (server-wide counters, so other
 databases' work counts too): the WAL written per second and per acknowledged record, and the
