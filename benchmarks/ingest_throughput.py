@@ -273,16 +273,19 @@ def read_status_kb(pid: int, key: str) -> int:
     return 0
 
 
+def _stat_cpu_seconds(stat: str) -> float | None:
+    """utime + stime in seconds from a /proc stat file (a process's or a thread's); None when it
+    cannot be read (the process or thread is gone)."""
+    try:
+        fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def cpu_seconds(pids: list[int]) -> float:
     """utime + stime of these processes (children not included), in seconds."""
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
-        except (OSError, IndexError, ValueError):
-            pass
-    return total / _CLK_TCK
+    return sum(filter(None, (_stat_cpu_seconds(f"/proc/{pid}/stat") for pid in pids)), 0.0)
 
 
 # The parts of the collector's CPU, in the order printed: which thread or process does what
@@ -319,10 +322,11 @@ def thread_cpu_seconds(pids: list[int]) -> dict[tuple[int, int], tuple[str, floa
         for tid in tids:
             try:
                 comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-                fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
+            except OSError:
                 continue
-            out[pid, tid] = (_part_of(pid, tid, comm, analysis), (int(fields[11]) + int(fields[12])) / _CLK_TCK)
+            seconds = _stat_cpu_seconds(f"/proc/{pid}/task/{tid}/stat")
+            if seconds is not None:
+                out[pid, tid] = (_part_of(pid, tid, comm, analysis), seconds)
     return out
 
 
@@ -361,11 +365,9 @@ def postgres_cpu_seconds(backends: dict[int, str]) -> dict[int, tuple[str, float
     (pid -> application_name, as `_postgres_backends` reads them); a backend gone since is left out."""
     out = {}
     for pid, application_name in backends.items():
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[pid] = (_server_part_of(application_name), (int(fields[11]) + int(fields[12])) / _CLK_TCK)
+        seconds = _stat_cpu_seconds(f"/proc/{pid}/stat")
+        if seconds is not None:
+            out[pid] = (_server_part_of(application_name), seconds)
     return out
 
 
