@@ -196,6 +196,10 @@ class IngestSummary:
             **{f"refused_{reason}": n for reason, n in sorted(refused.items())},
             "queue_records": self._queue_records(),
         }
+        threads = self._metrics.writer_threads
+        if threads:  # 1.0: the writers stored all this process could, and a growing queue says it fell behind
+            busy = (now["writer_seconds"] - before["writer_seconds"]) / (threads * max(now["at"] - before["at"], 1e-9))
+            fields["writers_busy"] = round(busy, 2)
         if now["analysis_at"] is None:
             fields["analysis"] = "never"  # no cycle has finished on this database yet
         else:
@@ -223,6 +227,7 @@ class IngestSummary:
             "stored": totals.get("stored", (0, 0)),
             "duplicate": totals.get("duplicate", (0, 0)),
             "refused": refused,
+            "writer_seconds": self._metrics.writer_seconds(),
             "analysis_at": status.last_cycle_at if status else None,
             "analysis_cycles": status.cycles if status else 0,
             "analysis_errors": status.errors if status else 0,

@@ -40,6 +40,10 @@ _REASON_KEY = "refusal_reason"  # in the ASGI scope state, set by refuse()
 
 # Seconds: a small batch is answered in milliseconds; a group commit under load takes up to seconds.
 _BUCKETS = (0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# A group's transaction: about 1-40 ms under load on 2 cores (docs/performance.md), seconds when the
+# database stalls.
+_GROUP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+_GROUP_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def refuse(request: Request, reason: str) -> None:
@@ -54,9 +58,32 @@ class ProcessMetrics(Collector):
     """The per-process families: registered beside the exposition collector (main.py), and
     yielded by a project's scoped view of /metrics too (api/routes/health.py)."""
 
-    def __init__(self, *, queue_records: Callable[[], int] | None = None, queue_limit: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        queue_records: Callable[[], int] | None = None,
+        queue_limit: int | None = None,
+        writer_threads: int | None = None,
+    ) -> None:
         self._queue_records = queue_records
         self._queue_limit = queue_limit
+        self._writer_threads = writer_threads
+        # A group is one transaction of the batch writer (service/ingest/batch_writer.py). The sum of
+        # its seconds over the writer threads is how busy they are: at `writer_threads` seconds a
+        # second this process stores all it can, and its queue grows if the agents send more.
+        self.group_seconds = Histogram(
+            "trainvitals_ingest_group_write_duration_seconds",
+            "Time a batch-writer thread took to store one group of batches (one transaction, with its "
+            "one-by-one retries if the database refused it)",
+            buckets=_GROUP_BUCKETS,
+            registry=None,
+        )
+        self.group_batches = Histogram(
+            "trainvitals_ingest_group_batches",
+            "Batches per group the batch writer stored (the group-commit factor)",
+            buckets=_GROUP_SIZES,
+            registry=None,
+        )
         self.request_seconds = Histogram(
             "trainvitals_http_request_duration_seconds",
             "Time to answer an HTTP request (until the response is sent), per route template",
@@ -85,9 +112,26 @@ class ProcessMetrics(Collector):
         if status >= 400 and (method, route) in INGEST_ROUTES:
             self.refused.labels(reason or _REASON_BY_STATUS.get(status, "other")).inc()
 
+    def observe_group(self, batches: int, seconds: float) -> None:
+        """One group written by the batch writer (called on its thread)."""
+        self.group_seconds.observe(seconds)
+        self.group_batches.observe(batches)
+
+    def writer_seconds(self) -> float:
+        """Seconds the batch-writer threads spent storing groups, since the process started."""
+        return next(s.value for f in self.group_seconds.collect() for s in f.samples if s.name.endswith("_sum"))
+
+    @property
+    def writer_threads(self) -> int | None:
+        return self._writer_threads
+
     def collect(self) -> Iterator[Metric]:
-        for family in (*self.request_seconds.collect(), *self.requests.collect(), *self.refused.collect()):
-            yield _without_created(family)
+        metrics: list[Histogram | Counter] = [self.request_seconds, self.requests, self.refused]
+        if self._writer_threads is not None:  # a process with a batch writer (main.create_app)
+            metrics += [self.group_seconds, self.group_batches]
+        for metric in metrics:
+            for family in metric.collect():
+                yield _without_created(family)
         if self._queue_records is not None:
             depth = GaugeMetricFamily(
                 "trainvitals_ingest_queue_records",
@@ -102,6 +146,13 @@ class ProcessMetrics(Collector):
             )
             limit.add_metric([], self._queue_limit)
             yield limit
+        if self._writer_threads is not None:
+            threads = GaugeMetricFamily(
+                "trainvitals_ingest_writer_threads",
+                "Batch-writer threads of this process: the most groups it writes at once",
+            )
+            threads.add_metric([], self._writer_threads)
+            yield threads
 
 
 def _without_created(family: Metric) -> Metric:

@@ -106,8 +106,10 @@ class BatchWriter:
         synchronous_commit: bool = True,
         group_wait_s: float = 0.0,
         full_group_records: int = FULL_GROUP_RECORDS,
+        observe_group: Callable[[int, float], None] | None = None,
     ) -> None:
         self._sessions = sessions
+        self._observe_group = observe_group  # (batches, seconds) of each group written: /metrics
         self._group_wait_s = group_wait_s  # the module docstring, "Waiting for a group"
         self._full_group_records = full_group_records
         self._synchronous_commit = synchronous_commit  # PostgreSQL: wait for the WAL flush (store_batches)
@@ -200,7 +202,11 @@ class BatchWriter:
                     break
                 group.append(item)
                 records += len(item.batch.records)
+            started = time.perf_counter()
             self._write(group, name)
+            if self._observe_group is not None:
+                with contextlib.suppress(Exception):  # a metric must never stop a writer
+                    self._observe_group(len(group), time.perf_counter() - started)
             with self._lock:
                 self._pending_records -= records
 

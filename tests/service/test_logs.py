@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 
 from trainvitals.service.logs import AccessFilter, IngestSummary, KeyValueFormatter, scrub
 from trainvitals.service.main import create_app
+from trainvitals.service.self_metrics import ProcessMetrics
 from trainvitals.service.settings import Settings
 from trainvitals.service.store import analysis_status
 
@@ -80,5 +81,25 @@ def test_ingest_summary_reads_this_process_counters(db_url: str) -> None:
     assert fields == {
         "window_s": 60, "batches": 2, "records": 20, "duplicates": 1, "refused": 2, "refused_invalid": 1,
         "refused_unknown_run": 1, "queue_records": 0, "analysis_age_s": 20.0, "analysis_cycles": 1,
-        "analysis_errors": 1,
+        "analysis_errors": 1, "writers_busy": fields["writers_busy"],  # milliseconds of a 60 s window
     }  # fmt: skip
+    assert 0 <= fields["writers_busy"] < 0.01
+
+
+def test_ingest_summary_says_how_busy_the_writers_were(db_url: str) -> None:
+    """The share of the window the writer threads spent storing groups: 30 s of writing by 2 threads
+    in a 60 s window is a quarter; 1.0 would mean this process stored all it could."""
+    app = create_app(Settings(db=db_url, auth=False, run_analysis=False))
+    metrics = ProcessMetrics(writer_threads=2)
+    clock = iter(range(1000, 2000, 60))
+    summary = IngestSummary(app.state.sessionmaker, metrics, interval=60, clock=lambda: next(clock))
+    with TestClient(app) as client:
+        client.post("/v1/runs", json={"run": "a", "parallelism": {"world_size": 1}})
+        assert summary.tick() is None  # the baseline
+        record = {"kind": "step", "step": 0, "ts": 1.0, "step_seconds": 0.5}
+        batch = {"run": "a", "rank": 0, "incarnation": 1, "seq": 0, "records": [record]}
+        assert client.post("/v1/batches", json=batch).status_code == 200
+        metrics.observe_group(3, 20.0)
+        metrics.observe_group(1, 10.0)
+        fields = summary.tick()
+    assert fields is not None and fields["writers_busy"] == 0.25

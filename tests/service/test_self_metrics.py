@@ -36,7 +36,7 @@ def _batch(run: str, seq: int = 0, **step: object) -> dict:
     return {"run": run, "rank": 0, "incarnation": 1, "seq": seq, "records": [record]}
 
 
-def test_refusals_are_counted_by_reason_and_requests_timed_per_route(client: TestClient) -> None:
+def test_refusals_are_counted_by_reason_and_requests_timed_per_route(client: TestClient, db_url: str) -> None:
     before = _samples(client)
     assert all(_refused(before, r) == 0 for r in ("invalid", "unknown_run", "too_large", "unstorable", "conflict"))
     assert client.post("/v1/runs", json={"run": "r1"}).status_code == 201
@@ -67,6 +67,14 @@ def test_refusals_are_counted_by_reason_and_requests_timed_per_route(client: Tes
     assert count == 5  # 200, 422, 409, 413, 422
     assert after[("trainvitals_ingest_queue_records", ())] == 0
     assert after[("trainvitals_ingest_queue_limit_records", ())] > 0
+    # The writer's groups: the stored batch and the unknown run's reached it (refused inside the
+    # transaction); the 422s and the 413 did not. One thread on SQLite, two on PostgreSQL.
+    assert after[("trainvitals_ingest_group_batches_sum", ())] == 2
+    groups = after[("trainvitals_ingest_group_batches_count", ())]
+    assert groups in (1, 2)
+    assert after[("trainvitals_ingest_group_write_duration_seconds_count", ())] == groups
+    assert after[("trainvitals_ingest_group_write_duration_seconds_sum", ())] > 0
+    assert after[("trainvitals_ingest_writer_threads", ())] == (1 if db_url.startswith("sqlite") else 2)
 
 
 def test_unauthenticated_agents_are_counted_as_such(db_url: str) -> None:

@@ -107,11 +107,13 @@ def _first_session_held(sessions):
 
 def test_writer_groups_what_queued_during_a_commit(sessions) -> None:
     opened, gate, slow_first_session = _first_session_held(sessions)
-    writer = BatchWriter(slow_first_session)
+    observed: list[tuple[int, float]] = []  # what /metrics is told: (batches, seconds) per group
+    writer = BatchWriter(slow_first_session, observe_group=lambda n, seconds: observed.append((n, seconds)))
     try:
         first = writer.submit(_batch(0, 0), project=None)
         assert opened.wait(10)
         rest = [writer.submit(_batch(rank, 0), project=None) for rank in range(1, 8)]
+        threading.Event().wait(0.2)  # the first group's commit takes at least this long
         gate.set()
         acks = [f.result(10) for f in (first, *rest)]
     finally:
@@ -119,6 +121,8 @@ def test_writer_groups_what_queued_during_a_commit(sessions) -> None:
     assert all(a == BatchAck(accepted=4, duplicate=False) for a in acks)
     assert writer.groups == 2  # the first batch alone, then the seven that waited: one commit
     assert _count(sessions, StepRow) == 16
+    assert [n for n, _ in observed] == [1, 7]
+    assert observed[0][1] >= 0.2 and 0 < observed[1][1] < observed[0][1]
 
 
 @pytest.mark.parametrize(
@@ -203,7 +207,8 @@ def test_a_value_the_database_refuses_rejects_only_its_batch(sessions, bad) -> N
     without validation. The group it landed in is retried batch by batch, so its neighbours are
     stored and only it is refused (no retry loop)."""
     opened, gate, slow_first_session = _first_session_held(sessions)
-    writer = BatchWriter(slow_first_session)
+    observed: list[int] = []
+    writer = BatchWriter(slow_first_session, observe_group=lambda n, _: observed.append(n))
     try:
         first = writer.submit(_batch(0, 0), project=None)
         assert opened.wait(10)
@@ -223,6 +228,7 @@ def test_a_value_the_database_refuses_rejects_only_its_batch(sessions, bad) -> N
     with sessions() as s:
         counts = {(c.run_id, c.outcome): c.batches for c in queries.ingest_counts(s)}
     assert counts == {("a/r1", "stored"): 2, ("a/r1", "rejected"): 1}
+    assert observed == [1, 2]  # the refused group once, as the writer took it (its one-by-one retries inside)
 
 
 def test_a_client_is_told_the_drivers_first_line_not_the_statement(sessions) -> None:
