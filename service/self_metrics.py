@@ -133,26 +133,23 @@ class ProcessMetrics(Collector):
             for family in metric.collect():
                 yield _without_created(family)
         if self._queue_records is not None:
-            depth = GaugeMetricFamily(
+            yield GaugeMetricFamily(
                 "trainvitals_ingest_queue_records",
                 "Records accepted by this process and not yet committed (the group-commit writer's queue)",
+                value=self._queue_records(),
             )
-            depth.add_metric([], self._queue_records())
-            yield depth
         if self._queue_limit is not None:
-            limit = GaugeMetricFamily(
+            yield GaugeMetricFamily(
                 "trainvitals_ingest_queue_limit_records",
                 "Queue size beyond which this process answers 503 busy (settings.max_pending_records)",
+                value=self._queue_limit,
             )
-            limit.add_metric([], self._queue_limit)
-            yield limit
         if self._writer_threads is not None:
-            threads = GaugeMetricFamily(
+            yield GaugeMetricFamily(
                 "trainvitals_ingest_writer_threads",
                 "Batch-writer threads of this process: the most groups it writes at once",
+                value=self._writer_threads,
             )
-            threads.add_metric([], self._writer_threads)
-            yield threads
 
 
 def _without_created(family: Metric) -> Metric:
