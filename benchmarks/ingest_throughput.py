@@ -41,7 +41,11 @@ backends and the load generators (the machine has few cores: everything here sha
 collector's RSS (VmRSS at the end and VmHWM, from /proc/<pid>/status). Under the table, where
 that CPU goes: the collector's by part (event loop, batch writers, other threads, analysis child;
 per thread from /proc), and on PostgreSQL the server's by the collector process each backend
-serves (its `application_name`).
+serves (its `application_name`). Then the batch writers over the window, from the collector's own
+/metrics (`trainvitals_ingest_group_*`, scraped with a read token of another project, so no run's
+families are built): how busy its writer threads were (near 100%: bound by the writers; well
+below: they wait for batches), batches and milliseconds a group, groups a second. Not with
+`--workers` N > 1, where a scrape reaches one process of N.
 
 PostgreSQL also gets a line on the server over the window (server-wide counters, so other
 databases' work counts too): the WAL written per second and per acknowledged record, and the
@@ -618,6 +622,8 @@ class IngestResult:
     """Send to answer (without the lateness), what one client's request in flight is busy for."""
     pg_server: PgServerDelta | None = None
     """PostgreSQL: what the server did over the window (WAL written, checkpoints)."""
+    writers: WriterDelta | None = None
+    """What the batch writers did over the window, from the collector's /metrics (one process only)."""
     span_s: float = 0.0
     """The measured window's length, s."""
 
@@ -633,6 +639,55 @@ class PgServerDelta:
     """Started because the WAL reached max_wal_size (not checkpoint_timeout)."""
     checkpoint_sync_ms: float
     max_wal_size: str
+
+
+@dataclass(frozen=True)
+class WriterDelta:
+    """The collector's batch writers over the window (its trainvitals_ingest_group_* families):
+    how busy its writer threads were, and how large and long their groups (transactions) were."""
+
+    threads: int
+    groups: int
+    batches: int
+    seconds: float
+    """Summed over the groups: writer-thread seconds spent storing them."""
+
+    def line(self, backend: str, span_s: float) -> str:
+        groups = max(self.groups, 1)
+        busy = self.seconds / max(self.threads * span_s, 1e-9)
+        return (
+            f"[{backend}] batch writers ({self.threads} thread{'s' if self.threads != 1 else ''}): busy {busy:.0%} "
+            f"of the window, {self.batches / groups:.1f} batches a group, {1e3 * self.seconds / groups:.1f} ms a "
+            f"group, {self.groups / max(span_s, 1e-9):.0f} groups/s"
+        )
+
+
+WRITER_SAMPLES = (
+    "trainvitals_ingest_writer_threads",
+    "trainvitals_ingest_group_write_duration_seconds_count",
+    "trainvitals_ingest_group_write_duration_seconds_sum",
+    "trainvitals_ingest_group_batches_sum",
+)
+
+
+def writer_counters(exposition: str) -> tuple[float, ...]:
+    """The WRITER_SAMPLES' values in a /metrics text (a collector process's own families)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {s.name: s.value for f in text_string_to_metric_families(exposition) for s in f.samples}
+    return tuple(values[name] for name in WRITER_SAMPLES)
+
+
+def writer_delta(start: tuple[float, ...], end: tuple[float, ...]) -> WriterDelta:
+    return WriterDelta(
+        threads=int(end[0]), groups=int(end[1] - start[1]), batches=int(end[3] - start[3]), seconds=end[2] - start[2]
+    )
+
+
+def _scrape(base: str, token: str) -> str:
+    req = urllib.request.Request(f"{base}/metrics", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return str(resp.read().decode())
 
 
 # The WAL position as bytes since 0/0, so that the window's WAL is a subtraction.
@@ -752,6 +807,9 @@ def measure(
     with scratch_db(backend, f"{db_prefix}_ingest") as url:
         # Auth stays on, as in production: the token lookup is cached, so it costs ingest little.
         token = create_token(url, project="bench", scope="ingest")
+        # Another project's read token: /metrics then holds the collector's own families and no
+        # run's, so reading them costs the collector little in the window.
+        scrape_token = create_token(url, project="bench-scrape", scope="read")
         env = {} if analysis else {"TRAINVITALS_RUN_ANALYSIS": "false"}
         env["TRAINVITALS_INGEST_SYNCHRONOUS_COMMIT"] = str(synchronous_commit).lower()
         extra = ("--analysis-thread",) if analysis_thread else ()
@@ -763,6 +821,7 @@ def measure(
                 col,
                 token,
                 run,
+                scrape_token=scrape_token if workers == 1 else None,
                 seconds=seconds,
                 warmup=warmup,
                 clients=clients,
@@ -781,6 +840,7 @@ def _drive(
     token: str,
     run: str,
     *,
+    scrape_token: str | None = None,
     seconds: float,
     warmup: float,
     clients: int,
@@ -815,6 +875,7 @@ def _drive(
         pg0 = postgres_cpu_seconds(_postgres_backends(url)) if backend == "postgresql" else {}
         collector_pids = process_tree(col.proc.pid)
         pg_server0 = _pg_server_counters() if backend == "postgresql" else None
+        writers0 = writer_counters(_scrape(col.base, scrape_token)) if scrape_token else None
         cpu0 = (cpu_seconds(collector_pids), cpu_seconds(client_pids))
         threads0 = thread_cpu_seconds(collector_pids)
         t_start = time.monotonic()
@@ -829,6 +890,7 @@ def _drive(
         server_parts = cpu_seconds_by_part(pg0, pg1, SERVER_PARTS)
         parts = cpu_seconds_by_part(threads0, thread_cpu_seconds(collector_pids))
         pg_server1 = _pg_server_counters() if pg_server0 is not None else None
+        writers1 = writer_counters(_scrape(col.base, scrape_token)) if scrape_token else None
         hwm = sum(read_status_kb(p, "VmHWM") for p in collector_pids)
         if schedule is not None:
             # Open loop: batches due at the end of the window get OPEN_LOOP_GRACE_S to be sent and
@@ -885,6 +947,7 @@ def _drive(
         clients=clients,
         offered_per_s=rate,
         pg_server=None if pg_server0 is None or pg_server1 is None else _pg_server_delta(pg_server0, pg_server1),
+        writers=None if writers0 is None or writers1 is None else writer_delta(writers0, writers1),
         span_s=span,
         **open_loop,
     )
@@ -1275,6 +1338,8 @@ def main() -> None:
     print()
     for r in results:
         print(_collector_parts_line(r))
+        if r.writers is not None:  # with --workers N > 1 a scrape would see one process of N
+            print(r.writers.line(r.backend, r.span_s))
     if floors:
         # Where the rest goes: the CPU each record costs on the way in (collector, PostgreSQL, load
         # generator: all on this machine's cores) against what the floor's insert costs alone. At

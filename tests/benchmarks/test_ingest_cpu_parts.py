@@ -135,3 +135,28 @@ def test_a_backends_cpu_lands_with_the_process_that_named_its_connection(empty_p
     assert grew["analysis child"] >= 0.1
     assert grew["serve"] == 0.0
     assert 0.0 < grew["other"] < grew["analysis child"]
+
+
+def test_the_writers_line_reads_the_collectors_own_families() -> None:
+    """The batch writers over a window, from two /metrics texts of a collector process: here its
+    ProcessMetrics told of 3 groups (12 batches, 0.3 s) between the two scrapes, by 2 threads over a
+    1 s window: busy 15%, 4 batches and 100 ms a group."""
+    from prometheus_client import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    from trainvitals.service.self_metrics import ProcessMetrics
+
+    metrics = ProcessMetrics(writer_threads=2)
+    registry = CollectorRegistry()
+    registry.register(metrics)
+    metrics.observe_group(1, 0.05)  # before the window
+    start = bench.writer_counters(generate_latest(registry).decode())
+    for batches, seconds in ((2, 0.05), (4, 0.1), (6, 0.15)):
+        metrics.observe_group(batches, seconds)
+    delta = bench.writer_delta(start, bench.writer_counters(generate_latest(registry).decode()))
+    assert (delta.threads, delta.groups, delta.batches) == (2, 3, 12)
+    assert abs(delta.seconds - 0.3) < 1e-9
+    assert delta.line("postgresql", 1.0) == (
+        "[postgresql] batch writers (2 threads): busy 15% of the window, 4.0 batches a group, 100.0 ms a group, "
+        "3 groups/s"
+    )
