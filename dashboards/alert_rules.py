@@ -171,6 +171,7 @@ ALERT_PANELS: dict[str, AlertPanel] = {
     "TrainvitalsAgentDroppingRecords": AlertPanel(board=p.RUN_UID, title="Records the agents lost, by reason"),
     # About a collector instance, not a run.
     "TrainvitalsCollectorDown": AlertPanel(board=p.RUN_UID, title="Scrape of the collector", per_run=False),
+    "TrainvitalsIngestSaturated": AlertPanel(board=p.RUN_UID, title="Ingest writers busy", per_run=False),
 }
 
 
