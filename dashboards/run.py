@@ -881,17 +881,10 @@ def _collector_process(board: dash_b.Dashboard) -> dash_b.Dashboard:
             811,
             "Ingest writers busy",
             unit=p.RATIO,
-            description="Share of the time each collector process's batch-writer threads spend storing groups of "
-            "batches (one transaction each). Near 100% the process stores all it can: if the agents send more, "
+            description="Share of the last minute each collector process's batch-writer threads spent storing groups "
+            "of batches (one transaction each). Near 100% the process stores all it can: if the agents send more, "
             "its write queue grows and batches wait (the write queue panel).",
-            targets=[
-                p.prom(
-                    "sum by (instance) (rate(trainvitals_ingest_group_write_duration_seconds_sum[$__rate_interval]))"
-                    " / sum by (instance) (trainvitals_ingest_writer_threads)",
-                    legend="busy {{instance}}",
-                    ref="A",
-                ),
-            ],
+            targets=[p.prom("max by (instance) (trainvitals_ingest_writers_busy_ratio)", legend="busy {{instance}}")],
             min_value=0,
             threshold=("green", 0.9, "orange"),
             w=6,

@@ -137,8 +137,8 @@ class IngestSummary:
     """One `event=ingest_summary` line every `interval` seconds while this process takes traffic.
 
     Nothing is counted twice: batches and records come from the database's ingest_counts rows of
-    this process's writer threads (named "host:pid:i" by BatchWriter), refusals by reason from
-    ProcessMetrics (the counters /metrics exports), the analysis age and errors from the
+    this process's writer threads (named "host:pid:i" by BatchWriter), refusals by reason and the
+    writers' busy seconds from ProcessMetrics (what /metrics exports), the analysis age and errors from the
     analysis_status row (whichever process analyses). A window without batches or refusals logs
     nothing. Usage::
 

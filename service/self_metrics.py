@@ -11,6 +11,7 @@ route runs (413 from BodyLimit, 401, 422 from validation).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -44,6 +45,36 @@ _BUCKETS = (0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 # database stalls.
 _GROUP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 _GROUP_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+BUSY_WINDOW_S = 60
+
+
+class BusyWindow:
+    """Writer-thread seconds spent storing groups over the last `window_s` seconds, per second of
+    the window (a group's time counts in the second it ended). A gauge of this, not only the
+    histogram's counter: with `serve --workers N` the processes share one port and a scrape
+    reaches any of them, so a counter's rate mixes processes (each switch looks like a reset and
+    inflates it), while a ratio in [0, 1] stays one process's true share."""
+
+    def __init__(self, window_s: int = BUSY_WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self._window = window_s
+        self._clock = clock
+        self._seconds = [0.0] * window_s
+        self._second_of = [-1] * window_s  # which second each slot holds
+        self._lock = threading.Lock()  # writer threads add, the scrape reads
+
+    def add(self, seconds: float) -> None:
+        now = int(self._clock())
+        slot = now % self._window
+        with self._lock:
+            if self._second_of[slot] != now:
+                self._second_of[slot], self._seconds[slot] = now, 0.0
+            self._seconds[slot] += seconds
+
+    def total(self) -> float:
+        now = int(self._clock())
+        with self._lock:
+            slots = zip(self._seconds, self._second_of, strict=True)
+            return sum(seconds for seconds, at in slots if now - self._window < at <= now)
 
 
 def refuse(request: Request, reason: str) -> None:
@@ -64,13 +95,15 @@ class ProcessMetrics(Collector):
         queue_records: Callable[[], int] | None = None,
         queue_limit: int | None = None,
         writer_threads: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._queue_records = queue_records
         self._queue_limit = queue_limit
         self._writer_threads = writer_threads
-        # A group is one transaction of the batch writer (service/ingest/batch_writer.py). The sum of
-        # its seconds over the writer threads is how busy they are: at `writer_threads` seconds a
-        # second this process stores all it can, and its queue grows if the agents send more.
+        self._busy = BusyWindow(clock=clock)
+        # A group is one transaction of the batch writer (service/ingest/batch_writer.py). Its seconds
+        # summed over a minute, over the writer threads, are how busy they are (the busy ratio): at 1
+        # this process stores all it can, and its queue grows if the agents send more.
         self.group_seconds = Histogram(
             "trainvitals_ingest_group_write_duration_seconds",
             "Time a batch-writer thread took to store one group of batches (one transaction, with its "
@@ -116,6 +149,7 @@ class ProcessMetrics(Collector):
         """One group written by the batch writer (called on its thread)."""
         self.group_seconds.observe(seconds)
         self.group_batches.observe(batches)
+        self._busy.add(seconds)
 
     def writer_seconds(self) -> float:
         """Seconds the batch-writer threads spent storing groups, since the process started."""
@@ -149,6 +183,12 @@ class ProcessMetrics(Collector):
                 "trainvitals_ingest_writer_threads",
                 "Batch-writer threads of this process: the most groups it writes at once",
                 value=self._writer_threads,
+            )
+            yield GaugeMetricFamily(
+                "trainvitals_ingest_writers_busy_ratio",
+                f"Share of the last {BUSY_WINDOW_S} s this process's batch-writer threads spent storing groups "
+                "(1: it stores all it can; more traffic grows its write queue)",
+                value=min(1.0, self._busy.total() / (BUSY_WINDOW_S * self._writer_threads)),
             )
 
 

@@ -8,6 +8,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from trainvitals.service.main import create_app
+from trainvitals.service.self_metrics import ProcessMetrics
 from trainvitals.service.settings import Settings
 
 
@@ -75,6 +76,32 @@ def test_refusals_are_counted_by_reason_and_requests_timed_per_route(client: Tes
     assert after[("trainvitals_ingest_group_write_duration_seconds_count", ())] == groups
     assert after[("trainvitals_ingest_group_write_duration_seconds_sum", ())] > 0
     assert after[("trainvitals_ingest_writer_threads", ())] == (1 if db_url.startswith("sqlite") else 2)
+    assert 0 < after[("trainvitals_ingest_writers_busy_ratio", ())] < 0.01  # milliseconds of writing in a minute
+
+
+def test_the_writers_busy_ratio_is_the_last_minutes_share_of_their_time() -> None:
+    """Groups' seconds over the last 60 s, over the writer threads, capped at 1; a group counts in
+    the second it ended. A gauge, so that processes sharing a port (`--workers`) do not mix into a
+    counter's rate."""
+    now = [1000.0]
+    metrics = ProcessMetrics(writer_threads=2, clock=lambda: now[0])
+
+    def ratio() -> float:
+        return next(f.samples[0].value for f in metrics.collect() if f.name == "trainvitals_ingest_writers_busy_ratio")
+
+    assert ratio() == 0
+    metrics.observe_group(3, 20.0)
+    now[0] = 1010.5
+    metrics.observe_group(1, 10.0)
+    assert ratio() == 0.25  # 30 s of 2 threads x 60 s
+    now[0] = 1059.9
+    assert ratio() == 0.25
+    now[0] = 1060.0  # the first group's second (1000) left the window
+    assert ratio() == 10.0 / 120
+    now[0] = 1071.0
+    assert ratio() == 0
+    metrics.observe_group(1, 500.0)  # a stall longer than the window
+    assert ratio() == 1.0
 
 
 def test_unauthenticated_agents_are_counted_as_such(db_url: str) -> None:
