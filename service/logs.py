@@ -138,9 +138,9 @@ class IngestSummary:
 
     Nothing is counted twice: batches and records come from the database's ingest_counts rows of
     this process's writer threads (named "host:pid:i" by BatchWriter), refusals by reason and the
-    writers' busy seconds from ProcessMetrics (what /metrics exports), the analysis age and errors from the
-    analysis_status row (whichever process analyses). A window without batches or refusals logs
-    nothing. Usage::
+    writers' busy seconds from ProcessMetrics (what /metrics exports), the analysis age and errors
+    from the analysis_status row (whichever process analyses). A window without batches or
+    refusals logs nothing. Usage::
 
         summary = IngestSummary(sessionmaker, app.state.process_metrics, interval=60.0)
         summary.start()
