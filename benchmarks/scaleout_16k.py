@@ -89,6 +89,7 @@ from ingest_throughput import (
 )
 
 from trainvitals.agent._config import AgentConfig, send_phase
+from trainvitals.service import self_metrics
 from trainvitals.wire.builders import batch_header, grad_record, step_record, tensor_record
 from trainvitals.wire.conventions import Fp8Format, Role
 
@@ -102,15 +103,10 @@ STRAGGLER_RANK, NAN_RANK, NAN_STEP = 4242, 77, 12
 UPSTREAM_HEADER = "X-Trainvitals-Upstream"
 
 # /metrics families that differ between replicas by design (docs/metrics.md, "The collector
-# itself"): per-process request timing, refusals and write queue; and gauges computed from the
-# clock at scrape time. Everything else is read from the shared database and must agree.
-PER_PROCESS_FAMILIES = (
-    "trainvitals_http_request_duration_seconds",
-    "trainvitals_http_requests_total",
-    "trainvitals_ingest_refused_total",
-    "trainvitals_ingest_queue_records",
-    "trainvitals_ingest_queue_limit_records",
-)
+# itself"): the per-process ones (request timing, refusals, the write queue and its writers: the
+# collector's own list), and gauges computed from the clock at scrape time. Everything else is read
+# from the shared database and must agree.
+PER_PROCESS_FAMILIES = self_metrics.FAMILIES
 CLOCK_FAMILIES = (
     "trainvitals_run_seconds_since_last_step",
     "trainvitals_checkpoint_last_persisted_age_seconds",

@@ -45,6 +45,20 @@ _BUCKETS = (0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 # database stalls.
 _GROUP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 _GROUP_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+# Every family ProcessMetrics exports (counters without `_total`). They differ between processes and
+# replicas by design: benchmarks/scaleout_16k.py compares replicas' /metrics without them.
+FAMILIES = (
+    "trainvitals_http_request_duration_seconds",
+    "trainvitals_http_requests",
+    "trainvitals_ingest_refused",
+    "trainvitals_ingest_group_write_duration_seconds",
+    "trainvitals_ingest_group_batches",
+    "trainvitals_ingest_queue_records",
+    "trainvitals_ingest_queue_limit_records",
+    "trainvitals_ingest_writer_threads",
+    "trainvitals_ingest_writers_busy_ratio",
+)
 BUSY_WINDOW_S = 60
 
 

@@ -7,6 +7,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from trainvitals.service import self_metrics
 from trainvitals.service.main import create_app
 from trainvitals.service.self_metrics import ProcessMetrics
 from trainvitals.service.settings import Settings
@@ -77,6 +78,13 @@ def test_refusals_are_counted_by_reason_and_requests_timed_per_route(client: Tes
     assert after[("trainvitals_ingest_group_write_duration_seconds_sum", ())] > 0
     assert after[("trainvitals_ingest_writer_threads", ())] == (1 if db_url.startswith("sqlite") else 2)
     assert 0 < after[("trainvitals_ingest_writers_busy_ratio", ())] < 0.01  # milliseconds of writing in a minute
+
+
+def test_the_list_of_per_process_families_is_what_it_exports() -> None:
+    """FAMILIES is how the scale-out check tells per-process families from the shared database's:
+    a family missing from it made two replicas' /metrics "differ"."""
+    exported = ProcessMetrics(queue_records=lambda: 0, queue_limit=1, writer_threads=1).collect()
+    assert sorted(f.name for f in exported) == sorted(self_metrics.FAMILIES)
 
 
 def test_the_writers_busy_ratio_is_the_last_minutes_share_of_their_time() -> None:
