@@ -883,7 +883,8 @@ def _collector_process(board: dash_b.Dashboard) -> dash_b.Dashboard:
             unit=p.RATIO,
             description="Share of the last minute each collector process's batch-writer threads spent storing groups "
             "of batches (one transaction each). Near 100% the process stores all it can: if the agents send more, "
-            "its write queue grows and batches wait (the write queue panel).",
+            "its write queue grows and batches wait (the write queue panel). Over 90% for 15 minutes is "
+            "TrainvitalsIngestSaturated.",
             targets=[p.prom("max by (instance) (trainvitals_ingest_writers_busy_ratio)", legend="busy {{instance}}")],
             min_value=0,
             threshold=("green", 0.9, "orange"),

@@ -48,15 +48,14 @@ def create_app(settings: Settings | None = None) -> CollectorApp:
     engine = db.make_engine(settings.db, application_name=db.SERVE_APPLICATION_NAME)
     sessions = db.make_sessionmaker(engine)
     worker = AnalysisWorker(sessions, settings, lease=AnalysisLease(engine))
-    writer_threads = settings.ingest_writer_threads or (1 if engine.dialect.name == "sqlite" else 2)
     process_metrics = ProcessMetrics(
         queue_records=lambda: writer.pending_records,
         queue_limit=settings.max_pending_records,
-        writer_threads=writer_threads,
+        writer_threads=settings.ingest_writer_thread_count,
     )
     writer = BatchWriter(
         sessions,
-        threads=writer_threads,
+        threads=settings.ingest_writer_thread_count,
         max_pending_records=settings.max_pending_records,
         synchronous_commit=settings.ingest_synchronous_commit,
         group_wait_s=settings.ingest_group_wait_s,

@@ -77,6 +77,12 @@ class Settings(BaseSettings):
     )
 
     @property
+    def ingest_writer_thread_count(self) -> int:
+        """The group-commit writer threads: the setting, else 2 on PostgreSQL (one group is sent
+        while the server commits the other's) and 1 on SQLite (one writer at a time)."""
+        return self.ingest_writer_threads or (1 if self.db.startswith("sqlite") else 2)
+
+    @property
     def ingest_group_wait_s(self) -> float:
         """The writers' wait for a fuller group (service/ingest/batch_writer.py), in seconds: the
         setting, else 5 ms on PostgreSQL (a transaction's fixed work is most of what a small group
