@@ -148,10 +148,11 @@ def _tensor_batch(rank: int, incarnation: int, seq: int, steps: range, amax: flo
             for role, fmt in (("input", "e4m3"), ("grad_output", "e5m2")):
                 value = NAN if (rank, step, tensor) == (2, 1, "layers.0.fc1") else amax + rank + step
                 headroom = NAN if (rank, step) == (0, 2) else 3.0 - rank  # the min of a NaN and numbers: a number
+                headroom = None if (rank, step) == (2, 5) else headroom  # the min of a NULL and numbers: a number
                 records.append(
                     {"kind": "tensor", "step": step, "tensor": tensor, "role": role, "format": fmt, "amax": value,
                      "scale": 1.0, "headroom_bits": headroom, "lag_bits": 0.1 * step, "staleness_steps": rank,
-                     "nonfinite": 2 if rank == 1 else None}
+                     "nonfinite": 2 if rank == 1 else None, "crest_bits": 4.0 + step if rank == 2 else None}
                 )  # fmt: skip
     return Batch.model_validate({"run": RUN, "rank": rank, "incarnation": incarnation, "seq": seq, "records": records})
 
@@ -209,6 +210,9 @@ def test_sqlite_aggregates_the_tensors_in_pieces_with_the_same_answer(
     assert math.isnan(by_key[(1, "layers.0.fc1", "input")]["amax"])  # NaN is the max, as on PostgreSQL
     assert by_key[(2, "layers.0.fc1", "input")]["headroom_bits"] == 3.0 - 2  # rank 0's NaN is not the min
     assert by_key[(2, "layers.0.fc1", "input")]["nonfinite"] == 2  # rank 1's; the others sent none
+    assert by_key[(2, "layers.0.fc1", "input")]["crest_bits"] == 4.0 + 2  # rank 2's; the others sent none
+    assert by_key[(5, "layers.0.fc1", "input")]["headroom_bits"] == 3.0 - 1  # rank 2 sent none; rank 1's replay
+    assert by_key[(2, "layers.0.fc1", "input")]["sat_frac"] is None  # no rank sent one
 
 
 # (step, group, rank) -> (owned_sq, local_sq, nonfinite) of the first incarnation where not
