@@ -27,7 +27,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from trainvitals.service.periodic import Periodic
-from trainvitals.service.self_metrics import ProcessMetrics
+from trainvitals.service.self_metrics import ProcessMetrics, busy_share
 
 LEVELS = ("debug", "info", "warning", "error")
 _REFUSAL_LINE_SECONDS = 10.0
@@ -198,7 +198,7 @@ class IngestSummary:
         }
         threads = self._metrics.writer_threads
         if threads:  # 1.0: the writers stored all this process could, and a growing queue says it fell behind
-            busy = (now["writer_seconds"] - before["writer_seconds"]) / (threads * max(now["at"] - before["at"], 1e-9))
+            busy = busy_share(now["writer_seconds"] - before["writer_seconds"], threads, now["at"] - before["at"])
             fields["writers_busy"] = round(busy, 2)
         if now["analysis_at"] is None:
             fields["analysis"] = "never"  # no cycle has finished on this database yet

@@ -62,6 +62,12 @@ FAMILIES = (
 BUSY_WINDOW_S = 60
 
 
+def busy_share(seconds: float, threads: int, span_s: float) -> float:
+    """Writer-thread seconds as a share of what `threads` threads had in `span_s` seconds: 1 means
+    they stored all they could. At most 1 (a group that stalled longer than the span)."""
+    return min(1.0, seconds / (threads * max(span_s, 1e-9)))
+
+
 class BusyWindow:
     """Writer-thread seconds spent storing groups over the last `window_s` seconds, per second of
     the window (a group's time counts in the second it ended). A gauge of this, not only the
@@ -202,7 +208,7 @@ class ProcessMetrics(Collector):
                 "trainvitals_ingest_writers_busy_ratio",
                 f"Share of the last {BUSY_WINDOW_S} s this process's batch-writer threads spent storing groups "
                 "(1: it stores all it can; more traffic grows its write queue)",
-                value=min(1.0, self._busy.total() / (BUSY_WINDOW_S * self._writer_threads)),
+                value=busy_share(self._busy.total(), self._writer_threads, BUSY_WINDOW_S),
             )
 
 
