@@ -136,7 +136,7 @@ class TensorStatRow(Base):
 
 class GradStatRow(Base):
     __tablename__ = "grad_stats"
-    __table_args__ = (Index("ix_grad_stats_run_step_group", "run_id", "step", "group_name"),)
+    __table_args__ = (Index("ix_grad_stats_run_step", "run_id", "step"),)
 
     id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(String(RUN_KEY_LENGTH))

@@ -276,6 +276,39 @@ def test_gradients_reduce_in_sql_with_nan_inf_and_a_replay(session: Session) -> 
     assert summaries.grad_summaries(session, run_id=RUN, first=4, last=9) == []
 
 
+def test_sqlite_reads_gradient_rows_through_the_run_and_step_index(tmp_path: Path) -> None:
+    """The gradient reduction finds a step range's rows through ix_grad_stats_run_step (revision
+    0021), not by scanning grad_stats: that index replaced (run_id, step, group_name), which ingest
+    paid a leaf page per gradient group of every batch for (docs/performance.md, "Session 54")."""
+    url = f"sqlite:///{tmp_path}/tv.db"
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    grouped: list[tuple[str, Any]] = []
+
+    def capture(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
+        if "GROUP BY" in statement and "grad_stats" in statement:
+            grouped.append((statement, parameters))
+
+    try:
+        with db.make_sessionmaker(engine)() as session:
+            batches.register_run(session, RunRegistration(run=RUN, parallelism={"world_size": 2}))
+            for rank in range(2):
+                batches.store_batch(session, _grad_batch(rank, 1, range(4)))
+            event.listen(engine, "before_cursor_execute", capture)
+            got = summaries.grad_summaries(session, run_id=RUN, first=1, last=2)
+            event.remove(engine, "before_cursor_execute", capture)
+            assert len(grouped) == 1
+            statement, parameters = grouped[0]
+            explained = session.connection().exec_driver_sql("EXPLAIN QUERY PLAN " + statement, parameters)
+            plan = [row[3] for row in explained]
+    finally:
+        engine.dispose()
+    assert [(g["step"], g["group_name"]) for g in got] == [(s, g) for s in (1, 2) for g in ("__global__", "layers.0")]
+    reads = [line for line in plan if "grad_stats" in line]
+    by_index = "USING INDEX ix_grad_stats_run_step (run_id=? AND step>? AND step<?)"
+    assert reads and all(by_index in line for line in reads), plan
+
+
 def test_postgresql_aggregates_by_hashing_without_statistics(empty_pg_url: str) -> None:
     """A fresh database has no statistics on the raw tables until its first ANALYZE (autovacuum
     off, or a young run), and the planner then sorts the reduction's rows for the GROUP BY: at
