@@ -16,10 +16,10 @@ depends_on = None
 
 
 def upgrade() -> None:
-    # Every rank sends each step's gradient groups, so a batch's rows fell at the end of a dozen or
-    # more separate (step, group) ranges of the old index, a leaf page each: a small group commit
-    # wrote about 30 more pages to SQLite's WAL than with this index, whose new rows share the step's
-    # last page. Every reader selects by run and step range; the reduction groups by
+    # Every rank sends each step's gradient groups, so a batch's rows fell at the ends of separate
+    # (step, group) ranges of the old index, a leaf page each: a commit of one benchmark batch
+    # wrote 86-113 pages to SQLite's WAL, 65-66 with this index, whose new rows of a step share its
+    # last pages. Every reader selects by run and step range; the reduction groups by
     # (step, group_name) itself (docs/performance.md, "Session 54").
     op.create_index("ix_grad_stats_run_step", "grad_stats", ["run_id", "step"])
     op.drop_index("ix_grad_stats_run_step_group", table_name="grad_stats")
