@@ -92,6 +92,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from bench_results import add_json_arg, cpu_description, write_results
+from bench_results import machine as machine_info
 
 import trainvitals.agent as tv
 from trainvitals.examples.train_gpt import GPT, flops_per_token, model_dims, synthetic_batch
@@ -227,6 +229,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="train through the emulated FP8 delayed-scaling Linear (as the example's --fp8): the agent "
         "reads the recipe every step instead of shadow-hooking on sampled steps",
     )
+    add_json_arg(p)
     return p.parse_args(argv)
 
 
@@ -303,6 +306,7 @@ _CLIP_SECONDS = [0.0]  # time spent clipping (torch's, or the agent's which incl
 _AGENT_CPU = [0.0]
 _CLIP_CPU = [0.0]
 _AGENT_COST: list[Any] = []  # the memory run's Cost of the default agent, for the comparison table
+_HEADLINE: dict[str, Any] = {}  # the memory run's amortised cost and step kinds, for --json
 _PEER_CPU = [0.0]  # training-thread CPU time inside a peer's per-step call
 _STEP_SECONDS = [0.0]  # one training step without the agent, measured before the rounds
 
@@ -607,6 +611,16 @@ def memory_run(job: Job, args: argparse.Namespace, url: str, spill: str) -> list
             base_step_cpu,
         )
     )
+    _HEADLINE.update(
+        steps=args.long_steps,
+        baseline_step_ms=base_step * 1e3,
+        amortised_ms=amortised * 1e3,
+        amortised_pct=100 * amortised / base_step,
+        amortised_cpu_ms=amortised_cpu * 1e3,
+        amortised_cpu_pct=100 * amortised_cpu / base_step_cpu,
+        fp8_every_steps=stats.get("fp8_every_steps"),
+        entry_points_ms_by_step_kind={kind: statistics.fmean(v) * 1e3 for kind, v in by_kind.items()},
+    )
     lines.append(
         f"direct cost amortised over {args.long_steps} steps (every periodic tier included): "
         f"{amortised * 1e3:.3f} ms/step = {100 * amortised / base_step:+.2f}% of the {base_step * 1e3:.1f} ms "
@@ -704,12 +718,7 @@ def _clip_source(paired: float | None, pairs: int) -> str:
 def machine_facts() -> str:
     """The machine the numbers come from: the FP8 tiers' cost follows memory bandwidth and caches,
     so a number without its machine cannot be compared (docs/performance-agent.md)."""
-    model = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as fh:
-            model = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), model)
-    except OSError:
-        pass
+    model = cpu_description(machine_info())
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     capability = torch.backends.cpu.get_cpu_capability()
     return (
@@ -840,6 +849,14 @@ class Cost:
     diff: float | None  # step time minus the baseline's
     direct: float | None  # time inside its own calls (and, for the agent, its clipping)
     base: float  # the baseline step
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def _pct(seconds: float | None, base: float) -> float | None:
+    return None if seconds is None else 100 * seconds / base
 
 
 def timed_steps(job: Job, steps: int) -> float:
@@ -1032,6 +1049,21 @@ def main(argv: list[str] | None = None) -> int:
         spool = spool_study(job, args, url, spill) if args.spool_batches > 0 else []
         costs, notes = peer_costs(job, args, spill) if args.peer_steps > 0 else ([], [])
         peers = cost_table(_AGENT_COST + costs) + notes if _AGENT_COST or costs else []
+    write_results(
+        args.json,
+        benchmark="agent_overhead",
+        command=sys.argv if argv is None else argv,
+        results={
+            "torch": torch.__version__,
+            "intra_op_threads": torch.get_num_threads(),
+            "amortised": _HEADLINE or None,
+            "per_step_cost": [
+                {"name": c.name, "diff_ms": _ms(c.diff), "diff_pct": _pct(c.diff, c.base),
+                 "direct_ms": _ms(c.direct), "direct_pct": _pct(c.direct, c.base)}
+                for c in _AGENT_COST + costs
+            ],  # fmt: skip
+        },
+    )
     print()
     print(f"command: {command}")
     print(machine)

@@ -34,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench_results import add_json_arg, write_results
 from ingest_throughput import LAYERS, LINEARS, PP, ROLES, TP, WORLD_SIZE, registration, scratch_db
 from scrape_16k import _series
 from sqlalchemy import Engine, text
@@ -242,6 +243,7 @@ def main() -> None:
         help="cProfile each mode's first cycle into PATH-<mode>.pstats "
         "and print its 25 costliest functions (cumulative)",
     )
+    add_json_arg(parser)
     args = parser.parse_args()
     modes = [m for m in ("kept", "restart", "fresh") if m in args.modes.split(",")]
     print("$ python benchmarks/analysis_16k.py " + " ".join(sys.argv[1:]))
@@ -312,6 +314,19 @@ def main() -> None:
     print("\nmemory of this process (the analysis process), after each mode's cycles:")
     for mode, (rss, hwm) in memory.items():
         print(f"  {mode:<8} RSS {rss:.0f} MB, peak so far {hwm:.0f} MB")
+    write_results(
+        args.json,
+        benchmark="analysis_16k",
+        command=sys.argv,
+        results={
+            "backend": args.backend,
+            "ranks": WORLD_SIZE,
+            # seconds of each timed cycle, by phase, under the table's row labels
+            "cycles": {label: [{k: r[k] for k in ("reduce", "inputs", "detect", "total")} for r in rows]
+                       for label, rows in labelled if rows},  # fmt: skip
+            "peak_mb": max((hwm for _, hwm in memory.values()), default=None),
+        },
+    )
 
 
 if __name__ == "__main__":

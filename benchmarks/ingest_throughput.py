@@ -69,7 +69,6 @@ scratch-database helpers from here.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import multiprocessing as mp
@@ -89,6 +88,8 @@ from dataclasses import dataclass
 from multiprocessing.synchronize import Event as MpEvent
 from pathlib import Path
 from typing import Any
+
+from bench_results import add_json_arg, cpu_description, machine, write_results
 
 PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 WORLD_SIZE = 16_384
@@ -120,12 +121,8 @@ def add_shared_args(parser: argparse.ArgumentParser, *, server: bool = True) -> 
 
 
 def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), which the numbers depend on as much as the code."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    return "unknown CPU"
+    """The CPU by name, family and model, which the numbers depend on as much as the code."""
+    return cpu_description(machine())
 
 
 def free_port() -> int:
@@ -1200,8 +1197,7 @@ def _ms(value: float, lower_bound: bool) -> str:
 def _open_loop_verdict(r: IngestResult) -> list[str]:
     """Whether the collector kept up with the offered rate, and whether the clients could."""
     ratio = r.records_per_s / r.offered_per_s
-    kept_up = ratio >= 0.97 and r.unsent == 0
-    verdict = "KEPT UP" if kept_up else "DID NOT KEEP UP: the p99 above is queueing behind a backlog"
+    verdict = "KEPT UP" if open_loop_kept_up(r) else "DID NOT KEEP UP: the p99 above is queueing behind a backlog"
     lines = [
         f"[{r.backend}] open loop: {r.records_per_s:,.0f} of {r.offered_per_s:,.0f} records/s offered "
         f"({ratio:.2f}); sends up to {r.late_max_ms:.1f} ms behind schedule (first quarter of the window "
@@ -1223,6 +1219,50 @@ def _open_loop_verdict(r: IngestResult) -> list[str]:
             f"{r.clients} clients suffice at the mean; {answers}: stalls of the collector or the shared machine"
         )
     return lines
+
+
+def open_loop_kept_up(r: IngestResult) -> bool:
+    """The collector acknowledged at least 97% of the offered rate and every batch due was sent."""
+    return r.records_per_s / r.offered_per_s >= 0.97 and r.unsent == 0
+
+
+def headline(r: IngestResult, floor: BracketedFloor | None, cores: int) -> dict[str, Any]:
+    """What `--json` keeps of one backend's run: the numbers the printed tables lead with."""
+    rate = max(r.records_per_s, 1.0)
+    cpu = {"collector": r.collector_cpu, "postgresql": r.postgres_cpu, "load_generators": r.clients_cpu}
+    us = {part: 1e6 * cores_busy / rate for part, cores_busy in cpu.items()}
+    out: dict[str, Any] = {
+        "backend": r.backend,
+        "loop": "open" if r.offered_per_s else "closed",
+        "clients": r.clients,
+        "records_per_s": r.records_per_s,
+        "p50_ms": r.p50_ms,
+        "p99_ms": r.p99_ms,
+        "p99_lower_bound": r.p99_lower_bound,
+        "errors": r.errors,
+        "cpu_us_per_record": us,
+        "busy": sum(us.values()) * rate / 1e6 / cores,
+        "reduced": r.reduced,
+    }
+    if r.offered_per_s:
+        out |= {
+            "offered_per_s": r.offered_per_s,
+            "kept_up": open_loop_kept_up(r),
+            "unsent": r.unsent,
+            "late_max_ms": r.late_max_ms,
+            "answer_mean_ms": r.answer_mean_ms,
+        }
+    if floor is not None:
+        ceiling = cores * 1e6 / sum(us.values())
+        out["floor"] = {
+            "records_per_s_before": floor.before.records_per_s,
+            "records_per_s_after": floor.after.records_per_s,
+            "records_per_s": floor.records_per_s,
+            "method": floor.before.method,
+        }
+        out["ratio_to_floor"] = r.records_per_s / floor.records_per_s
+        out["cpu_ceiling_of_floor"] = ceiling / floor.records_per_s
+    return out
 
 
 def main() -> None:
@@ -1252,6 +1292,7 @@ def main() -> None:
                         help="open loop: write each batch's due time (Unix s), send lateness and answer time "
                              "to PREFIX-<backend>.csv, to line stalls up with other events")  # fmt: skip
     add_shared_args(parser)
+    add_json_arg(parser)
     args = parser.parse_args()
     if args.timeline and args.rate <= 0:
         parser.error("--timeline needs --rate (the open loop): a closed loop has no schedule to be late on")
@@ -1377,6 +1418,12 @@ def main() -> None:
         for r in results:
             if (line := _floor_drift_line(r.backend, r.records_per_s, floors[r.backend])) is not None:
                 print(line)
+    write_results(
+        args.json,
+        benchmark="ingest_throughput",
+        command=sys.argv,
+        results={"backends": [headline(r, floors.get(r.backend), os.cpu_count() or 1) for r in results]},
+    )
     print(
         "\nCPU columns: cores busy on average (the collector's processes: serve, its --workers and its analysis "
         "child; PostgreSQL backends of the scratch database; all load generators); RSS and HWM: summed over the "

@@ -27,6 +27,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench_results import add_json_arg, write_results
 from ingest_throughput import add_shared_args, collector, create_token, scratch_db
 
 RUN = "bench-latency"
@@ -75,6 +76,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0, help="steps made for this long")
     parser.add_argument("--warmup", type=float, default=10.0, help="steps of the first seconds are not counted")
     add_shared_args(parser)
+    add_json_arg(parser)
     parser.add_argument("--rank-child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_child:
@@ -126,19 +128,24 @@ def main() -> None:
     print(f"\n{args.ranks} ranks, a step every {args.step_seconds} s, send interval {SEND_INTERVAL_S} s, "
           f"{args.backend}; steps {first}..{steps - 1} counted (after {args.warmup:.0f} s of warm-up)")  # fmt: skip
     print(f"{'shown in':<34}{'median s':>10}{'max s':>10}{'steps':>8}")
-    for label, seen in (
-        ("run overview (last_step)", overview),
-        ("/metrics (run_latest_step)", latest),
-        ("/metrics (run_complete_step)", complete),
+    shown: dict[str, dict[str, float | int | None]] = {}
+    for key, label, seen in (
+        ("run_overview", "run overview (last_step)", overview),
+        ("latest_step", "/metrics (run_latest_step)", latest),
+        ("complete_step", "/metrics (run_complete_step)", complete),
     ):
         lat = [seen[k] - (t0 + (k + 1) * args.step_seconds) for k in range(first, steps) if k in seen]
         if lat:
             print(f"{label:<34}{statistics.median(lat):>10.2f}{max(lat):>10.2f}{len(lat):>8}")
         else:
             print(f"{label:<34}{'-':>10}{'-':>10}{0:>8}")
+        shown[key] = {"median_s": statistics.median(lat) if lat else None, "max_s": max(lat, default=None),
+                      "steps": len(lat), "steps_expected": steps - first}  # fmt: skip
     bound = SEND_INTERVAL_S + interval + cycle_max
     print(f"\nbound: send interval {SEND_INTERVAL_S} s + one analysis cycle (interval {interval} s + longest "
           f"cycle seen {cycle_max:.2f} s) = {bound:.2f} s")  # fmt: skip
+    write_results(args.json, benchmark="latency", command=sys.argv,
+                  results={"backend": args.backend, "ranks": args.ranks, "bound_s": bound, **shown})  # fmt: skip
 
 
 def _analysis_interval() -> float:
