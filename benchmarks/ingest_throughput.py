@@ -1251,6 +1251,7 @@ def headline(r: IngestResult, floor: BracketedFloor | None, cores: int) -> dict[
             "unsent": r.unsent,
             "late_max_ms": r.late_max_ms,
             "answer_mean_ms": r.answer_mean_ms,
+            "answer_p99_ms": r.answer_p99_ms,
         }
     if floor is not None:
         ceiling = cores * 1e6 / sum(us.values())

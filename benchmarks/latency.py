@@ -2,7 +2,7 @@
 and in /metrics, and how long until it is a reduced complete step.
 
     python benchmarks/latency.py [--backend sqlite|postgresql] [--ranks 4] [--step-seconds 0.5]
-        [--seconds 60] [--port P] [--db-prefix tv_bench]
+        [--seconds 60] [--port P] [--db-prefix tv_bench] [--json PATH]
 
 Starts `trainvitals serve` (auth on, analysis on, every default) on a scratch database and
 `--ranks` processes that each attach the real agent (`trainvitals.agent.attach`, its default 2 s
