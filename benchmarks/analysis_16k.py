@@ -2,7 +2,7 @@
 detectors' input, run the detectors, store findings.
 
     python benchmarks/analysis_16k.py [--backend postgresql] [--cycles 6] [--summary-steps 20000]
-        [--modes kept,restart,fresh] [--db-prefix tv_bench] [--profile PATH]
+        [--modes kept,restart,fresh] [--db-prefix tv_bench] [--profile PATH] [--json PATH]
 
 The run is generated inside a scratch database (as scrape_16k.py does): what the collector holds
 after ~20,000 steps of a tp 8 x pp 8 x dp 256 run, with the detectors' full lookbacks populated:
