@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import math
 import os
 import platform
 import sqlite3
@@ -20,6 +18,8 @@ import subprocess
 import time
 from pathlib import Path
 from typing import Any
+
+from trainvitals.service.json_output import to_json
 
 # Vector and matrix extensions the FP8 tiers' cost follows (docs/performance-agent.md), in the order printed.
 _EXTENSIONS = (("avx512f", "AVX512"), ("amx_tile", "AMX"), ("avx2", "AVX2"))
@@ -105,16 +105,4 @@ def write_results(path: str | None, *, benchmark: str, command: list[str], resul
         "machine": machine(),
         "results": results,
     }
-    Path(path).write_text(json.dumps(_finite(payload), indent=2, allow_nan=False) + "\n")
-
-
-def _finite(value: Any) -> Any:
-    """value with every NaN or infinite float as None: JSON has no such numbers, and a reader of the
-    file should see 'not measured', not a parse error."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
+    Path(path).write_text(to_json(payload) + "\n")  # strict JSON: a NaN or infinity as null
