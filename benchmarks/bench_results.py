@@ -3,8 +3,9 @@
 Each script that issue 17 measures takes `--json PATH` and writes its headline numbers there with
 `write_results`; `issue17_pass.py` runs them all and reads those files. The machine is part of every
 number (the same code's have moved 1.8x between days on one host kind, more between kinds), so a
-file names the CPU by family and model (`/proc/cpuinfo`; a KVM guest's model name is often only "Intel(R) Xeon(R)
-Processor", which names no generation), its vector extensions, the cores and the load.
+file names the CPU by family and model (`/proc/cpuinfo`; a KVM guest's model name is often only
+"Intel(R) Xeon(R) Processor", which names no generation), its vector extensions, the cores and the
+load.
 """
 
 from __future__ import annotations
