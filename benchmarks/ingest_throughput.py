@@ -1396,15 +1396,15 @@ def main() -> None:
         )
         for r in results:
             f = floors[r.backend]
-            rate = max(r.records_per_s, 1.0)
-            coll, pg, gen = (1e6 * cpu / rate for cpu in (r.collector_cpu, r.postgres_cpu, r.clients_cpu))
-            ceiling = cores * 1e6 / (coll + pg + gen)
+            h = headline(r, f, cores)  # the CPU a record and the ceiling, as --json writes them
+            coll, pg, gen = h["cpu_us_per_record"].values()
             print(
                 f"{r.backend:<11}{f.before.records_per_s:>13,.0f}{f.after.records_per_s:>9,.0f}"
                 f"{f.records_per_s:>9,.0f}{r.records_per_s:>13,.0f}"
-                f"{r.records_per_s / f.records_per_s:>7.2f}{f.cpu_us:>13.1f}"
-                f"{coll + pg + gen:>14.1f}{coll:>8.1f}{pg:>6.1f}{gen:>7.1f}{ceiling:>12,.0f}"
-                f"{ceiling / f.records_per_s:>9.2f}{(coll + pg + gen) * rate / 1e6 / cores:>6.0%}"
+                f"{h['ratio_to_floor']:>7.2f}{f.cpu_us:>13.1f}"
+                f"{coll + pg + gen:>14.1f}{coll:>8.1f}{pg:>6.1f}{gen:>7.1f}"
+                f"{h['cpu_ceiling_of_floor'] * f.records_per_s:>12,.0f}"
+                f"{h['cpu_ceiling_of_floor']:>9.2f}{h['busy']:>6.0%}"
                 f"  {f.before.method}, {args.clients} batches per commit"
             )
         print(
