@@ -7,6 +7,7 @@ one process holds the analysis lease.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,6 +32,29 @@ def _post(base: str, path: str, body: object) -> tuple[int, dict]:
     )
     with urllib.request.urlopen(req, timeout=30) as resp:  # a new connection per request
         return resp.status, json.loads(resp.read())
+
+
+@contextlib.contextmanager
+def _explained(pg: psycopg.Connection, serve_log: Path) -> Iterator[None]:
+    """A request that gets no answer fails with what the database's sessions were doing and the
+    collector's log: a duplicate POST once hung for 30 s in CI (session 55) and left nothing to read."""
+    try:
+        yield
+    except OSError as exc:  # urllib's timeout or a refused connection
+        sessions = pg.execute(
+            "SELECT pid, application_name, state, wait_event_type, wait_event,"
+            " round(extract(epoch FROM now() - xact_start)::numeric, 2), left(query, 160)"
+            " FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        ).fetchall()
+        waits = pg.execute(
+            "SELECT pid, pg_blocking_pids(pid) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND cardinality(pg_blocking_pids(pid)) > 0"
+        ).fetchall()
+        lines = "\n".join(map(repr, sessions))
+        raise AssertionError(
+            f"{exc!r}\nsessions:\n{lines}\nblocked (pid, by): {waits}\n"
+            f"serve.log (tail):\n{serve_log.read_text(errors='replace')[-6000:]}"
+        ) from exc
 
 
 def _metric(text: str, name: str, labels: str) -> float:
@@ -69,7 +94,7 @@ def test_two_processes_one_truth(empty_pg_url: str, unused_port: int, tmp_path: 
         writers: set[str] = set()
         with psycopg.connect(empty_pg_url.replace("+psycopg", ""), autocommit=True) as pg:
             while len({w.split(":")[1] for w in writers}) < 2 and sent < 800:
-                with ThreadPoolExecutor(8) as pool:
+                with ThreadPoolExecutor(8) as pool, _explained(pg, tmp_path / "serve.log"):
                     acks = list(pool.map(lambda i: _post(base, "/v1/batches", batch(i))[1], range(sent, sent + 40)))
                     dups = list(pool.map(lambda i: _post(base, "/v1/batches", batch(i))[1], range(sent, sent + 40)))
                 assert all(a == {"accepted": 1, "duplicate": False} for a in acks)
