@@ -1397,7 +1397,8 @@ def main() -> None:
         for r in results:
             f = floors[r.backend]
             h = headline(r, f, cores)  # the CPU a record and the ceiling, as --json writes them
-            coll, pg, gen = h["cpu_us_per_record"].values()
+            us = h["cpu_us_per_record"]
+            coll, pg, gen = us["collector"], us["postgresql"], us["load_generators"]
             print(
                 f"{r.backend:<11}{f.before.records_per_s:>13,.0f}{f.after.records_per_s:>9,.0f}"
                 f"{f.records_per_s:>9,.0f}{r.records_per_s:>13,.0f}"
