@@ -357,9 +357,16 @@ def _write_fast(session: Session, kind: str, flat: list[Any]) -> None:
 # statements: 4,096 rows (20 columns: 81,920 variables), fewer when the library's variable limit
 # is lower (32,766 by default since SQLite 3.32).
 _SQLITE_CHUNK_ROWS = 4096
+# Fewer rows than this take at most two statements: a multiple of _SQLITE_ROW_STEP, then the rest
+# (a group of 11 ordinary batches has 220 gradient rows: 208 + 12, against five power-of-two
+# chunks). The sizes stay few, 30 below 256 for each statement, so sqlite3's cache of prepared
+# statements (128 a connection) keeps them: preparing a 192-row INSERT costs 0.8 ms, four times
+# executing it. Larger counts take power-of-two chunks down to a remainder below this.
+_SQLITE_SMALL_ROWS = 256
+_SQLITE_ROW_STEP = 16
 
 
-@functools.lru_cache(maxsize=256)  # power-of-two sizes x statements x the columns left out
+@functools.lru_cache(maxsize=256)  # sizes x statements x the columns left out
 def _sqlite_values_sql(head: str, values: str, rows: int, absent: tuple[int, ...] = ()) -> str:
     if absent:  # those columns as literal NULLs (their values are dropped from the parameters)
         marks = values[1:-1].split(", ")
@@ -374,31 +381,37 @@ def sqlite_multirow(
     real: tuple[int, ...] = (),
     tail: str = "",
     nullable: tuple[int, ...] = (),
-) -> list[Any]:
-    """Multi-row INSERTs of power-of-two sizes (a handful of cached statements) over flat
-    parameters (`sql`'s VALUES row after row): sqlite3's executemany steps the statement once per
-    row, releasing and re-taking the GIL each time; one statement per chunk steps once. `real`: the
+) -> tuple[int, int | None]:
+    """Multi-row INSERTs of power-of-two sizes, and below _SQLITE_SMALL_ROWS of two at most (a
+    few dozen cached statements), over flat parameters (`sql`'s VALUES row after row): sqlite3's
+    executemany steps the statement once per row, releasing and re-taking the GIL each time; one
+    statement per chunk steps once. `real`: the
     positions of REAL columns in a row, whose NaN are written as text (`_nan_as_text`). `nullable`:
     positions of columns that may be None; one that is None in every row of a chunk is written as
-    a literal NULL instead of bound (`_drop_absent`). Returns what the statements return (`tail`:
-    RETURNING ...). Changes `params` in place."""
+    a literal NULL instead of bound (`_drop_absent`). `tail`: appended to each statement (ON
+    CONFLICT ...; not RETURNING, whose rows would each cost a step). Returns the rows inserted and
+    the last one's rowid (None when no statement ran). Changes `params` in place."""
     head, _, values = sql.partition(" VALUES ")
     width = values.count("?")
     limit = dbapi_conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // max(1, width)
     most = min(_SQLITE_CHUNK_ROWS, 1 << (limit.bit_length() - 1))
     cur = dbapi_conn.cursor()
-    out: list[Any] = []
+    inserted, last = 0, None
     i, n = 0, len(params) // width
     while i < n:
-        k = min(most, 1 << ((n - i).bit_length() - 1))
+        left = n - i
+        if left >= _SQLITE_SMALL_ROWS:
+            k = min(most, 1 << (left.bit_length() - 1))
+        else:  # a multiple of the row step, then the rest
+            k = min(most, left if left < _SQLITE_ROW_STEP else left - left % _SQLITE_ROW_STEP)
         chunk = params if k == n else params[i * width : (i + k) * width]
         _nan_as_text(chunk, width, real)
         absent = _drop_absent(chunk, width, nullable, k)
         cur.execute(_sqlite_values_sql(head, values, k, absent) + tail, chunk)
-        if tail:
-            out.extend(cur.fetchall())
+        inserted += cur.rowcount
+        last = cur.lastrowid
         i += k
-    return out
+    return inserted, last
 
 
 def _drop_absent(params: list[Any], width: int, nullable: tuple[int, ...], rows: int) -> tuple[int, ...]:
@@ -742,8 +755,9 @@ _PG_CLAIM = (
     "ON CONFLICT DO NOTHING RETURNING run_id, rank, incarnation, seq"
 )
 _SQLITE_CLAIM = f"INSERT INTO {DeliveredBatch.__tablename__} ({_BATCH_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)"
-_SQLITE_CLAIM_TAIL = " ON CONFLICT DO NOTHING RETURNING run_id, rank, incarnation, seq"
-_SQLITE_RETURNING = sqlite3.sqlite_version_info >= (3, 35)
+_SQLITE_CLAIM_TAIL = " ON CONFLICT DO NOTHING"
+# The rows a claim inserted, when it skipped some (parameter: the rowid below the first of them).
+_SQLITE_CLAIMED = f"SELECT run_id, rank, incarnation, seq FROM {DeliveredBatch.__tablename__} WHERE rowid > ?"
 
 
 def _claim_keys(session: Session, batches: list[AnyBatch], now: float) -> set[tuple[str, int, int, int]]:
@@ -759,18 +773,23 @@ def _claim_keys(session: Session, batches: list[AnyBatch], now: float) -> set[tu
         with raw.cursor() as cur:  # type: ignore[union-attr]
             cur.execute(_PG_CLAIM, [list(col) for col in zip(*rows, strict=True)])
             return {tuple(r) for r in cur.fetchall()}
+    # SQLite: one multi-row INSERT, no RETURNING. sqlite3 steps a statement once per row it returns,
+    # and every step releases the GIL and waits to take it back from the event loop: in a closed
+    # loop's group of 11 batches, 12 waits where this takes one. Its count of inserted rows says
+    # whether all were new, the usual case. When not (retries), the new rows are the last `inserted`
+    # rowids: this transaction holds SQLite's one write lock, and each inserted row takes the
+    # table's largest rowid + 1 (a skipped row takes none), so they are consecutive and the largest.
     dbapi = conn.connection.driver_connection
-    if _SQLITE_RETURNING:  # one statement per group (the keys of a group are distinct: the caller's dict)
-        flat = list(chain.from_iterable(rows))
-        return {tuple(r) for r in sqlite_multirow(dbapi, _SQLITE_CLAIM, flat, tail=_SQLITE_CLAIM_TAIL)}
-    # SQLite before 3.35: one writer at a time (the caller holds it), so a row-by-row rowcount is exact.
+    inserted, last = sqlite_multirow(dbapi, _SQLITE_CLAIM, list(chain.from_iterable(rows)), tail=_SQLITE_CLAIM_TAIL)
+    if inserted == len(rows):
+        return {row[:4] for row in rows}
+    if not inserted or last is None:
+        return set()
     cur = dbapi.cursor()  # type: ignore[union-attr]
-    new = set()
-    for row in rows:
-        cur.execute(_SQLITE_CLAIM + " ON CONFLICT DO NOTHING", row)
-        if cur.rowcount == 1:
-            new.add(row[:4])
-    return new
+    try:
+        return {tuple(r) for r in cur.execute(_SQLITE_CLAIMED, [last - inserted]).fetchall()}
+    finally:
+        cur.close()
 
 
 def _write_records(session: Session, built: list[BatchRows]) -> None:

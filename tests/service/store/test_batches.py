@@ -7,7 +7,7 @@ import pytest
 from sqlalchemy import func, select
 
 from trainvitals.service.ingest.decode import decode_batch
-from trainvitals.service.store import batches, queries
+from trainvitals.service.store import batches, db, queries
 from trainvitals.service.store.models import DeliveredBatch, GradStatRow, StepRow, TensorStatRow
 from trainvitals.wire import Batch, RunRegistration
 
@@ -70,6 +70,49 @@ def test_seq_only_makes_delivery_idempotent_gaps_and_reordering_are_accepted(ses
     assert summarised == list(range(15))
     assert queries.count_step_rows(session, run_id="r1") == 15
     assert sorted(session.scalars(select(DeliveredBatch.seq))) == [0, 2, 5]
+
+
+def test_a_group_of_new_batches_and_retries_stores_each_new_one_once(session) -> None:
+    """One transaction claims a group's keys with one INSERT that skips those already stored (on
+    SQLite without RETURNING, the new ones read back by rowid when some were skipped): each item's
+    outcome is its own, whatever the mix, and a retry stores nothing."""
+    batches.register_run(session, RunRegistration(run="r1", parallelism={"world_size": 4}))
+    batches.store_batches(session, [(_steps(1, range(0, 3), seq=0), None), (_steps(3, range(0, 3), seq=0), None)])
+    group = [_steps(rank, range(0, 3), seq=seq) for rank, seq in [(0, 0), (1, 0), (1, 1), (2, 0), (3, 0), (3, 1)]]
+    outcomes = batches.store_batches(session, [(b, None) for b in group])
+    assert [(o.accepted, o.duplicate) for o in outcomes] == [
+        (6, False), (0, True), (6, False), (6, False), (0, True), (6, False)
+    ]  # fmt: skip
+    again = batches.store_batches(session, [(b, None) for b in group])
+    assert [(o.accepted, o.duplicate) for o in again] == [(0, True)] * 6
+    assert queries.count_step_rows(session, run_id="r1") == 3 * 6
+    stored = session.execute(select(DeliveredBatch.rank, DeliveredBatch.seq)).all()
+    assert sorted(map(tuple, stored)) == [(0, 0), (1, 0), (1, 1), (2, 0), (3, 0), (3, 1)]
+
+
+def test_on_sqlite_a_small_groups_rows_of_a_kind_are_one_statement(tmp_path) -> None:
+    """Every sqlite3 statement releases the GIL and waits to take it back from the event loop, so a
+    small group's rows of a kind go in one or two INSERTs (not one per power of two: 7 would be
+    4 + 2 + 1; 44 is 32 + 12), and the claim is one INSERT whose rows are not fetched back. (PostgreSQL
+    writes a kind with one COPY whatever the count.)"""
+    url = f"sqlite:///{tmp_path / 'tv.db'}"
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    with db.make_sessionmaker(engine)() as session:
+        batches.register_run(session, RunRegistration(run="r1"))
+        statements: list[str] = []
+        dbapi = session.connection().connection.driver_connection
+        dbapi.set_trace_callback(statements.append)
+        try:
+            group = [(_steps(0, range(0, 4), seq=0), None), (_steps(0, range(4, 7), seq=1), None)]
+            outcomes = batches.store_batches(session, group)
+        finally:
+            dbapi.set_trace_callback(None)
+        assert [(o.accepted, o.duplicate) for o in outcomes] == [(8, False), (6, False)]
+        inserts = sorted(s.split(" (")[0] for s in statements if s.startswith("INSERT INTO"))
+        assert inserts == [f"INSERT INTO {t}" for t in ("batches", "grad_stats", "ingest_counts", "steps")]
+        assert queries.count_step_rows(session, run_id="r1") == 7
+    engine.dispose()
 
 
 def test_new_incarnation_with_same_seq_is_not_a_duplicate(session) -> None:
@@ -314,8 +357,8 @@ def test_nan_is_stored_as_nan_and_infinities_as_themselves_on_both_backends(sess
 def test_columns_empty_in_a_chunk_are_written_as_null_and_the_others_keep_their_values(session) -> None:
     """On SQLite a nullable column that is None in every row of a statement's chunk is written as a
     literal NULL and dropped from the bound parameters (`_drop_absent`). 300 rows go in chunks of
-    256, 32, 8 and 4; each optional statistic is present in different chunks, one in none, one in
-    all: every stored value must be the one sent, in its own column."""
+    256, 32 and 12; each optional statistic is present in different chunks, one in none, one in all:
+    every stored value must be the one sent, in its own column."""
     batches.register_run(session, RunRegistration(run="r1"))
     values: list[dict[str, object]] = []
     for i in range(300):
