@@ -385,12 +385,12 @@ def sqlite_multirow(
     """Multi-row INSERTs of power-of-two sizes, and below _SQLITE_SMALL_ROWS of two at most (a
     few dozen cached statements), over flat parameters (`sql`'s VALUES row after row): sqlite3's
     executemany steps the statement once per row, releasing and re-taking the GIL each time; one
-    statement per chunk steps once. `real`: the
-    positions of REAL columns in a row, whose NaN are written as text (`_nan_as_text`). `nullable`:
-    positions of columns that may be None; one that is None in every row of a chunk is written as
-    a literal NULL instead of bound (`_drop_absent`). `tail`: appended to each statement (ON
-    CONFLICT ...; not RETURNING, whose rows would each cost a step). Returns the rows inserted and
-    the last one's rowid (None when no statement ran). Changes `params` in place."""
+    statement per chunk steps once. `real`: the positions of REAL columns in a row, whose NaN are
+    written as text (`_nan_as_text`). `nullable`: positions of columns that may be None; one that
+    is None in every row of a chunk is written as a literal NULL instead of bound (`_drop_absent`).
+    `tail`: appended to each statement (ON CONFLICT ...; not RETURNING, whose rows would each cost
+    a step). Returns the rows inserted and the last one's rowid (None when no statement ran).
+    Changes `params` in place."""
     head, _, values = sql.partition(" VALUES ")
     width = values.count("?")
     limit = dbapi_conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // max(1, width)

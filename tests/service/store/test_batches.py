@@ -92,8 +92,8 @@ def test_a_group_of_new_batches_and_retries_stores_each_new_one_once(session) ->
 
 def test_on_sqlite_a_small_groups_rows_of_a_kind_are_one_statement(tmp_path) -> None:
     """Every sqlite3 statement releases the GIL and waits to take it back from the event loop, so a
-    small group's rows of a kind go in one or two INSERTs (not one per power of two: 7 would be
-    4 + 2 + 1; 44 is 32 + 12), and the claim is one INSERT whose rows are not fetched back. (PostgreSQL
+    small group's rows of a kind go in one INSERT below 16 rows (not one per power of two: these 7
+    would be 4 + 2 + 1), and the claim is one INSERT whose rows are not fetched back. (PostgreSQL
     writes a kind with one COPY whatever the count.)"""
     url = f"sqlite:///{tmp_path / 'tv.db'}"
     db.upgrade(url)
