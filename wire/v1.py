@@ -30,7 +30,9 @@ from trainvitals.wire.conventions import (
     Role,
 )
 
-_Name = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\x00]*$")]  # PostgreSQL refuses NUL
+NO_NUL_PATTERN = r"^[^\x00]*$"
+"""A name's pattern: no NUL character, which PostgreSQL refuses in text."""
+_Name = Annotated[str, Field(min_length=1, max_length=256, pattern=NO_NUL_PATTERN)]
 RUN_ID_CHARS = r"A-Za-z0-9._:\-"
 """The characters of a run id, as a regex class body (the agent's suggestion replaces the others)."""
 RUN_ID_MAX_LENGTH = 128

@@ -100,7 +100,7 @@ BASE = {
 POOL: list[Any] = [
     None, True, False, 0, 1, -1, 2, 2**31, 2**63, 2**64 + 1, 0.0, 0.5, 1.0, 1.5, -0.5, 1e308, 3, "",
     "x", "1.5", "3", "e4m3", "e5m2", "input", "weight", "grad_output", "persisted", "stop", "step",
-    "tensor", "a" * 257, "r1\n", "r 1", [], {}, {"k": "v"}, {"k": 1}, [1.0],
+    "tensor", "a" * 257, "r1\n", "r 1", "a\x00b", [], {}, {"k": "v"}, {"k": 1}, [1.0],
 ]  # fmt: skip
 
 
@@ -152,6 +152,9 @@ def test_fuzzed_batches_never_accepted_by_the_fast_path_alone() -> None:
     ("path", "value"),
     [
         (("run",), "r1\n"),  # Python's $ would accept a trailing newline; pydantic does not
+        (("run",), "r 1"),  # a body without a backslash: the run id's pattern is still checked
+        (("records", 1, "tensor"), "blocks.0\x00.fc1"),  # a NUL, which json.dumps writes as \u0000
+        (("records", 2, "group"), "\x00"),
         (("records", 0, "step"), -1),
         (("records", 1, "role"), "output"),
         (("records", 1, "sat_frac"), 1.5),
@@ -187,3 +190,20 @@ def test_lax_forms_fall_back_to_pydantic() -> None:
 
 def test_the_common_batch_takes_the_fast_path() -> None:
     assert isinstance(_decode(json.dumps(BASE).encode()), decode.Batch)
+
+
+def test_names_are_checked_for_nul_only_in_bodies_with_an_escape() -> None:
+    """A body without a backslash cannot hold a NUL, and skips the names' pattern (Python's `re`,
+    once a name: more than half the decoding); one with an escape anywhere is checked in full, and
+    both read the same values."""
+    plain = json.dumps(BASE).encode()
+    escaped = json.dumps({**BASE, "records": [*BASE["records"][:4], {**BASE["records"][4], "detail": 'a "b"'}]})
+    assert b"\\" not in plain and b"\\" in escaped.encode()
+    fast, checked = decode.decode_batch(plain), decode.decode_batch(escaped.encode())
+    assert type(fast) is not decode.Batch and isinstance(fast, decode.Batch)
+    assert type(checked) is decode.Batch
+    assert [_fast_record_dict(r) for r in fast.records[:4]] == [_fast_record_dict(r) for r in checked.records[:4]]
+    assert fast.records[1].tensor == "blocks.0.fc1" and checked.records[4].detail == 'a "b"'
+    assert type(fast.records[1]).__struct_fields__ == decode.TensorRecord.__struct_fields__
+    with pytest.raises(msgspec.DecodeError):  # a raw NUL is malformed JSON, on the unchecked path too
+        decode.decode_batch(plain.replace(b"blocks.0.fc1", b"blocks.0\x00.fc1"))
