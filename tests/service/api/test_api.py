@@ -407,6 +407,21 @@ def test_a_registration_the_database_refuses_is_a_422(client: TestClient) -> Non
         assert "nothing stored" in resp.json()["detail"]
 
 
+def test_a_nul_in_a_tensor_or_group_name_is_a_422_that_names_it(client: TestClient) -> None:
+    """A NUL reaches the collector only as the escape \\u0000, which sends the body through the
+    decoder that checks names for it (the common body, with no backslash, skips that check)."""
+    client.post("/v1/runs", json={"run": "r1"})
+    tensor = {"kind": "tensor", "step": 0, "tensor": "fc1", "role": "input", "format": "e4m3", "amax": 1.0}
+    grad = {"kind": "grad", "step": 0, "group": "layers.0", "owned_sq": 1.0, "local_sq": 1.0}
+    for field, record in (("tensor", tensor), ("group", grad)):
+        bad = {**_batch(), "records": [{**record, field: "a\u0000b"}]}
+        resp = client.post("/v1/batches", json=bad)
+        locs = [e["loc"] for e in resp.json()["detail"]]  # pydantic's: body, records, 0, the record's kind, field
+        assert resp.status_code == 422 and ["body", "records", 0, record["kind"], field] in locs, locs
+    assert client.get("/v1/runs/r1").json()["step_records"] == 0
+    assert client.post("/v1/batches", json={**_batch(), "records": [tensor, grad]}).json()["accepted"] == 2
+
+
 def test_read_answers_hold_non_finite_values_as_null_formulas_quoted_and_headers(client: TestClient) -> None:
     """An overflowed amax is data (the wire takes Infinity): the JSON answers must stay strict JSON,
     the CSV ones run no formula a tensor is named with, and an empty CSV answer is its header."""
