@@ -167,7 +167,7 @@ EventRecord: Any = _STRUCTS[v1.EventRecord]
 Batch: Any = _STRUCTS[v1.Batch]
 
 _DECODER = msgspec.json.Decoder(Batch)
-_NO_ESCAPES_DECODER = msgspec.json.Decoder(_NAMES_UNCHECKED[v1.Batch])
+_NO_ESCAPES_DECODER: msgspec.json.Decoder[Any] = msgspec.json.Decoder(_NAMES_UNCHECKED[v1.Batch])
 
 
 def decode_batch(body: bytes) -> Any:
