@@ -12,11 +12,11 @@ The structs quack like the pydantic records where ingest reads them: same attrib
 class attribute `kind`.
 
 A name's no-NUL pattern (wire/v1.py `NO_NUL_PATTERN`) is checked by msgspec through Python's `re`,
-one call per tensor and gradient record: more than half of decoding the benchmark's batch (157 us,
-against 71 without it). JSON can only carry a NUL inside a string as the escape `\\u0000` (a raw
-control character is malformed JSON, which msgspec refuses), so a body without a backslash holds
-none: it is decoded by subclasses of the structs that leave that one pattern out. Any other body
-takes the structs as derived, every pattern checked.
+one call per tensor and gradient record: more than half of decoding the benchmark's batch (157 us
+against 72 without it; docs/performance.md, session 58). JSON can only carry a NUL inside a string
+as the escape `\\u0000` (a raw control character is malformed JSON, which msgspec refuses), so a
+body without a backslash holds none: it is decoded by subclasses of the structs that leave that one
+pattern out. Any other body takes the structs as derived, every pattern checked.
 """
 
 from __future__ import annotations
