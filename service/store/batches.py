@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from itertools import chain
+from itertools import chain, groupby
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias, cast
 
@@ -292,15 +292,20 @@ def batch_rows(batch: AnyBatch) -> BatchRows:
     other: dict[str, list[dict[str, Any]]] = {}
     prefix = (batch.run, batch.rank, batch.incarnation)
     row_of = _ROW_OF
-    for record in batch.records:
-        kind, getter = row_of.get(type(record)) or _learn_row_of(record)
+    # By runs of one record type (an agent's batch is a few long runs: a step's tensors, its
+    # gradient groups): the type's lookups once a run, not once a record, a fifth of the time.
+    for record_type, same_type in groupby(batch.records, type):
+        first = next(same_type)
+        kind, getter = row_of.get(record_type) or _learn_row_of(first)
         if getter is not None:
             flat = fast.get(kind)
             if flat is None:
                 flat = fast[kind] = []
-            flat += prefix
-            flat += getter(record)
-        else:
+            for record in chain((first,), same_type):
+                flat += prefix
+                flat += getter(record)
+            continue
+        for record in chain((first,), same_type):
             row = {column: getattr(record, column) for column in _OTHER_COLUMNS[kind]}
             # A restarted rank's record about its previous process's save is stored under that one.
             saved_by = getattr(record, "saved_by_incarnation", None)

@@ -330,6 +330,27 @@ def test_the_routes_structs_and_pydantic_batches_become_the_same_rows() -> None:
     assert batches.batch_rows(fast) == batches.batch_rows(Batch.model_validate(body))
 
 
+def test_a_kind_interleaved_with_others_keeps_its_records_order_in_its_rows() -> None:
+    """Rows are built by runs of one record type: a kind that comes back after other kinds (as
+    an agent's batch of several steps does) continues its rows where it stopped, in record order."""
+    body = _fp8_batch(2, [{"amax": 1.0}, {"amax": 2.0}])
+    step = {"kind": "step", "step": 0, "ts": 100.0, "step_seconds": 0.5}
+    checkpoint = {"kind": "checkpoint", "step": 0, "ts": 100.0, "generation": 1, "path": "/ck/1", "status": "started"}
+    tensor = {"kind": "tensor", "step": 1, "tensor": "layers.9.fc", "role": "weight", "format": "e4m3", "amax": 9.0}
+    # tensor, tensor, grad (from _fp8_batch), then step, tensor, checkpoint, tensor, step
+    body["records"] += [step, tensor, checkpoint, {**tensor, "amax": 10.0}, {**step, "step": 1}]
+    for batch in (decode_batch(json.dumps(body).encode()), Batch.model_validate(body)):
+        fast, other, low = batches.batch_rows(batch)
+        width = batches._WIDTH
+        rows = {k: [tuple(flat[i : i + width[k]]) for i in range(0, len(flat), width[k])] for k, flat in fast.items()}
+        tensors = [("layers.0.fc", 1.0), ("layers.1.fc", 2.0), ("layers.9.fc", 9.0), ("layers.9.fc", 10.0)]
+        assert [(r[4], r[7]) for r in rows["tensor"]] == tensors  # (tensor, amax) after prefix, step
+        assert [r[3] for r in rows["step"]] == [0, 1]  # step follows (run_id, rank, incarnation)
+        assert all(r[:3] == ("r1", 2, 1) for kind_rows in rows.values() for r in kind_rows)
+        assert [row["path"] for row in other["checkpoint"]] == ["/ck/1"]
+        assert len(rows["grad"]) == 1 and low == 0 and set(fast) == {"tensor", "grad", "step"}
+
+
 def test_nan_is_stored_as_nan_and_infinities_as_themselves_on_both_backends(session) -> None:
     """SQLite gets NaN as text (a NaN REAL would be NULL): the check runs on each REAL column of a
     statement's parameters at once. A column holding inf and -inf sums to NaN too: those must still
