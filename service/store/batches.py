@@ -293,7 +293,8 @@ def batch_rows(batch: AnyBatch) -> BatchRows:
     prefix = (batch.run, batch.rank, batch.incarnation)
     row_of = _ROW_OF
     # By runs of one record type (an agent's batch is a few long runs: a step's tensors, its
-    # gradient groups): the type's lookups once a run, not once a record, a fifth of the time.
+    # gradient groups): the type's lookups once a run, not once a record, take a fifth off the
+    # time (docs/performance.md, session 59).
     for record_type, same_type in groupby(batch.records, type):
         first = next(same_type)
         kind, getter = row_of.get(record_type) or _learn_row_of(first)
