@@ -296,23 +296,21 @@ def batch_rows(batch: AnyBatch) -> BatchRows:
     # gradient groups): the type's lookups once a run, not once a record, take a fifth off the
     # time (docs/performance.md, session 59).
     for record_type, same_type in groupby(batch.records, type):
-        first = next(same_type)
-        kind, getter = row_of.get(record_type) or _learn_row_of(first)
+        records = list(same_type)
+        kind, getter = row_of.get(record_type) or _learn_row_of(records[0])
         if getter is not None:
-            flat = fast.get(kind)
-            if flat is None:
-                flat = fast[kind] = []
-            for record in chain((first,), same_type):
+            flat = fast.setdefault(kind, [])
+            for record in records:
                 flat += prefix
                 flat += getter(record)
-            continue
-        for record in chain((first,), same_type):
-            row = {column: getattr(record, column) for column in _OTHER_COLUMNS[kind]}
-            # A restarted rank's record about its previous process's save is stored under that one.
-            saved_by = getattr(record, "saved_by_incarnation", None)
-            incarnation = batch.incarnation if saved_by is None else saved_by
-            row.update(run_id=batch.run, rank=batch.rank, incarnation=incarnation)
-            other.setdefault(kind, []).append(row)
+        else:
+            for record in records:
+                row = {column: getattr(record, column) for column in _OTHER_COLUMNS[kind]}
+                # A restarted rank's record about its previous process's save is stored under that one.
+                saved_by = getattr(record, "saved_by_incarnation", None)
+                incarnation = batch.incarnation if saved_by is None else saved_by
+                row.update(run_id=batch.run, rank=batch.rank, incarnation=incarnation)
+                other.setdefault(kind, []).append(row)
     # `step` follows the prefix in every fast table (asserted at import): a strided slice, a C-level min.
     lows = [min(flat[len(_PREFIX) :: _WIDTH[kind]]) for kind, flat in fast.items()]
     return fast, other, min(lows) if lows else None
