@@ -304,13 +304,14 @@ def batch_rows(batch: AnyBatch) -> BatchRows:
                 flat += prefix
                 flat += getter(record)
         else:
+            dict_rows = other.setdefault(kind, [])
             for record in records:
                 row = {column: getattr(record, column) for column in _OTHER_COLUMNS[kind]}
                 # A restarted rank's record about its previous process's save is stored under that one.
                 saved_by = getattr(record, "saved_by_incarnation", None)
                 incarnation = batch.incarnation if saved_by is None else saved_by
                 row.update(run_id=batch.run, rank=batch.rank, incarnation=incarnation)
-                other.setdefault(kind, []).append(row)
+                dict_rows.append(row)
     # `step` follows the prefix in every fast table (asserted at import): a strided slice, a C-level min.
     lows = [min(flat[len(_PREFIX) :: _WIDTH[kind]]) for kind, flat in fast.items()]
     return fast, other, min(lows) if lows else None
