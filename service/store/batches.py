@@ -223,6 +223,8 @@ class SqliteInsert(NamedTuple):
     """Positions of the REAL columns (NaN written as text)."""
     nullable: tuple[int, ...]
     """Positions of the nullable columns (None in every row of a chunk: a literal NULL)."""
+    boolean: tuple[int, ...] = ()
+    """Positions of the BOOLEAN columns (the same in every row of a chunk: a literal 0 or 1)."""
 
 
 def sqlite_insert(table: Table, names: Sequence[str]) -> SqliteInsert:
@@ -232,6 +234,7 @@ def sqlite_insert(table: Table, names: Sequence[str]) -> SqliteInsert:
         sql=f"INSERT INTO {table.name} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})",
         real=tuple(i for i, c in enumerate(columns) if isinstance(c.type, Real)),
         nullable=tuple(i for i, c in enumerate(columns) if c.nullable),
+        boolean=tuple(i for i, c in enumerate(columns) if isinstance(c.type, Boolean)),
     )
 
 
@@ -353,6 +356,7 @@ def _write_fast(session: Session, kind: str, flat: list[Any]) -> None:
             flat,
             _SQLITE_PLAN[kind].real,
             nullable=_SQLITE_PLAN[kind].nullable,
+            boolean=_SQLITE_PLAN[kind].boolean,
         )
 
 
@@ -371,11 +375,15 @@ _SQLITE_SMALL_ROWS = 256
 _SQLITE_ROW_STEP = 16
 
 
-@functools.lru_cache(maxsize=256)  # sizes x statements x the columns left out
-def _sqlite_values_sql(head: str, values: str, rows: int, absent: tuple[int, ...] = ()) -> str:
-    if absent:  # those columns as literal NULLs (their values are dropped from the parameters)
+@functools.lru_cache(maxsize=256)  # sizes x statements x the columns written as literals
+def _sqlite_values_sql(head: str, values: str, rows: int, literals: tuple[tuple[int, str], ...] = ()) -> str:
+    """`rows` copies of the one-row VALUES, with `literals` (position, SQL) in place of their marks;
+    a literal "?1" (the first column bound once) makes each row's first mark refer to parameter 1."""
+    if literals:
         marks = values[1:-1].split(", ")
-        values = f"({', '.join('NULL' if i in absent else m for i, m in enumerate(marks))})"
+        for i, literal in literals:
+            marks[i] = literal
+        values = f"({', '.join(marks)})"
     return f"{head} VALUES {','.join([values] * rows)}"
 
 
@@ -386,13 +394,15 @@ def sqlite_multirow(
     real: tuple[int, ...] = (),
     tail: str = "",
     nullable: tuple[int, ...] = (),
+    boolean: tuple[int, ...] = (),
 ) -> tuple[int, int | None]:
     """Multi-row INSERTs of power-of-two sizes, and below _SQLITE_SMALL_ROWS of two at most (a
     few dozen cached statements), over flat parameters (`sql`'s VALUES row after row): sqlite3's
     executemany steps the statement once per row, releasing and re-taking the GIL each time; one
     statement per chunk steps once. `real`: the positions of REAL columns in a row, whose NaN are
-    written as text (`_nan_as_text`). `nullable`: positions of columns that may be None; one that
-    is None in every row of a chunk is written as a literal NULL instead of bound (`_drop_absent`).
+    written as text (`_nan_as_text`). `nullable` and `boolean`: positions of columns that may be
+    None, and of BOOLEAN ones; a column that is the same in every row of a chunk is written as a
+    literal instead of bound (`_literal_columns`), and so is a first column holding one string.
     `tail`: appended to each statement (ON CONFLICT ...; not RETURNING, whose rows would each cost
     a step). Returns the rows inserted and the last one's rowid (None when no statement ran).
     Changes `params` in place."""
@@ -411,26 +421,49 @@ def sqlite_multirow(
             k = min(most, left if left < _SQLITE_ROW_STEP else left - left % _SQLITE_ROW_STEP)
         chunk = params if k == n else params[i * width : (i + k) * width]
         _nan_as_text(chunk, width, real)
-        absent = _drop_absent(chunk, width, nullable, k)
-        cur.execute(_sqlite_values_sql(head, values, k, absent) + tail, chunk)
+        literals = _literal_columns(chunk, width, nullable, boolean, k)
+        cur.execute(_sqlite_values_sql(head, values, k, literals) + tail, chunk)
         inserted += cur.rowcount
         last = cur.lastrowid
         i += k
     return inserted, last
 
 
-def _drop_absent(params: list[Any], width: int, nullable: tuple[int, ...], rows: int) -> tuple[int, ...]:
-    """The nullable columns that are None in every row, removed from the flat parameters in place.
+def _literal_columns(
+    params: list[Any], width: int, nullable: tuple[int, ...], boolean: tuple[int, ...], rows: int
+) -> tuple[tuple[int, str], ...]:
+    """The columns written as literals in this chunk, as (position, SQL), their values removed from
+    the flat parameters in place: a nullable column None in every row (NULL), a BOOLEAN column the
+    same in every row (0 or 1), and a first column holding the same string in every row (a run
+    key), bound once as parameter 1 ("?1") instead of once a row.
 
-    sqlite3 binds a None through its adapter registry (0.1 us a value even when the lookup hits,
-    below), and an ordinary step's tensor row has four: a chunk of 4,096 such rows inserted in 3.9
-    ms as literal NULLs against 5.5 ms bound (docs/performance.md). Checked per column with a
-    strided slice and a C-level count; removed with strided deletes, last column first."""
-    absent = tuple(k for k in nullable if params[k::width].count(None) == rows)
-    for k in reversed(absent):
+    sqlite3 binds a None or a bool through its adapter registry (0.1-0.2 us a value even when the
+    lookup hits, below) and copies every string it binds: an ordinary step's tensor row has four
+    None, a bool and its run key. Measured on 4,096-row chunks of tensor rows, the bool as a literal
+    took 0.22 us a row off the INSERT (1.20 -> 0.98 us) and the run key bound once 0.07 more
+    (docs/performance.md, session 61); the NULLs took 5.5 -> 3.9 ms a chunk (session 18). Checked
+    per column with a strided slice and a C-level count; removed with strided deletes, last column
+    first."""
+    literals: list[tuple[int, str]] = [(k, "NULL") for k in nullable if params[k::width].count(None) == rows]
+    absent = {k for k, _ in literals}
+    for k in boolean:
+        if k not in absent:
+            column = params[k::width]
+            if column.count(True) == rows:  # == as sqlite3 binds them: True and 1 alike
+                literals.append((k, "1"))
+            elif column.count(False) == rows:
+                literals.append((k, "0"))
+    first = params[0] if params else None
+    shared = type(first) is str and params[0::width].count(first) == rows
+    literals.sort()
+    for k, _ in reversed(literals):
         del params[k::width]
         width -= 1
-    return absent
+    if shared:  # ahead of the rows, as parameter 1: "?" after "?1" numbers on from 2
+        del params[0::width]
+        params.insert(0, first)
+        literals.insert(0, (0, "?1"))
+    return tuple(literals)
 
 
 def _nan_as_text(params: list[Any], width: int, real: tuple[int, ...]) -> None:
@@ -474,8 +507,10 @@ _LATE_DATA = (
 # A batch's run: seen now (parameters: key, now), or seen and finished (rank 0's stop event).
 _RUNS = table_of(Run)
 # Never back in time: replicas' clocks differ, and a slower one's batch may be stored last.
-_SEEN = update(_RUNS).where(_RUNS.c.run_id == bindparam("key")).values(
-    last_seen_at=case((_RUNS.c.last_seen_at > bindparam("now"), _RUNS.c.last_seen_at), else_=bindparam("now"))
+_SEEN = (
+    update(_RUNS)
+    .where(_RUNS.c.run_id == bindparam("key"))
+    .values(last_seen_at=case((_RUNS.c.last_seen_at > bindparam("now"), _RUNS.c.last_seen_at), else_=bindparam("now")))
 )
 _FINISHED = _SEEN.values(status="finished")
 # ... and it brought step records: the stall age (runs.last_step_at) starts again.
@@ -835,9 +870,7 @@ def _touch_runs(
     }
     for run_id in sorted({b.run for b in batches}):
         run = runs[run_id]
-        step_due = run_id in stepped and (
-            run.last_step_at is None or now - run.last_step_at >= _LAST_SEEN_RESOLUTION_S
-        )
+        step_due = run_id in stepped and (run.last_step_at is None or now - run.last_step_at >= _LAST_SEEN_RESOLUTION_S)
         if run_id in finished:  # rank 0 closing its agent ends the run
             out.append((_STEPPED_AND_FINISHED if step_due else _FINISHED, [{"key": run_id, "now": now}]))
         elif step_due:

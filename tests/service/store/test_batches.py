@@ -402,3 +402,28 @@ def test_columns_empty_in_a_chunk_are_written_as_null_and_the_others_keep_their_
         for i, v in enumerate(values)
     ]
     assert got == want
+
+
+def test_a_chunks_constant_columns_keep_each_rows_value_across_runs_and_flags(session) -> None:
+    """On SQLite a BOOLEAN column that is the same in every row of a chunk is written as a literal,
+    and a run key the same in every row is bound once (`_literal_columns`). A group of two runs'
+    batches mixes both in one chunk: r1's 10 rows all shadowed, r2's 6 all not (16 rows, one
+    statement holding both keys and both flags); then r1 alone in chunks of 256, 32 and 12 whose
+    shadow flags are all set, all clear and mixed. Every stored row must keep its own run and flag."""
+    for run in ("r1", "r2"):
+        batches.register_run(session, RunRegistration(run=run))
+
+    def batch(run: str, seq: int, shadows: list[bool]) -> Batch:
+        body = _fp8_batch(0, [{"amax": 1.0 + i, "shadow": s} for i, s in enumerate(shadows)])
+        body["records"] = body["records"][:-1]  # tensors only
+        return Batch.model_validate({**body, "run": run, "seq": seq})
+
+    mixed_group = [(batch("r1", 0, [True] * 10), None), (batch("r2", 0, [False] * 6), None)]
+    assert [o.accepted for o in batches.store_batches(session, mixed_group)] == [10, 6]
+    alone = [True] * 256 + [False] * 32 + [i % 3 == 0 for i in range(12)]
+    assert batches.store_batch(session, batch("r1", 1, alone)).accepted == 300
+    t = TensorStatRow
+    rows = session.execute(select(t.run_id, t.shadow, t.amax).order_by(t.id)).all()
+    want = [("r1", True, 1.0 + i) for i in range(10)] + [("r2", False, 1.0 + i) for i in range(6)]
+    want += [("r1", s, 1.0 + i) for i, s in enumerate(alone)]
+    assert [tuple(r) for r in rows] == want
