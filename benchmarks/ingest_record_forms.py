@@ -156,8 +156,8 @@ def json_insert_sql(kind: str) -> str:
     columns = batches._FAST_COLUMNS[kind]  # noqa: SLF001 - the store's own row layout
 
     def field(column: str) -> str:
-        if column == "shadow":
-            return "coalesce(value->>'shadow', 0)"
+        if column in ("shadow", "skipped"):  # the wire's BOOLEAN fields, false when left out
+            return f"coalesce(value->>'{column}', 0)"
         return f"value->>'{'group' if column == 'group_name' else column}'"
 
     table = batches.RECORD_TABLES[kind].name
