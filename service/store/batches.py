@@ -439,11 +439,11 @@ def _literal_columns(
 
     sqlite3 binds a None or a bool through its adapter registry (0.1-0.2 us a value even when the
     lookup hits, below) and copies every string it binds: an ordinary step's tensor row has four
-    None, a bool and its run key. Measured on 4,096-row chunks of tensor rows, the bool as a literal
-    took 0.22 us a row off the INSERT (1.20 -> 0.98 us) and the run key bound once 0.07 more
-    (docs/performance.md, session 61); the NULLs took 5.5 -> 3.9 ms a chunk (session 18). Checked
-    per column with a strided slice and a C-level count; removed with strided deletes, last column
-    first."""
+    None, a bool and its run key. On a 4,096-row chunk of such rows, the bool as a literal took 0.20
+    us a row off the INSERT (1.18 -> 0.98 us) and the run key bound once 0.09 more
+    (benchmarks/sqlite_bind_cost.py; docs/performance.md, session 61); the NULLs took 5.5 -> 3.9 ms
+    a chunk (session 18). Checked per column with a strided slice and a C-level count; removed
+    with strided deletes, last column first."""
     literals: list[tuple[int, str]] = [(k, "NULL") for k in nullable if params[k::width].count(None) == rows]
     absent = {k for k, _ in literals}
     for k in boolean:
