@@ -507,10 +507,8 @@ _LATE_DATA = (
 # A batch's run: seen now (parameters: key, now), or seen and finished (rank 0's stop event).
 _RUNS = table_of(Run)
 # Never back in time: replicas' clocks differ, and a slower one's batch may be stored last.
-_SEEN = (
-    update(_RUNS)
-    .where(_RUNS.c.run_id == bindparam("key"))
-    .values(last_seen_at=case((_RUNS.c.last_seen_at > bindparam("now"), _RUNS.c.last_seen_at), else_=bindparam("now")))
+_SEEN = update(_RUNS).where(_RUNS.c.run_id == bindparam("key")).values(
+    last_seen_at=case((_RUNS.c.last_seen_at > bindparam("now"), _RUNS.c.last_seen_at), else_=bindparam("now"))
 )
 _FINISHED = _SEEN.values(status="finished")
 # ... and it brought step records: the stall age (runs.last_step_at) starts again.
@@ -870,7 +868,9 @@ def _touch_runs(
     }
     for run_id in sorted({b.run for b in batches}):
         run = runs[run_id]
-        step_due = run_id in stepped and (run.last_step_at is None or now - run.last_step_at >= _LAST_SEEN_RESOLUTION_S)
+        step_due = run_id in stepped and (
+            run.last_step_at is None or now - run.last_step_at >= _LAST_SEEN_RESOLUTION_S
+        )
         if run_id in finished:  # rank 0 closing its agent ends the run
             out.append((_STEPPED_AND_FINISHED if step_due else _FINISHED, [{"key": run_id, "now": now}]))
         elif step_due:
