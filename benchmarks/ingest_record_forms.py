@@ -298,7 +298,7 @@ def time_writer(conn: sqlite3.Connection, bodies: list[bytes], *, repeats: int) 
         for kind in kinds:
             plan = batches._SQLITE_PLAN[kind]  # noqa: SLF001 - the store's own statement
             flat = list(chain.from_iterable(rows.get(kind, ()) for rows in built))
-            batches.sqlite_multirow(conn, plan.sql, flat, plan.real, nullable=plan.nullable, boolean=plan.boolean)
+            batches.sqlite_multirow(conn, plan, flat)
         conn.execute("COMMIT")
 
     def from_body() -> None:  # decode (validation), then SQLite extracts the rows

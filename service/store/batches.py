@@ -223,7 +223,7 @@ class SqliteInsert(NamedTuple):
     """Positions of the REAL columns (NaN written as text)."""
     nullable: tuple[int, ...]
     """Positions of the nullable columns (None in every row of a chunk: a literal NULL)."""
-    boolean: tuple[int, ...] = ()
+    boolean: tuple[int, ...]
     """Positions of the BOOLEAN columns (the same in every row of a chunk: a literal 0 or 1)."""
 
 
@@ -350,14 +350,7 @@ def _write_fast(session: Session, kind: str, flat: list[Any]) -> None:
         # Plain DBAPI statements: SQLAlchemy's per-row bind processing is not needed for these
         # column types (float, int, str, bool; NaN handled here), and skipping it is most of the
         # SQLite insert cost.
-        sqlite_multirow(
-            conn.connection.driver_connection,
-            _SQLITE_PLAN[kind].sql,
-            flat,
-            _SQLITE_PLAN[kind].real,
-            nullable=_SQLITE_PLAN[kind].nullable,
-            boolean=_SQLITE_PLAN[kind].boolean,
-        )
+        sqlite_multirow(conn.connection.driver_connection, _SQLITE_PLAN[kind], flat)
 
 
 # Rows per statement at most. Every sqlite3 execute releases the GIL around its step and must take
@@ -387,26 +380,17 @@ def _sqlite_values_sql(head: str, values: str, rows: int, literals: tuple[tuple[
     return f"{head} VALUES {','.join([values] * rows)}"
 
 
-def sqlite_multirow(
-    dbapi_conn: Any,
-    sql: str,
-    params: list[Any],
-    real: tuple[int, ...] = (),
-    tail: str = "",
-    nullable: tuple[int, ...] = (),
-    boolean: tuple[int, ...] = (),
-) -> tuple[int, int | None]:
+def sqlite_multirow(dbapi_conn: Any, plan: SqliteInsert, params: list[Any], tail: str = "") -> tuple[int, int | None]:
     """Multi-row INSERTs of power-of-two sizes, and below _SQLITE_SMALL_ROWS of two at most (a
-    few dozen cached statements), over flat parameters (`sql`'s VALUES row after row): sqlite3's
-    executemany steps the statement once per row, releasing and re-taking the GIL each time; one
-    statement per chunk steps once. `real`: the positions of REAL columns in a row, whose NaN are
-    written as text (`_nan_as_text`). `nullable` and `boolean`: positions of columns that may be
-    None, and of BOOLEAN ones; a column that is the same in every row of a chunk is written as a
-    literal instead of bound (`_literal_columns`), and so is a first column holding one string.
-    `tail`: appended to each statement (ON CONFLICT ...; not RETURNING, whose rows would each cost
-    a step). Returns the rows inserted and the last one's rowid (None when no statement ran).
-    Changes `params` in place."""
-    head, _, values = sql.partition(" VALUES ")
+    few dozen cached statements), over flat parameters (`plan.sql`'s VALUES row after row):
+    sqlite3's executemany steps the statement once per row, releasing and re-taking the GIL each
+    time; one statement per chunk steps once. NaN in the plan's REAL columns are written as text
+    (`_nan_as_text`); a nullable or BOOLEAN column that is the same in every row of a chunk is
+    written as a literal instead of bound (`_literal_columns`), and so is a first column holding
+    one string. `tail`: appended to each statement (ON CONFLICT ...; not RETURNING, whose rows
+    would each cost a step). Returns the rows inserted and the last one's rowid (None when no
+    statement ran). Changes `params` in place."""
+    head, _, values = plan.sql.partition(" VALUES ")
     width = values.count("?")
     limit = dbapi_conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // max(1, width)
     most = min(_SQLITE_CHUNK_ROWS, 1 << (limit.bit_length() - 1))
@@ -420,8 +404,8 @@ def sqlite_multirow(
         else:  # a multiple of the row step, then the rest
             k = min(most, left if left < _SQLITE_ROW_STEP else left - left % _SQLITE_ROW_STEP)
         chunk = params if k == n else params[i * width : (i + k) * width]
-        _nan_as_text(chunk, width, real)
-        literals = _literal_columns(chunk, width, nullable, boolean, k)
+        _nan_as_text(chunk, width, plan.real)
+        literals = _literal_columns(chunk, width, plan.nullable, plan.boolean, k)
         cur.execute(_sqlite_values_sql(head, values, k, literals) + tail, chunk)
         inserted += cur.rowcount
         last = cur.lastrowid
@@ -792,7 +776,10 @@ _PG_CLAIM = (
     "SELECT * FROM unnest(%s::varchar[], %s::int[], %s::bigint[], %s::bigint[], %s::float8[], %s::int[]) "
     "ON CONFLICT DO NOTHING RETURNING run_id, rank, incarnation, seq"
 )
-_SQLITE_CLAIM = f"INSERT INTO {DeliveredBatch.__tablename__} ({_BATCH_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)"
+# No NaN to write as text, no column to write as a literal but the run key.
+_SQLITE_CLAIM = SqliteInsert(
+    f"INSERT INTO {DeliveredBatch.__tablename__} ({_BATCH_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)", (), (), ()
+)
 _SQLITE_CLAIM_TAIL = " ON CONFLICT DO NOTHING"
 # The rows a claim inserted, when it skipped some (parameter: the rowid below the first of them).
 _SQLITE_CLAIMED = f"SELECT run_id, rank, incarnation, seq FROM {DeliveredBatch.__tablename__} WHERE rowid > ?"

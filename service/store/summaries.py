@@ -565,8 +565,7 @@ def _rows_for(conn: Connection, table: Table, run_id: str, rows: list[dict[str, 
             flat = None
         if flat is not None and all(len(row) == len(names) - 1 for row in rows):  # no key beyond them
             dbapi = conn.connection.driver_connection
-            plan_sql, real, nullable, boolean = insert_plan
-            return lambda: sqlite_multirow(dbapi, plan_sql, flat, real, nullable=nullable, boolean=boolean)
+            return lambda: sqlite_multirow(dbapi, insert_plan, flat)
     params = [{"run_id": run_id, **row} for row in rows]
     statement = insert(table)
     return lambda: conn.execute(statement, params)
