@@ -5,7 +5,7 @@ same rows with a chunk's constant columns written into the statement.
 
 The writer (store/batches.py `sqlite_multirow`) inserts a group's rows of a kind with multi-row
 INSERTs over flat parameters. sqlite3 binds each parameter with the GIL held: an int, float or str
-directly (a str copied), a None or a bool through its adapter registry. `_literal_columns` writes a
+directly (a str copied), a None or a bool through its adapter registry. `_chunk_params` writes a
 column that is the same in every row of a chunk into the statement instead: NULL for a nullable
 column empty in every row, 0 or 1 for a BOOLEAN column, and "?1" for a first column holding one
 run key (bound once). This script times one statement of `--rows` tensor rows shaped like an

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from typing import Any
+from typing import Any, cast
 
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from trainvitals.service.api.ingest_fast_path import INGEST_PATH
+from trainvitals.service.logs import QuietAccessLogger
 
 # The lifespan state key through which the app tells the protocol its header deadline: Uvicorn
 # builds the protocol with its own config only, and `serve --workers` builds the app in each process.
@@ -140,6 +141,11 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
     parsed (a read is at most 256 KiB), so a read that ends the headers and starts the body is never
     refused for the body's bytes.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Uvicorn calls only `info` on it (logs.py, QuietAccessLogger).
+        self.access_logger = cast(logging.Logger, QuietAccessLogger(self.access_logger))
 
     _header_timer: asyncio.TimerHandle | None = None
     _header_bytes: int | None = 0

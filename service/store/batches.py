@@ -384,12 +384,12 @@ def sqlite_multirow(dbapi_conn: Any, plan: SqliteInsert, params: list[Any], tail
     """Multi-row INSERTs of power-of-two sizes, and below _SQLITE_SMALL_ROWS of two at most (a
     few dozen cached statements), over flat parameters (`plan.sql`'s VALUES row after row):
     sqlite3's executemany steps the statement once per row, releasing and re-taking the GIL each
-    time; one statement per chunk steps once. NaN in the plan's REAL columns are written as text
-    (`_nan_as_text`); a nullable or BOOLEAN column that is the same in every row of a chunk is
-    written as a literal instead of bound (`_literal_columns`), and so is a first column holding
-    one string. `tail`: appended to each statement (ON CONFLICT ...; not RETURNING, whose rows
-    would each cost a step). Returns the rows inserted and the last one's rowid (None when no
-    statement ran). Changes `params` in place."""
+    time; one statement per chunk steps once. Each chunk's parameters are built column by column
+    (`_chunk_params`): NaN in the plan's REAL columns written as text, and a column that is the
+    same in every row of the chunk written into the statement instead of bound. `tail`: appended
+    to each statement (ON CONFLICT ...; not RETURNING, whose rows would each cost a step). Returns
+    the rows inserted and the last one's rowid (None when no statement ran). `params` is left as
+    it was."""
     head, _, values = plan.sql.partition(" VALUES ")
     width = values.count("?")
     limit = dbapi_conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // max(1, width)
@@ -403,9 +403,7 @@ def sqlite_multirow(dbapi_conn: Any, plan: SqliteInsert, params: list[Any], tail
             k = min(most, 1 << (left.bit_length() - 1))
         else:  # a multiple of the row step, then the rest
             k = min(most, left if left < _SQLITE_ROW_STEP else left - left % _SQLITE_ROW_STEP)
-        chunk = params if k == n else params[i * width : (i + k) * width]
-        _nan_as_text(chunk, width, plan.real)
-        literals = _literal_columns(chunk, width, plan.nullable, plan.boolean, k)
+        chunk, literals = _chunk_params(params, width, i, k, plan)
         cur.execute(_sqlite_values_sql(head, values, k, literals) + tail, chunk)
         inserted += cur.rowcount
         last = cur.lastrowid
@@ -413,53 +411,72 @@ def sqlite_multirow(dbapi_conn: Any, plan: SqliteInsert, params: list[Any], tail
     return inserted, last
 
 
-def _literal_columns(
-    params: list[Any], width: int, nullable: tuple[int, ...], boolean: tuple[int, ...], rows: int
-) -> tuple[tuple[int, str], ...]:
-    """The columns written as literals in this chunk, as (position, SQL), their values removed from
-    the flat parameters in place: a nullable column None in every row (NULL), a BOOLEAN column the
-    same in every row (0 or 1), and a first column holding the same string in every row (a run
-    key), bound once as parameter 1 ("?1") instead of once a row.
+def _chunk_params(
+    params: list[Any], width: int, first: int, rows: int, plan: SqliteInsert
+) -> tuple[list[Any], tuple[tuple[int, str], ...]]:
+    """One statement's parameters, rows `first` to `first + rows` of the flat `params`, and the
+    columns written into its statement instead, as (position, SQL): a nullable column None in
+    every row (NULL), a BOOLEAN column the same in every row (0 or 1), and a first column holding
+    the same string in every row (a run key), bound once as parameter 1 ("?1": each row's first
+    mark refers to it, and "?" after it numbers on from 2). NaN in the bound REAL columns becomes
+    'NaN' (SQLite would store NULL, see types.Real).
 
     sqlite3 binds a None or a bool through its adapter registry (0.1-0.2 us a value even when the
     lookup hits, below) and copies every string it binds: an ordinary step's tensor row has four
     None, a bool and its run key. On a 4,096-row chunk of such rows, the bool as a literal took 0.20
     us a row off the INSERT (1.18 -> 0.98 us) and the run key bound once 0.09 more
     (benchmarks/sqlite_bind_cost.py; docs/performance.md, session 61); the NULLs took 5.5 -> 3.9 ms
-    a chunk (session 18). Checked per column with a strided slice and a C-level count; removed
-    with strided deletes, last column first."""
-    literals: list[tuple[int, str]] = [(k, "NULL") for k in nullable if params[k::width].count(None) == rows]
-    absent = {k for k, _ in literals}
-    for k in boolean:
-        if k not in absent:
-            column = params[k::width]
-            if column.count(True) == rows:  # == as sqlite3 binds them: True and 1 alike
-                literals.append((k, "1"))
-            elif column.count(False) == rows:
-                literals.append((k, "0"))
-    first = params[0] if params else None
-    shared = type(first) is str and params[0::width].count(first) == rows
-    literals.sort()
-    for k, _ in reversed(literals):
-        del params[k::width]
-        width -= 1
-    if shared:  # ahead of the rows, as parameter 1: "?" after "?1" numbers on from 2
-        del params[0::width]
-        params.insert(0, first)
-        literals.insert(0, (0, "?1"))
-    return tuple(literals)
+    a chunk (session 18).
+
+    Column by column: each read once with a strided slice, checked with C-level calls, and the
+    bound ones written into a new list with strided assignments. A column's first value decides
+    which check runs: `count(None)` compares every value of a float column with None at 14 ns each
+    (0.6 for a column of None), and a float sum finds NaN at 4 ns a value against 9 for the sum of
+    the values filtered of None. Before session 62 the chunk was sliced out of the group's list,
+    every nullable column counted and every REAL column summed filtered, and each literal column
+    deleted from the chunk in place: 0.18 us a row of an ordinary step's tensor rows, now 0.09
+    (docs/performance.md, session 62)."""
+    start, stop = first * width, (first + rows) * width
+    literals: list[tuple[int, str]] = []
+    bound: list[list[Any]] = []
+    shared: list[Any] = []  # the run key bound once, ahead of the rows
+    changed = False  # a column written as a literal or its NaN as text: the chunk is not a plain slice
+    for k in range(width):
+        column = params[start + k : stop : width]
+        head = column[0]
+        if head is None and k in plan.nullable and column.count(None) == rows:
+            literals.append((k, "NULL"))
+        elif (head is True or head is False) and k in plan.boolean and column.count(head) == rows:
+            literals.append((k, "1" if head else "0"))  # count's == as sqlite3 binds: True and 1 alike
+        elif k == 0 and type(head) is str and column.count(head) == rows:
+            shared.append(head)
+            literals.append((0, "?1"))
+        else:
+            if k in plan.real and _holds_nan(column):
+                column = [NAN_TEXT if v != v else v for v in column]
+                changed = True
+            bound.append(column)
+            continue
+        changed = True
+    if not changed:
+        return params[start:stop], ()
+    kept = len(bound)
+    chunk = shared + [None] * (rows * kept)
+    offset = len(shared)
+    for j, column in enumerate(bound):
+        chunk[offset + j :: kept] = column
+    return chunk, tuple(literals)
 
 
-def _nan_as_text(params: list[Any], width: int, real: tuple[int, ...]) -> None:
-    """NaN as 'NaN' in the REAL columns of a statement's flat parameters, in place (SQLite would
-    store NULL, see types.Real). The check is C-level per column: a strided slice and a float sum,
-    NaN when any value is (None and 0.0 filtered out); an inf + -inf false alarm only costs the
-    exact pass. About 25 ns per value, against 80 for a per-row getter and compare."""
-    for k in real:
-        column = params[k::width]
+def _holds_nan(column: list[Any]) -> bool:
+    """Whether a REAL column's values hold a NaN, C-level: their float sum is NaN when one is (an
+    inf + -inf false alarm only costs the exact pass); with a None among them (TypeError), the sum
+    of the others."""
+    try:
+        total = sum(column)
+    except TypeError:
         total = sum(filter(None, column))
-        if total != total:
-            params[k::width] = [NAN_TEXT if v != v else v for v in column]
+    return bool(total != total)
 
 
 # sqlite3 binds an int, float or str directly, and sends every other value (None, bool) through its

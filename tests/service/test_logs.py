@@ -8,7 +8,7 @@ import re
 
 from fastapi.testclient import TestClient
 
-from trainvitals.service.logs import AccessFilter, IngestSummary, KeyValueFormatter, scrub
+from trainvitals.service.logs import AccessFilter, IngestSummary, KeyValueFormatter, QuietAccessLogger, scrub
 from trainvitals.service.main import create_app
 from trainvitals.service.self_metrics import ProcessMetrics
 from trainvitals.service.settings import Settings
@@ -59,6 +59,35 @@ def test_access_lines_successes_at_debug_refusals_rate_limited_errors_at_warning
     assert level(info, 503) == (True, "WARNING")
     assert level(AccessFilter("debug"), 200) == (True, "DEBUG")
     assert level(AccessFilter("warning"), 401) == (False, "INFO")
+
+
+def test_a_success_makes_no_access_record_unless_debug_lines_are_on() -> None:
+    """QuietAccessLogger, as serve's protocol hands it to Uvicorn: a 200 at info level returns
+    before any record is made (the filter never sees it); refusals and errors still reach the
+    filter and the handler at their levels, and at debug level so does the 200."""
+
+    def lines(level: str, statuses: list[int]) -> tuple[list[tuple[int, str]], int]:
+        logger = logging.Logger("uvicorn.access", logging.DEBUG if level == "debug" else logging.INFO)
+        seen: list[logging.LogRecord] = []
+
+        class Counting(AccessFilter):
+            def filter(self, record: logging.LogRecord) -> bool:
+                seen.append(record)
+                return super().filter(record)
+
+        handler = logging.Handler()
+        handler.emit = lambda record: out.append((record.args[4], record.levelname))  # type: ignore[index,method-assign]
+        logger.addFilter(Counting(level))
+        logger.addHandler(handler)
+        out: list[tuple[int, str]] = []
+        quiet = QuietAccessLogger(logger)
+        for status in statuses:
+            quiet.info('%s - "%s %s HTTP/%s" %d', "c", "POST", "/v1/batches", "1.1", status)
+        return out, len(seen)
+
+    assert lines("info", [200, 200, 204, 401, 500]) == ([(401, "INFO"), (500, "WARNING")], 2)
+    assert lines("debug", [200, 401]) == ([(200, "DEBUG"), (401, "INFO")], 2)
+    assert lines("warning", [200, 401, 503]) == ([(503, "WARNING")], 2)
 
 
 def test_ingest_summary_reads_this_process_counters(db_url: str) -> None:

@@ -377,7 +377,7 @@ def test_nan_is_stored_as_nan_and_infinities_as_themselves_on_both_backends(sess
 
 def test_columns_empty_in_a_chunk_are_written_as_null_and_the_others_keep_their_values(session) -> None:
     """On SQLite a nullable column that is None in every row of a statement's chunk is written as a
-    literal NULL and dropped from the bound parameters (`_drop_absent`). 300 rows go in chunks of
+    literal NULL and left out of the bound parameters (`_chunk_params`). 300 rows go in chunks of
     256, 32 and 12; each optional statistic is present in different chunks, one in none, one in all:
     every stored value must be the one sent, in its own column."""
     batches.register_run(session, RunRegistration(run="r1"))
@@ -406,7 +406,7 @@ def test_columns_empty_in_a_chunk_are_written_as_null_and_the_others_keep_their_
 
 def test_a_chunks_constant_columns_keep_each_rows_value_across_runs_and_flags(session) -> None:
     """On SQLite a BOOLEAN column that is the same in every row of a chunk is written as a literal,
-    and a run key the same in every row is bound once (`_literal_columns`). A group of two runs'
+    and a run key the same in every row is bound once (`_chunk_params`). A group of two runs'
     batches mixes both in one chunk: r1's 10 rows all shadowed, r2's 6 all not (16 rows, one
     statement holding both keys and both flags); then r1 alone in chunks of 256, 32 and 12 whose
     shadow flags are all set, all clear and mixed. Every stored row must keep its own run and flag."""
