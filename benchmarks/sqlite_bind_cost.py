@@ -15,6 +15,10 @@ ordinary step's (four optional statistics absent, `shadow` false, one run key) i
 2. and `shadow` as a literal 0;
 3. and the run key bound once (the writer since session 61).
 
+It also times what the writer does before binding: `_chunk_params` turning the flat rows (every
+column, as a group's list holds them) into the third form's parameters and literals, and checks
+that it gives exactly that form.
+
 Each round runs the three forms one after the other, each in its own transaction rolled back (the
 table stays empty, so every form inserts into the same b-trees), into a scratch SQLite file with the
 collector's schema; the thread's CPU time per row, median and minimum over the rounds after two
@@ -82,7 +86,7 @@ def main() -> None:
     if args.rounds < 3:
         sys.exit("--rounds must be at least 3 (two are warm-up)")
 
-    from trainvitals.service.store import db
+    from trainvitals.service.store import batches, db
 
     with tempfile.TemporaryDirectory(prefix="tv_bind_") as scratch:
         path = Path(scratch) / "bind.db"
@@ -108,12 +112,40 @@ def main() -> None:
         conn.close()
     if any(rows != stored[0] for rows in stored):
         sys.exit("the forms stored different rows: the comparison is void")
+    prepared, (params, literals) = chunk_preparation(args.rows, args.rounds)
+    statement, last_params = list(timed.values())[-1]
+    plan = batches._SQLITE_PLAN["tensor"]  # noqa: SLF001 - the store's own statement
+    head, _, values = plan.sql.partition(" VALUES ")
+    if params != last_params or batches._sqlite_values_sql(head, values, args.rows, literals) != statement:  # noqa: SLF001
+        sys.exit("the writer's chunk preparation does not give the last form: the comparison is void")
     print(f"{args.rows} tensor rows in one INSERT, {args.rounds - 2} rounds; CPU us a row")
     print(f"{'form':<40} {'median':>8} {'min':>8} {'ratio':>6}")
     base = statistics.median(next(iter(per_row.values())))
     for name, values in per_row.items():
         median = statistics.median(values)
         print(f"{name:<40} {median:8.3f} {min(values):8.3f} {median / base:6.2f}")
+    print(
+        f"before binding, the writer's chunk preparation (`_chunk_params`, the last form's parameters "
+        f"from the flat rows): {statistics.median(prepared):.3f} us a row median, {min(prepared):.3f} least"
+    )
+
+
+def chunk_preparation(rows: int, rounds: int) -> tuple[list[float], tuple[list[Any], tuple[tuple[int, str], ...]]]:
+    """CPU us a row the writer spends turning the flat rows into the last form's parameters and
+    literals (store/batches.py `_chunk_params`), one value per round after two warm-up rounds, and
+    what it returned."""
+    from trainvitals.service.store import batches
+
+    plan = batches._SQLITE_PLAN["tensor"]  # noqa: SLF001 - the store's own statement
+    width = len(plan.sql.partition(" VALUES ")[2].split(","))
+    flat = tensor_rows(rows)
+    spent: list[float] = []
+    for round_ in range(rounds):
+        started = time.thread_time()
+        prepared = batches._chunk_params(flat, width, 0, rows, plan)  # noqa: SLF001 - the writer's own step
+        if round_ >= 2:
+            spent.append((time.thread_time() - started) * 1e6 / rows)
+    return spent, prepared
 
 
 if __name__ == "__main__":
