@@ -137,7 +137,7 @@ def chunk_preparation(rows: int, rounds: int) -> tuple[list[float], tuple[list[A
     from trainvitals.service.store import batches
 
     plan = batches._SQLITE_PLAN["tensor"]  # noqa: SLF001 - the store's own statement
-    width = len(plan.sql.partition(" VALUES ")[2].split(","))
+    width = batches._WIDTH["tensor"]  # noqa: SLF001 - the store's own row layout
     flat = tensor_rows(rows)
     spent: list[float] = []
     for round_ in range(rounds):

@@ -31,6 +31,8 @@ from trainvitals.service.self_metrics import ProcessMetrics, busy_share
 
 LEVELS = ("debug", "info", "warning", "error")
 _REFUSAL_LINE_SECONDS = 10.0
+_FIRST_REFUSAL_STATUS = 400
+"""An access line below this status is a debug line (AccessFilter), so QuietAccessLogger skips it."""
 
 # Tokens are tv_ + 43 URL-safe characters (auth.create_token); a client may also put a secret in
 # a query string or a log message may quote a header. Scrubbed from the formatted line, so no
@@ -97,7 +99,7 @@ class AccessFilter(logging.Filter):
         level = logging.DEBUG
         if isinstance(status, int) and status >= 500:
             level = logging.WARNING
-        elif isinstance(status, int) and status >= 400:
+        elif isinstance(status, int) and status >= _FIRST_REFUSAL_STATUS:
             # An agent with a wrong token retries every few seconds from every rank: one line per
             # status per window says what is happening; the rest are counted in the summary.
             now = time.monotonic()
@@ -120,7 +122,7 @@ class QuietAccessLogger:
 
     def info(self, msg: str, *args: Any) -> None:
         status = args[4] if len(args) == 5 else None
-        if isinstance(status, int) and status < 400 and not self.logger.isEnabledFor(logging.DEBUG):
+        if isinstance(status, int) and status < _FIRST_REFUSAL_STATUS and not self.logger.isEnabledFor(logging.DEBUG):
             return
         self.logger.info(msg, *args)
 
