@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import sqlite3
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -42,6 +41,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.expression import Executable
 
 from trainvitals.service.store import run_keys
+from trainvitals.service.store.db import SQLITE_WRITE_TURN
 from trainvitals.service.store.models import (
     RECORD_TABLES,
     DeliveredBatch,
@@ -518,15 +518,9 @@ _STEPPED = _SEEN.values(last_step_at=_LATER_STEP)
 _STEPPED_AND_FINISHED = _FINISHED.values(last_step_at=_LATER_STEP)
 
 
-# SQLite has one writer at a time. Threads of this process colliding on its lock would wait in
-# SQLite's busy handler, which sleeps in growing steps (up to 100 ms) rather than waking when the
-# lock frees; queueing them on a Python lock hands the database over at once (p99 latency) while
-# the waiting threads still parse and validate their batches on the other core.
-_SQLITE_WRITER = threading.Lock()
-
-
 def _writer(session: Session) -> AbstractContextManager[object]:
-    return _SQLITE_WRITER if session.get_bind().dialect.name == "sqlite" else nullcontext()
+    """SQLite's one writer at a time (store/db.py SQLITE_WRITE_TURN); PostgreSQL's writers overlap."""
+    return SQLITE_WRITE_TURN if session.get_bind().dialect.name == "sqlite" else nullcontext()
 
 
 # last_seen_at only feeds the idle horizon of live runs (an hour by default), so rewriting the one

@@ -6,6 +6,7 @@ import logging
 import random
 import re
 import sqlite3
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,13 @@ from trainvitals.service.periodic import Periodic
 DEFAULT_SQLITE_URL = "sqlite:///trainvitals.db"
 _BUSY_TIMEOUT_S = 30.0  # how long a SQLite connection waits for another's lock
 log = logging.getLogger(__name__)
+
+# One SQLite writer at a time in this process. Threads colliding on SQLite's own lock would wait in
+# its busy handler, which sleeps in growing steps (up to 100 ms) rather than waking when the lock
+# frees; queueing them on a Python lock hands the database over at once (p99 latency) while the
+# waiting threads still parse and validate their batches on the other core. Ingest's writer takes
+# it around each group (store/batches.py), the WAL checkpointer to finish a copy (WalCheckpointer).
+SQLITE_WRITE_TURN = threading.Lock()
 
 
 # What PostgreSQL's pg_stat_activity (and a log_line_prefix with %a) shows for a connection the
@@ -121,10 +129,12 @@ def _ping_when_idle(engine: Engine) -> None:
 
 
 _WAL_BACKSTOP_PAGES = 50_000  # ~200 MB of WAL with 4 KiB pages
+_WAL_RESTART_FRAMES = 10_000  # ~40 MB: WalCheckpointer has the WAL start again past this
 
 
 class WalCheckpointer:
-    """Checkpoints a SQLite database's WAL every `interval` seconds from a background thread.
+    """Checkpoints a SQLite database's WAL every `interval` seconds from a background thread, and
+    has the WAL start again from its beginning once it holds `restart_frames`.
 
     PASSIVE mode never blocks writers or readers; it copies what it can and leaves the rest for
     the next round. A no-op for other backends.
@@ -134,10 +144,22 @@ class WalCheckpointer:
     WAL written since the last one. At 100k records/s that commit stalled ingest 25-60 ms every
     ~1.8 s with a 1 s interval and ~115 ms with 5 s; with 0.2 s, 15-30 ms (open-loop p99 44-75 ms
     -> 25-29 ms; closed-loop throughput unchanged; docs/performance.md).
+
+    The WAL starts again only when a write transaction begins with every frame copied and no reader
+    in it. Under steady ingest a round never gets there by itself: the writer appends while the
+    round copies (17-25 ms, its syncs), so the WAL grew to the backstop (`_WAL_BACKSTOP_PAGES`),
+    whose checkpoint then ran in ingest's commit: 25-40 ms every ~2.5 s at 100k records/s, most of
+    that benchmark's slow answers (docs/performance.md, session 63). So once the WAL holds
+    `restart_frames` and a round copied every frame it found, the checkpointer takes the write turn
+    (SQLITE_WRITE_TURN) and copies the few appended meanwhile (7-9 ms): ingest's next transaction
+    finds the WAL wholly copied and writes it from its start. At most once per `restart_frames`
+    frames; while a reader (the analysis) holds a round short of the end, the turn is not taken.
     """
 
-    def __init__(self, engine: Engine, interval: float = 0.25) -> None:
+    def __init__(self, engine: Engine, interval: float = 0.25, restart_frames: int = _WAL_RESTART_FRAMES) -> None:
         self._engine = engine
+        self._restart_frames = restart_frames
+        self._turn_frames = 0  # the WAL's frames at the last turn, until it starts again
         self._thread = Periodic("trainvitals-wal-checkpoint", interval, self._checkpoint)
 
     def start(self) -> None:
@@ -150,7 +172,13 @@ class WalCheckpointer:
     def _checkpoint(self) -> None:
         try:
             with self._engine.connect() as conn:
-                conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
+                _, frames, copied = conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)").one()
+                if frames < self._turn_frames:  # it started again since the last turn
+                    self._turn_frames = 0
+                if copied == frames and frames - self._turn_frames >= self._restart_frames:
+                    with SQLITE_WRITE_TURN:  # no frame is appended meanwhile
+                        conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
+                    self._turn_frames = frames
         except Exception:  # noqa: BLE001 - a busy or closing database: try again next round
             log.debug("WAL checkpoint failed", exc_info=True)
 
