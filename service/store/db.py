@@ -148,8 +148,8 @@ class WalCheckpointer:
     The WAL starts again only when a write transaction begins with every frame copied and no reader
     in it. Under steady ingest a round never gets there by itself: the writer appends while the
     round copies (17-25 ms, its syncs), so the WAL grew to the backstop (`_WAL_BACKSTOP_PAGES`),
-    whose checkpoint then ran in ingest's commit: 25-40 ms every ~2.5 s at 100k records/s, most of
-    that benchmark's slow answers (docs/performance.md, session 63). So once the WAL holds
+    whose checkpoint then ran in ingest's commit: 25-40 ms every ~2.5 s at 100k records/s, over
+    half of that benchmark's slow groups (docs/performance.md, session 63). So once the WAL holds
     `restart_frames` and a round copied every frame it found, the checkpointer takes the write turn
     (SQLITE_WRITE_TURN) and copies the few appended meanwhile (7-9 ms): ingest's next transaction
     finds the WAL wholly copied and writes it from its start. At most once per `restart_frames`

@@ -1,7 +1,8 @@
-"""A SQLite database is switched to WAL by the first connection that finds it in rollback mode,
-also while another connection holds its write lock: SQLite refuses that switch at once ("database
-is locked", no busy wait), which made the collector's threads connecting at its start, or a test's
-second engine, fail at random."""
+"""SQLite's WAL. A database is switched to WAL by the first connection that finds it in rollback
+mode, also while another connection holds its write lock: SQLite refuses that switch at once
+("database is locked", no busy wait), which made the collector's threads connecting at its start,
+or a test's second engine, fail at random. And the WAL checkpointer has the WAL start again under
+a writer that never pauses (store/db.py WalCheckpointer)."""
 
 from __future__ import annotations
 
