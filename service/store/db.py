@@ -151,7 +151,7 @@ class WalCheckpointer:
     whose checkpoint then ran in ingest's commit: 25-40 ms every ~2.5 s at 100k records/s, over
     half of that benchmark's slow groups (docs/performance.md, session 63). So once the WAL holds
     `restart_frames` and a round copied every frame it found, the checkpointer takes the write turn
-    (SQLITE_WRITE_TURN) and copies the few appended meanwhile (7-9 ms): ingest's next transaction
+    (SQLITE_WRITE_TURN) and copies the few appended meanwhile (about 9 ms): ingest's next transaction
     finds the WAL wholly copied and writes it from its start. At most once per `restart_frames`
     frames; while a reader (the analysis) holds a round short of the end, the turn is not taken.
     """
