@@ -51,7 +51,7 @@ ANALYSIS_LAG = f"({_m('trainvitals_run_latest_step')} - {_m('trainvitals_run_com
 # ranks). Grafana expands the macros: ${run:sqlstring} quotes and escapes the run id,
 # $__unixEpochFilter keeps the dashboard's time range (ts is epoch seconds), and
 # $__unixEpochGroupAlias buckets by the panel's interval so cells stay within the pixels. Cost:
-# every step row of the run in the range, sorted once for DISTINCT ON (index ix_steps_run_step_rank
+# every step row of the run in the range, sorted once for DISTINCT ON (index ix_steps_run_step_rank_ts
 # finds the run); a week of a 16k-rank job is a post-mortem query, not a 30 s refresh. The table
 # holds the run under its key (service/store/run_keys.py): the bare id for the default project,
 # "<project>/<run>" for another, found through `runs`. Like the Prometheus panels, which select by

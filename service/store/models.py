@@ -83,7 +83,10 @@ class DeliveredBatch(Base):
 
 class StepRow(Base):
     __tablename__ = "steps"
-    __table_args__ = (Index("ix_steps_run_step_rank", "run_id", "step", "rank"),)
+    # ts last: the analysis's settle test (max step of rows older than the settle time, every
+    # cycle) and the scrape's newest-step age read it from the index, without a row lookup each
+    # (revision 0022).
+    __table_args__ = (Index("ix_steps_run_step_rank_ts", "run_id", "step", "rank", "ts"),)
 
     id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(String(RUN_KEY_LENGTH))

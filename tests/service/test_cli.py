@@ -484,17 +484,17 @@ def test_a_database_on_another_schema_revision_is_one_line(
     assert main(["query", "runs", "--db", url]) == 2
     assert _one_line_error(capsys) == (
         f"trainvitals: sqlite:///{tmp_path}/tv.db: the database is at schema revision 0016, this trainvitals reads "
-        "0021: migrate it with `trainvitals db upgrade --db URL` (serve does so when it starts)\n"
+        "0022: migrate it with `trainvitals db upgrade --db URL` (serve does so when it starts)\n"
     )
     assert main(["db", "upgrade", "--db", url, "--revision", "nope"]) == 2
-    assert "Can't locate revision identified by 'nope': revisions are head, base, +N/-N or 0001..0021" in (
+    assert "Can't locate revision identified by 'nope': revisions are head, base, +N/-N or 0001..0022" in (
         _one_line_error(capsys)
     )
     import sqlite3
 
     with sqlite3.connect(tmp_path / "tv.db") as conn:
         conn.execute("UPDATE alembic_version SET version_num = '0042'")
-    newer = "the database is at schema revision '0042', which this trainvitals (schema 0021) does not know"
+    newer = "the database is at schema revision '0042', which this trainvitals (schema 0022) does not know"
     for argv in (["query", "runs", "--db", url], ["db", "upgrade", "--db", url]):
         assert main(argv) == 2
         assert newer in _one_line_error(capsys), argv
@@ -611,7 +611,7 @@ def test_another_applications_alembic_version_is_named_so(tmp_path: Path, capsys
         conn.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL PRIMARY KEY)")
         conn.execute("INSERT INTO alembic_version VALUES ('ae1027a6acf')")
     line = (
-        "the database's alembic_version holds revision 'ae1027a6acf', not one of trainvitals' (0001..0021): "
+        "the database's alembic_version holds revision 'ae1027a6acf', not one of trainvitals' (0001..0022): "
         "another application migrated it; give trainvitals a database of its own\n"
     )
     for argv in (["db", "upgrade"], ["query", "runs"]):

@@ -21,7 +21,7 @@ def test_a_start_without_migrating_refuses_a_database_not_at_head(tmp_path: Path
     with pytest.raises(db.SchemaError) as refused:
         create_app(Settings(db=url, migrate_on_start=False))
     assert str(refused.value) == (
-        "the database is at schema revision 0016, this trainvitals reads 0021: migrate it with "
+        "the database is at schema revision 0016, this trainvitals reads 0022: migrate it with "
         "`trainvitals db upgrade --db URL` (serve does so when it starts); TRAINVITALS_MIGRATE_ON_START=false, "
         "so this start does not migrate"
     )

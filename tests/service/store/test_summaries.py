@@ -15,7 +15,7 @@ from sqlalchemy import event, select
 from sqlalchemy.orm import Session
 
 from trainvitals.service.store import batches, db, summaries
-from trainvitals.service.store.models import GradSummary, RankWindow, StepSummary, TensorSummary
+from trainvitals.service.store.models import GradSummary, RankWindow, Run, StepSummary, TensorSummary
 from trainvitals.wire import Batch, RunRegistration
 from trainvitals.wire.v1 import INT64_MAX
 
@@ -307,6 +307,47 @@ def test_sqlite_reads_gradient_rows_through_the_run_and_step_index(tmp_path: Pat
     reads = [line for line in plan if "grad_stats" in line]
     by_index = "USING INDEX ix_grad_stats_run_step (run_id=? AND step>? AND step<?)"
     assert reads and all(by_index in line for line in reads), plan
+
+
+def test_sqlite_finds_the_reducible_step_from_the_step_index_alone(tmp_path: Path) -> None:
+    """Every analysis cycle asks how far every rank has reported and which is the newest step with a
+    row older than the settle time. Both are read from ix_steps_run_step_rank_ts (revision 0022)
+    without a row lookup: the settle test looked up every unreduced step row for its ts, 41-57 ms a
+    cycle at 65k rows of a 16,384-rank run on SQLite (docs/performance.md, "Session 64")."""
+    url = f"sqlite:///{tmp_path}/tv.db"
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    statements: list[tuple[str, Any]] = []
+
+    def capture(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
+        if "FROM steps" in statement:
+            statements.append((statement, parameters))
+
+    def steps(rank: int, upto: int) -> Batch:
+        records = [{"kind": "step", "step": step, "ts": 100.0 + step, "step_seconds": 1.0} for step in range(upto + 1)]
+        return Batch.model_validate({"run": RUN, "rank": rank, "incarnation": 1, "seq": 0, "records": records})
+
+    try:
+        with db.make_sessionmaker(engine)() as session:
+            batches.register_run(session, RunRegistration(run=RUN, parallelism={"world_size": 3}))
+            for rank, upto in ((0, 5), (1, 5), (2, 2)):  # rank 2 is behind: every rank has sent steps 0-2
+                batches.store_batch(session, steps(rank, upto))
+            run = session.get(Run, RUN)
+            assert run is not None
+            event.listen(engine, "before_cursor_execute", capture)
+            complete = summaries.reducible_upto(session, run=run, start=0, now=150.0, settle_seconds=60.0)
+            settled = summaries.reducible_upto(session, run=run, start=0, now=104.5, settle_seconds=0.0)
+            event.remove(engine, "before_cursor_execute", capture)
+            plans = [
+                [row[3] for row in session.connection().exec_driver_sql("EXPLAIN QUERY PLAN " + sql, params)]
+                for sql, params in statements
+            ]
+    finally:
+        engine.dispose()
+    assert (complete, settled) == (2, 4)  # steps 3-5 wait for rank 2 until step 4's rows are old enough
+    reads = [line for plan in plans for line in plan if "steps" in line]
+    assert len(statements) == 4 and reads, statements
+    assert all("USING COVERING INDEX ix_steps_run_step_rank_ts (run_id=? AND step>?)" in line for line in reads), plans
 
 
 def test_postgresql_aggregates_by_hashing_without_statistics(empty_pg_url: str) -> None:
