@@ -85,7 +85,7 @@ class StepRow(Base):
     __tablename__ = "steps"
     # ts last: the analysis's settle test (max step of rows older than the settle time, every
     # cycle) and the scrape's newest-step age read it from the index, without a row lookup each
-    # (revision 0022).
+    # (revision 0022; on PostgreSQL as far as the visibility map lets an index-only scan).
     __table_args__ = (Index("ix_steps_run_step_rank_ts", "run_id", "step", "rank", "ts"),)
 
     id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
