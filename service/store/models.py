@@ -83,8 +83,8 @@ class DeliveredBatch(Base):
 
 class StepRow(Base):
     __tablename__ = "steps"
-    # ts last: the analysis's settle test (max step of rows older than the settle time, every
-    # cycle) and the scrape's newest-step age read it from the index, without a row lookup each
+    # ts last: the analysis's settle test (store/summaries.py reducible_upto, every cycle) and the
+    # scrape's newest-step age (store/snapshot.py) read it from the index, without a row lookup each
     # (revision 0022; on PostgreSQL as far as the visibility map lets an index-only scan).
     __table_args__ = (Index("ix_steps_run_step_rank_ts", "run_id", "step", "rank", "ts"),)
 

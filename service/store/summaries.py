@@ -158,6 +158,8 @@ def reducible_upto(session: Session, *, run: Run, start: int, now: float, settle
     if run.status == "finished":
         newest = session.scalar(select(func.max(StepRow.step)).where(StepRow.run_id == rid))
         return start - 1 if newest is None else int(newest)
+    # Both reads are answered from ix_steps_run_step_rank_ts alone (store/models.py StepRow): a
+    # column added to them needs it in that index, or each unreduced row costs a lookup.
     watermark = start - 1
     for step, ranks in session.execute(
         select(StepRow.step, func.count(func.distinct(StepRow.rank)))
