@@ -52,6 +52,7 @@ def _serve(args: argparse.Namespace) -> int:
     from sqlalchemy import make_url
 
     from trainvitals.service import logs
+    from trainvitals.service.ingest.journal import IngestJournal
     from trainvitals.service.settings import load as load_settings
 
     flags = {"db": args.db, "host": args.host, "port": args.port, "log_level": args.log_level}
@@ -60,7 +61,12 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["auth"] = False
     if args.api_docs:
         overrides["api_docs"] = True
+    if args.ingest_journal:
+        overrides["ingest_journal_dir"] = args.ingest_journal
     settings = load_settings(**overrides)
+    if settings.ingest_journal_dir and (problem := IngestJournal.problem(settings.ingest_journal_dir)):
+        print(f"trainvitals: {problem}", file=sys.stderr)
+        return 2
     if (taken := _port_taken(settings.host, settings.port)) is not None:
         print(f"trainvitals: {taken}", file=sys.stderr)
         return 2
@@ -77,7 +83,8 @@ def _serve(args: argparse.Namespace) -> int:
     logs.log_event(
         log, "serve", listen=f"http://{settings.host}:{settings.port}", db=db_url.describe(settings.db),
         auth="on" if settings.auth else "off", workers=args.workers, analysis=analysis, ingest_commit=commit,
-        ingest_group_wait_ms=group_wait_ms, log_level=settings.log_level, summary_every_s=settings.log_summary_seconds,
+        ingest_group_wait_ms=group_wait_ms, ingest_journal=settings.ingest_journal_dir or "off",
+        log_level=settings.log_level, summary_every_s=settings.log_summary_seconds,
     )  # fmt: skip
     _warn_misspelt(log)
     if not settings.auth:
@@ -642,6 +649,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=1,
         help="collector processes sharing the port (ingest throughput scales with them on PostgreSQL)",
+    )
+    serve.add_argument(
+        "--ingest-journal",
+        metavar="DIR",
+        help="acknowledge batches once appended to a journal in DIR, before their commit (faster senders; a host "
+        "crash loses the uncommitted tail, docs/deployment.md) (default: $TRAINVITALS_INGEST_JOURNAL_DIR, else off)",
     )
     serve.add_argument(
         "--analysis-thread",

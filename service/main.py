@@ -21,6 +21,8 @@ from trainvitals.service.exposition import TrainvitalsCollector, make_registry
 from trainvitals.service.gc_policy import serving_gc
 from trainvitals.service.http_limits import HEADER_TIMEOUT_KEY, BodyDeadline, BodyLimit
 from trainvitals.service.ingest.batch_writer import BatchWriter
+from trainvitals.service.ingest.journal import IngestJournal
+from trainvitals.service.ingest.journal_replay import replay_journal
 from trainvitals.service.logs import IngestSummary
 from trainvitals.service.self_metrics import ProcessMetrics, RequestMetrics
 from trainvitals.service.settings import Settings
@@ -53,6 +55,7 @@ def create_app(settings: Settings | None = None) -> CollectorApp:
         queue_limit=settings.max_pending_records,
         writer_threads=settings.ingest_writer_thread_count,
     )
+    journal = IngestJournal.open(settings.ingest_journal_dir) if settings.ingest_journal_dir else None
     writer = BatchWriter(
         sessions,
         threads=settings.ingest_writer_thread_count,
@@ -60,6 +63,8 @@ def create_app(settings: Settings | None = None) -> CollectorApp:
         synchronous_commit=settings.ingest_synchronous_commit,
         group_wait_s=settings.ingest_group_wait_s,
         observe_group=process_metrics.observe_group,
+        journal=journal,
+        journal_ack_records=settings.ingest_journal_ack_records,
     )
     checkpointer = db.WalCheckpointer(engine)
     summary = IngestSummary(
@@ -74,12 +79,16 @@ def create_app(settings: Settings | None = None) -> CollectorApp:
         if settings.analysis_interval_seconds > 0 and settings.run_analysis:
             worker.start()
         writer.start()
+        if journal is not None:  # before the first request: what earlier processes acknowledged, maybe not stored
+            await replay_journal(journal, writer, ingest.decode_body)
         checkpointer.start()
         summary.start()
         with serving_gc():  # the start-up heap frozen, fewer young collections (service/gc_policy.py)
             yield {HEADER_TIMEOUT_KEY: settings.header_timeout_seconds}  # for serve's protocol (http_limits.py)
         summary.stop()
         writer.stop()  # writes what was already accepted before the process exits
+        if journal is not None:
+            journal.close()
         worker.stop()
         checkpointer.stop()
         health_executor.shutdown(wait=False)

@@ -30,6 +30,19 @@ a concurrent.futures Future.
 
 Backpressure: at most `max_pending_records` records wait; beyond that `submit` refuses and the
 route answers 503, which the agent treats like an outage (spool, retry later).
+
+Acknowledged from the journal (`ingest_journal_dir`, service/ingest/journal.py): with one request in
+flight per sender, a sender that waits for its group's commit leaves the writers idle while it
+sends the next, and the cores with them (on PostgreSQL a 16-sender closed loop kept them 57% busy).
+With a journal, a batch is appended to it and acknowledged at once when (a) the writers' backlog is
+under `journal_ack_records`, (b) the last group committed, and (c) a batch of the same run key and
+incarnation was stored before by this process: so a first batch, an unknown run, another project's
+run and a fenced incarnation are still answered by the database, as without the journal. The
+writer then stores it in a fuller group and marks its entry committed. Such a batch the database
+refuses later (its incarnation fenced meanwhile, a value it cannot store) is counted in
+ingest_counts as it would have been, and logged; one that fails for the database's sake (down,
+locked) is retried every second until stored, or replayed from the journal by the next start. Its
+acknowledgement says `duplicate: false`; the database still decides, and counts, duplicates.
 """
 
 from __future__ import annotations
@@ -51,9 +64,11 @@ import psycopg
 import sqlalchemy.exc
 from sqlalchemy.orm import Session
 
+from trainvitals.service.ingest.journal import IngestJournal
 from trainvitals.service.store import batches, run_keys
 from trainvitals.service.store.batches import AnyBatch
 from trainvitals.service.thread_names import name_this_thread
+from trainvitals.wire import BatchAck
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +83,11 @@ FULL_GROUP_RECORDS = 4096
 """A group this large is written at once, without waiting for more: about 19 of the benchmark's
 batches (a rank's 4 steps of 48 FP8 tensors), past the 16 at which a group's fixed work is about a
 fifth of what the server spends on it."""
+JOURNAL_ACK_RECORDS = 65_536
+"""Default backlog under which a batch is acknowledged from the journal: about 300 of the benchmark's
+batches, two thirds of a second at 100k records/s, so a crash of the host loses at most that."""
+_RETRY_S = 1.0
+"""A journaled batch whose write failed for the database's sake is tried again after this."""
 
 
 class WriterBusyError(RuntimeError):
@@ -83,7 +103,8 @@ class _Pending:
     project: str | None
     rows: batches.BatchRows | None
     loop: asyncio.AbstractEventLoop | None  # the submitter's, when it submitted on one
-    future: Answer
+    future: Answer | None  # None: acknowledged from the journal, nobody waits
+    segment: int | None = None  # its journal segment, when journaled
 
 
 class BatchWriter:
@@ -107,6 +128,8 @@ class BatchWriter:
         group_wait_s: float = 0.0,
         full_group_records: int = FULL_GROUP_RECORDS,
         observe_group: Callable[[int, float], None] | None = None,
+        journal: IngestJournal | None = None,
+        journal_ack_records: int = JOURNAL_ACK_RECORDS,
     ) -> None:
         self._sessions = sessions
         self._observe_group = observe_group  # (batches, seconds) of each group written: /metrics
@@ -116,6 +139,12 @@ class BatchWriter:
         self._threads = threads
         self._max_group_records = max_group_records
         self._max_pending_records = max_pending_records
+        self._journal = journal  # the module docstring, "Acknowledged from the journal"
+        self._journal_ack_records = journal_ack_records
+        self._stored_keys: set[tuple[str, int]] = set()  # (run key, incarnation) this process stored a batch of
+        self._last_group_committed = True
+        self._retry_at = 0.0  # monotonic time before which no group is written (after a database failure)
+        self.journal_acks = 0  # batches acknowledged from the journal (tests, benchmarks)
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
         self._pending_records = 0
         self._lock = threading.Lock()
@@ -150,10 +179,11 @@ class BatchWriter:
         """Records accepted and not yet committed (the /metrics queue depth)."""
         return self._pending_records
 
-    def submit(self, batch: AnyBatch, *, project: str | None) -> Answer:
+    def submit(self, batch: AnyBatch, *, project: str | None, body: bytes | None = None) -> Answer:
         """Queue a validated batch; the future resolves after the commit that stores it: an asyncio
         future when called on a running event loop, else a concurrent.futures one (both can be
-        awaited through `asyncio.wrap_future`)."""
+        awaited through `asyncio.wrap_future`). With a journal and the batch's `body` (as received),
+        it may resolve at once instead (the module docstring, "Acknowledged from the journal")."""
         if not self._workers:
             self.start()  # lazily too: an app used without its lifespan (plain TestClient) still writes
         n = len(batch.records)
@@ -177,8 +207,23 @@ class BatchWriter:
         except RuntimeError:
             loop = None
         future: Answer = Future() if loop is None else loop.create_future()
+        if body is not None and self._journaled_now(batch, n):
+            segment = self._journal.append(project, body)  # type: ignore[union-attr]  # _journaled_now checked it
+            self.journal_acks += 1
+            self._queue.put(_Pending(batch, project, rows, loop, None, segment))
+            future.set_result(BatchAck(accepted=n, duplicate=False))
+            return future
         self._queue.put(_Pending(batch, project, rows, loop, future))
         return future
+
+    def _journaled_now(self, batch: AnyBatch, n: int) -> bool:
+        """Whether this batch (keyed to its project) is acknowledged from the journal."""
+        return (
+            self._journal is not None
+            and self._last_group_committed
+            and (batch.run, batch.incarnation) in self._stored_keys
+            and self._pending_records <= self._journal_ack_records
+        )
 
     def _run(self, name: str) -> None:
         name_this_thread()
@@ -202,6 +247,8 @@ class BatchWriter:
                     break
                 group.append(item)
                 records += len(item.batch.records)
+            if (backoff := self._retry_at - time.monotonic()) > 0:  # the database failed a moment ago
+                time.sleep(backoff)
             started = time.perf_counter()
             self._write(group, name)
             if self._observe_group is not None:
@@ -210,7 +257,8 @@ class BatchWriter:
             with self._lock:
                 self._pending_records -= records
 
-    def _write(self, group: list[_Pending], name: str) -> None:
+    def _write(self, group: list[_Pending], name: str) -> bool:
+        """Store the group and answer it; False when the database failed (not a batch's value)."""
         try:
             with self._sessions() as session:
                 outcomes = batches.store_batches(
@@ -225,18 +273,52 @@ class BatchWriter:
             if len(group) > 1:
                 # One transaction for all of them failed; store them one by one so a single
                 # batch the database rejects does not take the others down with it.
-                for item in group:
-                    self._write([item], name)
-                return
+                for i, item in enumerate(group):
+                    if not self._write([item], name):  # the database, not a batch: the rest would fail alike
+                        self._retry_or_fail(group[i + 1 :], exc)
+                        return False
+                return True
             if _refused_value(exc):  # this batch's values, not the database's state
-                _answer(group, [batches.UnstorableBatchError(database_reason(exc))])
+                self._settled(group, [batches.UnstorableBatchError(database_reason(exc))])
                 with contextlib.suppress(Exception), self._sessions() as session:
                     batches.count_unstorable(session, group[0].batch, writer=name, project=group[0].project)
-                return
+                return True
             log.exception("storing batch %s failed", _describe(group[0].batch))
-            _answer(group, [None], failure=exc)
-            return
+            self._retry_or_fail(group, exc)
+            return False
+        self._last_group_committed = True
+        self._settled(group, outcomes)
+        return True
+
+    def _retry_or_fail(self, group: list[_Pending], exc: Exception) -> None:
+        """The database failed these batches: those acknowledged from the journal go back in the
+        queue (written again after `_RETRY_S`), the others are answered with the failure (503)."""
+        self._last_group_committed = False
+        self._retry_at = time.monotonic() + _RETRY_S
+        again = [p for p in group if p.segment is not None]
+        with self._lock:
+            self._pending_records += sum(len(p.batch.records) for p in again)  # _run counts them done once more
+        for item in again:
+            self._queue.put(item)
+        waiting = [p for p in group if p.segment is None]
+        _answer(waiting, [None] * len(waiting), failure=exc)
+
+    def _settled(self, group: list[_Pending], outcomes: Sequence[batches.BatchOutcome]) -> None:
+        """Answer the group, learn which runs' batches are stored, close its journal entries."""
+        for item, outcome in zip(group, outcomes, strict=True):
+            key = (item.batch.run, item.batch.incarnation)
+            if isinstance(outcome, BatchAck):
+                self._stored_keys.add(key)
+            else:
+                self._stored_keys.discard(key)  # its next batches are answered by the database
+                if item.segment is not None:
+                    log.warning(
+                        "batch %s, acknowledged from the ingest journal, was refused: %s (counted in "
+                        "trainvitals_ingest_batches_total)", _describe(item.batch), outcome,
+                    )  # fmt: skip
         _answer(group, outcomes)
+        if self._journal is not None and (segments := [p.segment for p in group if p.segment is not None]):
+            self._journal.committed(segments)
 
 
 def _answer(
@@ -246,6 +328,8 @@ def _answer(
     concurrent ones here, asyncio ones on their loop, one callback per loop for the group."""
     by_loop: dict[asyncio.AbstractEventLoop, list[_Answered]] = {}
     for item, outcome in zip(group, outcomes, strict=True):
+        if item.future is None:  # acknowledged from the journal
+            continue
         answered = (item.future, outcome, failure)
         if item.loop is None:
             _settle([answered])

@@ -45,7 +45,7 @@ _REVALIDATE_MAX_BYTES = 256 << 10
 _MSGSPEC_PATH = re.compile(r"\[(\d+)\]|\.([^.\[]+)")
 
 
-def _decode(body: bytes) -> AnyBatch:
+def decode_body(body: bytes) -> AnyBatch:
     """msgspec first (service/ingest/decode.py); for anything it refuses, a small body gets
     pydantic's field-by-field 422 and a large one the first error (`_REVALIDATE_MAX_BYTES`); both
     still take what only the lax rules accept (NaN constants, numbers as strings)."""
@@ -94,8 +94,9 @@ def _raise_first_error(exc: msgspec.ValidationError | msgspec.DecodeError) -> No
     raise RequestValidationError([{"loc": ("body", *loc), "msg": message, "type": kind}]) from None
 
 
-async def _batch_from_body(request: Request) -> AnyBatch:
+async def _batch_from_body(request: Request) -> tuple[AnyBatch, bytes | None]:
     """Read, decode and validate the body in one pass (no json.loads into Python dicts first).
+    Returns the batch and, unless it is large, the body as received (for the ingest journal).
 
     Errors are raised as FastAPI's, with the same `body.` locations, so the 422 message still
     names the offending field (records.3.step.step_seconds).
@@ -122,8 +123,8 @@ async def _batch_from_body(request: Request) -> AnyBatch:
         body = b"".join(chunks)
         del chunks
         if large.entered:
-            return await run_in_threadpool(_decode, body)
-        return _decode(body)
+            return await run_in_threadpool(decode_body, body), None
+        return decode_body(body), body
     finally:
         large.leave()
 
@@ -238,7 +239,8 @@ def register_run(
     response_model=BatchAck,
 )
 async def post_batch(request: Request) -> Response:
-    """Decoded here, stored by the group-commit writer; answered after the commit that holds it.
+    """Decoded here, stored by the group-commit writer; answered after the commit that holds it, or
+    once in the ingest journal (service/ingest/batch_writer.py, "Acknowledged from the journal").
 
     The hot path of the collector, hundreds of requests a second: it takes the bare Request and
     returns a ready Response, so FastAPI has no dependency graph to solve and no response model
@@ -249,9 +251,9 @@ async def post_batch(request: Request) -> Response:
     principal = await authenticate(request)
     if principal.scope not in (None, "ingest"):
         require(principal, "ingest", principal.project or "")
-    batch = await _batch_from_body(request)
+    batch, body = await _batch_from_body(request)
     try:
-        future = state.batch_writer.submit(batch, project=principal.project)
+        future = state.batch_writer.submit(batch, project=principal.project, body=body)
     except WriterBusyError as exc:
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(exc), headers={"Retry-After": "1"}) from exc
     try:

@@ -14,7 +14,7 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from trainvitals.service.api.routes.ingest import _decode
+from trainvitals.service.api.routes.ingest import decode_body
 from trainvitals.service.ingest import decode
 from trainvitals.testing.scenarios import Layout, make_scenario, to_wire_lines
 from trainvitals.wire import v1
@@ -173,7 +173,7 @@ def test_refused_by_both(path, value) -> None:
     with pytest.raises((msgspec.ValidationError, msgspec.DecodeError)):
         decode.decode_batch(raw)
     with pytest.raises(RequestValidationError):
-        _decode(raw)  # the route's path: pydantic's 422, which names the field
+        decode_body(raw)  # the route's path: pydantic's 422, which names the field
 
 
 def test_lax_forms_fall_back_to_pydantic() -> None:
@@ -182,14 +182,14 @@ def test_lax_forms_fall_back_to_pydantic() -> None:
     raw = json.dumps(BASE).replace('"loss": 2.1', '"loss": NaN').replace('"amax": 3.0', '"amax": "3.0"').encode()
     with pytest.raises((msgspec.ValidationError, msgspec.DecodeError)):
         decode.decode_batch(raw)
-    batch = _decode(raw)
+    batch = decode_body(raw)
     assert isinstance(batch, v1.Batch)
     assert batch.records[0].loss != batch.records[0].loss  # NaN
     assert batch.records[1].amax == 3.0
 
 
 def test_the_common_batch_takes_the_fast_path() -> None:
-    assert isinstance(_decode(json.dumps(BASE).encode()), decode.Batch)
+    assert isinstance(decode_body(json.dumps(BASE).encode()), decode.Batch)
 
 
 def test_names_are_checked_for_nul_only_in_bodies_with_an_escape() -> None:
