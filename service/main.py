@@ -54,6 +54,7 @@ def create_app(settings: Settings | None = None) -> CollectorApp:
         queue_records=lambda: writer.pending_records,
         queue_limit=settings.max_pending_records,
         writer_threads=settings.ingest_writer_thread_count,
+        journal_acks=(lambda: writer.journal_acks) if settings.ingest_journal_dir else None,
     )
     journal = IngestJournal.open(settings.ingest_journal_dir) if settings.ingest_journal_dir else None
     writer = BatchWriter(

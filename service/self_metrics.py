@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -58,6 +58,7 @@ FAMILIES = (
     "trainvitals_ingest_queue_limit_records",
     "trainvitals_ingest_writer_threads",
     "trainvitals_ingest_writers_busy_ratio",
+    "trainvitals_ingest_journal_acks",
 )
 BUSY_WINDOW_S = 60
 
@@ -115,8 +116,10 @@ class ProcessMetrics(Collector):
         queue_records: Callable[[], int] | None = None,
         queue_limit: int | None = None,
         writer_threads: int | None = None,
+        journal_acks: Callable[[], int] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._journal_acks = journal_acks  # with an ingest journal only (settings.ingest_journal_dir)
         self._queue_records = queue_records
         self._queue_limit = queue_limit
         self._writer_threads = writer_threads
@@ -210,6 +213,13 @@ class ProcessMetrics(Collector):
                 "(1: it stores all it can; more traffic grows its write queue)",
                 value=busy_share(self._busy.total(), self._writer_threads, BUSY_WINDOW_S),
             )
+        if self._journal_acks is not None:
+            acks = CounterMetricFamily(
+                "trainvitals_ingest_journal_acks",
+                "Batches this process acknowledged once in its ingest journal, before their commit",
+            )
+            acks.add_metric([], self._journal_acks())
+            yield acks
 
 
 def _without_created(family: Metric) -> Metric:

@@ -42,11 +42,12 @@ def _healthy(port: int) -> bool:
         return False
 
 
-def _start_collector(db_url: str, port: int, log: Path) -> subprocess.Popen[bytes]:
+def _start_collector(db_url: str, port: int, log: Path, journal: Path | None) -> subprocess.Popen[bytes]:
     """`trainvitals serve` as its own process (so it can be SIGKILLed), ready when /healthz answers."""
+    extra = [] if journal is None else ["--ingest-journal", str(journal)]
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [str(BIN / "trainvitals"), "serve", "--db", db_url, "--port", str(port), "--insecure-no-auth"],
+            [str(BIN / "trainvitals"), "serve", "--db", db_url, "--port", str(port), "--insecure-no-auth", *extra],
             stdout=out,
             stderr=subprocess.STDOUT,
         )
@@ -92,14 +93,24 @@ def _spool_bytes(spool: Path) -> int:
     return sum(p.stat().st_size for p in spool.glob("*.jsonl")) if spool.exists() else 0
 
 
+def _journal_acks(port: int) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return float(re.search(r"^trainvitals_ingest_journal_acks_total (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("journaled", [False, True], ids=["acknowledged-at-commit", "acknowledged-from-journal"])
 def test_job_survives_a_collector_kill_and_every_step_arrives_exactly_once(
-    tmp_path: Path, unused_port: int
+    tmp_path: Path, unused_port: int, journaled: bool
 ) -> None:
+    """With the ingest journal (service/ingest/journal.py) the collector acknowledged batches before
+    their commit when it was killed; the restarted one stores them from its journal."""
     db_url = f"sqlite:///{tmp_path / 'collector.db'}"
     log = tmp_path / "collector.log"
     spool = tmp_path / "spool"
-    collector = _start_collector(db_url, unused_port, log)
+    journal = tmp_path / "journal" if journaled else None
+    collector = _start_collector(db_url, unused_port, log, journal)
     job: subprocess.Popen[str] | None = None
     try:
         job = subprocess.Popen(
@@ -130,6 +141,8 @@ def test_job_survives_a_collector_kill_and_every_step_arrives_exactly_once(
         _wait_for(lambda: _stored_steps(db_url) > 0 or job.poll() is not None, 120, "the first steps")
         time.sleep(1.0)
         assert job.poll() is None, "the job ended before the outage could start"
+        if journal is not None:
+            assert _journal_acks(unused_port) > 0, "no batch was acknowledged from the journal"
         collector.kill()
         collector.wait()
         stored_before_kill = _stored_steps(db_url)
@@ -140,7 +153,7 @@ def test_job_survives_a_collector_kill_and_every_step_arrives_exactly_once(
         time.sleep(OUTAGE_SECONDS)
         assert job.poll() is None, "the job ended during the outage: make TRAIN_SECONDS longer"
         assert _spool_bytes(spool) > 0, "nothing spilled while the collector was down"
-        collector = _start_collector(db_url, unused_port, log)
+        collector = _start_collector(db_url, unused_port, log, journal)
         outage = time.monotonic() - killed_at
         assert job.poll() is None, f"the job ended before the collector came back ({outage:.1f} s outage)"
         # The spool replays into the new collector while the job is still running.
