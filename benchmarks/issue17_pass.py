@@ -3,12 +3,13 @@
     python benchmarks/issue17_pass.py [--out DIR] [--db-prefix tv_bench] [--port P]
         [--only agent,closed,open-sqlite,open-postgresql,latency-sqlite,latency-postgresql,16k]
 
-Runs, one after another, the commands docs/performance.md quotes for each target (about 25
+Runs, one after another, the commands docs/performance.md quotes for each target (about 35
 minutes on a 2-core machine; run nothing else beside it, the numbers are the machine's):
 
     agent_overhead.py --rounds 1 --long-steps 600 --configs default
     ingest_throughput.py --backends sqlite,postgresql --clients 16 --seconds 60 --warmup 10
     ingest_throughput.py --backends B --rate 100000 --seconds 90 --warmup 30 --floor-seconds 0 --clients 16
+    the same three ingest runs with --journal (the collector's ingest journal on)
     latency.py --backend B
     analysis_16k.py --cycles 2 --modes kept,restart
 
@@ -57,6 +58,14 @@ BENCHMARKS = (
     Benchmark("closed", "ingest_throughput.py", "--backends sqlite,postgresql --clients 16 --seconds 60 --warmup 10"),
     Benchmark("open-sqlite", "ingest_throughput.py", f"--backends sqlite {OPEN_LOOP}"),
     Benchmark("open-postgresql", "ingest_throughput.py", f"--backends postgresql {OPEN_LOOP}"),
+    # The same three with the ingest journal (serve --ingest-journal: acknowledged before the commit).
+    Benchmark(
+        "closed-journal",
+        "ingest_throughput.py",
+        "--backends sqlite,postgresql --clients 16 --seconds 60 --warmup 10 --journal",
+    ),
+    Benchmark("open-sqlite-journal", "ingest_throughput.py", f"--backends sqlite {OPEN_LOOP} --journal"),
+    Benchmark("open-postgresql-journal", "ingest_throughput.py", f"--backends postgresql {OPEN_LOOP} --journal"),
     Benchmark("latency-sqlite", "latency.py", "--backend sqlite"),
     Benchmark("latency-postgresql", "latency.py", "--backend postgresql"),
     Benchmark("16k", "analysis_16k.py", "--cycles 2 --modes kept,restart", takes_port=False),
@@ -137,10 +146,13 @@ def agent_verdicts(agent: dict[str, Any] | None) -> list[Verdict]:
     return [overhead, Verdict("2. peers in the same run", wanted, measured or "not measured", bool(peers) or None)]
 
 
-def ingest_verdicts(closed: dict[str, Any] | None, open_loops: dict[str, dict[str, Any] | None]) -> list[Verdict]:
+def ingest_verdicts(
+    closed: dict[str, Any] | None, open_loops: dict[str, dict[str, Any] | None], label: str = ""
+) -> list[Verdict]:
+    """Item 3's rows; `label` follows each row's name (", ingest journal")."""
     out = []
     for backend in ("sqlite", "postgresql"):
-        item, target = f"3. ingest / raw-insert floor, {backend}, closed loop of 16", f">= {INGEST_RATIO}"
+        item, target = f"3. ingest / raw-insert floor, {backend}, closed loop of 16{label}", f">= {INGEST_RATIO}"
         r = _backend(closed, backend)
         if r is None or r.get("ratio_to_floor") is None:
             out.append(Verdict(item, target, "not measured", None))
@@ -151,7 +163,7 @@ def ingest_verdicts(closed: dict[str, Any] | None, open_loops: dict[str, dict[st
         )
         out.append(Verdict(item, target, measured, r["ratio_to_floor"] >= INGEST_RATIO))
     for backend in ("sqlite", "postgresql"):
-        item, target = f"3. p99 at {OPEN_LOOP_RATE:,} records/s, {backend}", f"< {OPEN_LOOP_P99_MS:.0f} ms"
+        item, target = f"3. p99 at {OPEN_LOOP_RATE:,} records/s, {backend}{label}", f"< {OPEN_LOOP_P99_MS:.0f} ms"
         r = _backend(open_loops.get(backend), backend)
         if r is None:
             out.append(Verdict(item, target, "not measured", None))
@@ -216,9 +228,14 @@ def verdicts(files: dict[str, dict[str, Any] | None]) -> list[Verdict]:
         payload = files.get(name)
         return None if payload is None else payload["results"]
 
+    journal: list[Verdict] = []
+    if any(name.endswith("-journal") for name in files):  # run (or tried) in this pass
+        loops = {b: results(f"open-{b}-journal") for b in ("sqlite", "postgresql")}
+        journal = ingest_verdicts(results("closed-journal"), loops, ", ingest journal")
     return [
         *agent_verdicts(results("agent")),
         *ingest_verdicts(results("closed"), {b: results(f"open-{b}") for b in ("sqlite", "postgresql")}),
+        *journal,
         analysis_verdict(results("16k")),
         *latency_verdicts({b: results(f"latency-{b}") for b in ("sqlite", "postgresql")}),
     ]

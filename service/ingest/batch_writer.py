@@ -144,7 +144,8 @@ class BatchWriter:
         self._stored_keys: set[tuple[str, int]] = set()  # (run key, incarnation) this process stored a batch of
         self._last_group_committed = True
         self._retry_at = 0.0  # monotonic time before which no group is written (after a database failure)
-        self.journal_acks = 0  # batches acknowledged from the journal (tests, benchmarks)
+        self.journal_acks = 0  # batches acknowledged from the journal (/metrics, tests)
+        self._journal_failed = False  # the last append failed (logged once until one succeeds)
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
         self._pending_records = 0
         self._lock = threading.Lock()
@@ -207,23 +208,37 @@ class BatchWriter:
         except RuntimeError:
             loop = None
         future: Answer = Future() if loop is None else loop.create_future()
-        if body is not None and self._journaled_now(batch, n):
-            segment = self._journal.append(project, body)  # type: ignore[union-attr]  # _journaled_now checked it
-            self.journal_acks += 1
+        if body is not None and (segment := self._journaled(batch, n, project, body)) is not None:
             self._queue.put(_Pending(batch, project, rows, loop, None, segment))
             future.set_result(BatchAck(accepted=n, duplicate=False))
             return future
         self._queue.put(_Pending(batch, project, rows, loop, future))
         return future
 
-    def _journaled_now(self, batch: AnyBatch, n: int) -> bool:
-        """Whether this batch (keyed to its project) is acknowledged from the journal."""
-        return (
+    def _journaled(self, batch: AnyBatch, n: int, project: str | None, body: bytes) -> int | None:
+        """The journal segment this batch (keyed to its project) went to, when it is acknowledged
+        from the journal; None when it waits for its commit."""
+        if not (
             self._journal is not None
             and self._last_group_committed
             and (batch.run, batch.incarnation) in self._stored_keys
             and self._pending_records <= self._journal_ack_records
-        )
+        ):
+            return None
+        try:
+            segment = self._journal.append(project, body)
+        except OSError as exc:  # a full or failing disk: answered after the commit instead, as without a journal
+            if not self._journal_failed:
+                log.error(
+                    "ingest journal %s: %s; batches wait for their commit until it takes writes",
+                    self._journal.slot,
+                    exc,
+                )
+            self._journal_failed = True
+            return None
+        self._journal_failed = False
+        self.journal_acks += 1
+        return segment
 
     def _run(self, name: str) -> None:
         name_this_thread()

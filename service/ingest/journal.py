@@ -25,6 +25,7 @@ write) is ignored: its sender was never answered and sends it again.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -137,16 +138,20 @@ class IngestJournal:
         self._others = []
 
     def append(self, project: str | None, body: bytes) -> int:
-        """Write one batch's entry; returns its segment, for `committed`. Called on the event loop."""
+        """Write one batch's entry; returns its segment, for `committed`. Called on the event loop.
+        OSError when the disk refuses it (nothing of the entry is left in the file)."""
         name = b"" if project is None else project.encode()
         header = _HEADER.pack(self._next_entry, -1 if project is None else len(name), len(body))
         with self._lock:
             if self._size >= SEGMENT_BYTES:
                 self._close_segment()
                 self._start_segment()
-            os.write(self._fd, header + name + body)
+            entry = header + name + body
+            if os.write(self._fd, entry) != len(entry):  # a full disk takes part of it: undo that part
+                os.ftruncate(self._fd, self._size)
+                raise OSError(errno.ENOSPC, "the ingest journal's disk took only part of an entry")
             self._next_entry += 1
-            self._size += _HEADER.size + len(name) + len(body)
+            self._size += len(entry)
             self._open[self._segment] += 1
             return self._segment
 

@@ -219,3 +219,25 @@ def test_leftovers_are_stored_at_start_and_then_deleted(sessions, tmp_path: Path
         journal.close()
     assert _count(sessions, StepRow) == 6
     assert _segments(tmp_path) == []
+
+
+def test_a_journal_that_cannot_be_written_leaves_batches_to_wait_for_their_commit(
+    sessions, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    journal = IngestJournal.open(tmp_path)
+    writer = BatchWriter(sessions, journal=journal)
+
+    def disk_full(project: str | None, body: bytes) -> int:
+        raise OSError(28, "No space left on device")
+
+    try:
+        assert writer.submit(_batch(0, 0), project=None, body=_body(_batch(0, 0))).result(10).accepted == 2
+        monkeypatch.setattr(journal, "append", disk_full)  # the real file system's refusal, without filling a disk
+        answers = [writer.submit(_batch(0, seq), project=None, body=_body(_batch(0, seq))) for seq in (1, 2)]
+        assert [f.result(10) for f in answers] == [BatchAck(accepted=2, duplicate=False)] * 2  # after their commits
+        assert writer.journal_acks == 0
+    finally:
+        writer.stop()
+        journal.close()
+    assert caplog.text.count("No space left on device") == 1  # said once, not once a batch
+    assert _count(sessions, StepRow) == 6
