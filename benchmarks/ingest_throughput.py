@@ -648,14 +648,17 @@ class WriterDelta:
     batches: int
     seconds: float
     """Summed over the groups: writer-thread seconds spent storing them."""
+    journal_acks: int = 0
+    """Batches acknowledged from the ingest journal, before their commit (--journal)."""
 
     def line(self, backend: str, span_s: float) -> str:
         groups = max(self.groups, 1)
         busy = self.seconds / max(self.threads * span_s, 1e-9)
+        journal = f"; {self.journal_acks:,} batches acknowledged from the journal" if self.journal_acks else ""
         return (
             f"[{backend}] batch writers ({self.threads} thread{'s' if self.threads != 1 else ''}): busy {busy:.0%} "
             f"of the window, {self.batches / groups:.1f} batches a group, {1e3 * self.seconds / groups:.1f} ms a "
-            f"group, {self.groups / max(span_s, 1e-9):.0f} groups/s"
+            f"group, {self.groups / max(span_s, 1e-9):.0f} groups/s{journal}"
         )
 
 
@@ -665,6 +668,7 @@ WRITER_SAMPLES = (
     "trainvitals_ingest_group_write_duration_seconds_sum",
     "trainvitals_ingest_group_batches_sum",
     "trainvitals_ingest_queue_records",
+    "trainvitals_ingest_journal_acks_total",  # only with an ingest journal (0 without)
 )
 
 
@@ -673,12 +677,17 @@ def writer_counters(exposition: str) -> tuple[float, ...]:
     from prometheus_client.parser import text_string_to_metric_families
 
     values = {s.name: s.value for f in text_string_to_metric_families(exposition) for s in f.samples}
-    return tuple(values[name] for name in WRITER_SAMPLES)
+    optional = {"trainvitals_ingest_journal_acks_total": 0.0}
+    return tuple(values[name] if name in values or name not in optional else optional[name] for name in WRITER_SAMPLES)
 
 
 def writer_delta(start: tuple[float, ...], end: tuple[float, ...]) -> WriterDelta:
     return WriterDelta(
-        threads=int(end[0]), groups=int(end[1] - start[1]), batches=int(end[3] - start[3]), seconds=end[2] - start[2]
+        threads=int(end[0]),
+        groups=int(end[1] - start[1]),
+        batches=int(end[3] - start[3]),
+        seconds=end[2] - start[2],
+        journal_acks=int(end[5] - start[5]),
     )
 
 
@@ -1253,6 +1262,7 @@ def headline(r: IngestResult, floor: BracketedFloor | None, cores: int) -> dict[
         "cpu_us_per_record": us,
         "busy": sum(us.values()) * rate / 1e6 / cores,
         "reduced": r.reduced,
+        "journal_acks": r.writers.journal_acks if r.writers else None,
     }
     if r.offered_per_s:
         out |= {

@@ -30,7 +30,7 @@ def _ingest_json(tmp_path: Path, name: str, *args: str) -> dict[str, Any]:
 
 def test_a_real_closed_and_open_loop_give_item_3_its_numbers(tmp_path: Path) -> None:
     closed = _ingest_json(tmp_path, "closed", "--floor-seconds", "1")
-    open_loop = _ingest_json(tmp_path, "open", "--floor-seconds", "0", "--rate", "2000")
+    open_loop = _ingest_json(tmp_path, "open", "--floor-seconds", "0", "--rate", "2000", "--journal")
     assert closed["benchmark"] == "ingest_throughput" and "--json" in closed["command"]
     assert isinstance(closed["machine"]["cores_usable"], int) and closed["machine"]["cpu"]
 
@@ -42,6 +42,7 @@ def test_a_real_closed_and_open_loop_give_item_3_its_numbers(tmp_path: Path) -> 
     [o] = open_loop["results"]["backends"]
     assert o["loop"] == "open" and o["offered_per_s"] == 2000 and "floor" not in o
     assert o["kept_up"], o  # 9 batches a second: far below what the collector takes
+    assert c["journal_acks"] == 0 and o["journal_acks"] > 0  # with --journal, answered before their commits
 
     ratio, _, open_sqlite, _ = pass17.ingest_verdicts(closed["results"], {"sqlite": open_loop["results"]})
     assert ratio.met == (c["ratio_to_floor"] >= 0.7) and f"{c['ratio_to_floor']:.2f}" in ratio.measured
