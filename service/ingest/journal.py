@@ -144,8 +144,7 @@ class IngestJournal:
         header = _HEADER.pack(self._next_entry, -1 if project is None else len(name), len(body))
         with self._lock:
             if self._size >= SEGMENT_BYTES:
-                self._close_segment()
-                self._start_segment()
+                self._rotate()
             entry = header + name + body
             if os.write(self._fd, entry) != len(entry):  # a full disk takes part of it: undo that part
                 os.ftruncate(self._fd, self._size)
@@ -166,12 +165,18 @@ class IngestJournal:
                     del self._open[segment]
                     done.append(segment)
         for segment in done:
-            self._path(segment).unlink(missing_ok=True)
+            self._delete(segment)
 
     def close(self) -> None:
         """Close the current segment (deleted if all of it is committed) and release the slot."""
         with self._lock:
-            self._close_segment()
+            os.close(self._fd)
+            if not self._open[self._segment]:
+                del self._open[self._segment]
+                self._delete(self._segment)
+        for _, fd in self._others:  # a replay that failed kept them
+            os.close(fd)
+        self._others = []
         os.close(self._lock_fd)
 
     def _path(self, segment: int) -> Path:
@@ -182,13 +187,25 @@ class IngestJournal:
         self._size = 0
         self._open[self._segment] = 0
 
-    def _close_segment(self) -> None:
-        os.close(self._fd)
-        closed = self._segment
-        self._segment += 1
-        if not self._open[closed]:
-            del self._open[closed]
-            self._path(closed).unlink(missing_ok=True)
+    def _rotate(self) -> None:
+        """The next segment first (if it cannot be made, nothing changes and append raises), then
+        the full one closed, and deleted when none of its batches wait for a commit."""
+        fd = os.open(self._path(self._segment + 1), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o600)
+        full, full_fd = self._segment, self._fd
+        self._segment, self._fd, self._size = full + 1, fd, 0
+        self._open[self._segment] = 0
+        os.close(full_fd)
+        if not self._open[full]:
+            del self._open[full]
+            self._delete(full)
+
+    def _delete(self, segment: int) -> None:
+        """A segment whose batches are all committed. Failing to delete it (permissions) only means
+        the next start replays batches the database already has: logged, not raised into a writer."""
+        try:
+            self._path(segment).unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("ingest journal: could not delete %s (%s); the next start replays it", self._path(segment), exc)
 
 
 def _try_lock(slot: Path) -> int | None:

@@ -19,7 +19,7 @@ async def replay_journal(journal: IngestJournal, writer: BatchWriter, decode: Ca
     files = journal.leftover_count
     if not files:
         return
-    waiting: list[asyncio.Future[object]] = []
+    waiting: list[asyncio.Future[object]] = []  # each batch's answer (an outcome, or the database's failure)
     replayed = undecodable = 0
     try:
         for project, body in journal.leftovers():
@@ -30,7 +30,7 @@ async def replay_journal(journal: IngestJournal, writer: BatchWriter, decode: Ca
                 continue
             while True:
                 try:
-                    waiting.append(asyncio.ensure_future(writer.submit(batch, project=project)))  # type: ignore[arg-type]
+                    waiting.append(asyncio.wrap_future(writer.submit(batch, project=project)))  # type: ignore[arg-type]
                     break
                 except WriterBusyError:  # the backlog is full: let what is queued commit first
                     await asyncio.gather(*waiting)

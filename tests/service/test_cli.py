@@ -80,9 +80,7 @@ def test_a_url_mistake_is_one_line_with_the_fix(
     assert expected in err and "secret" not in err
 
 
-def test_a_missing_directory_for_the_sqlite_file_is_named(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_missing_directory_for_the_sqlite_file_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "no" / "such"
     assert main(["token", "create", "--project", "p", "--scope", "read", "--db", f"sqlite:///{missing}/tv.db"]) == 2
     assert f"no directory {missing} for the SQLite file tv.db: create it (mkdir -p {missing})" in _one_line_error(
@@ -290,7 +288,9 @@ def test_token_create_names_the_database_and_says_when_it_created_it(
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("TRAINVITALS_DB", raising=False)
     create = ["token", "create", "--project", "llm", "--scope", "ingest"]
-    where = f"(project 'llm', scope 'ingest': shown once, stored hashed in sqlite:///{tmp_path.resolve()}/trainvitals.db"
+    where = (
+        f"(project 'llm', scope 'ingest': shown once, stored hashed in sqlite:///{tmp_path.resolve()}/trainvitals.db"
+    )
     assert main(create) == 0
     first = capsys.readouterr()
     assert first.out.count("\n") == 1 and first.out.startswith("tv_")  # stdout: the token alone, for $(...)
@@ -334,9 +334,7 @@ def test_query_steps_gives_the_history(replayed: str, capsys: pytest.CaptureFixt
     assert {"step", "loss", "grad_norm", "tokens", "step_seconds_p50", "step_seconds_max", "mfu"} <= table[0].keys()
 
 
-def test_an_empty_step_range_is_an_empty_answer_that_says_so(
-    replayed: str, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_an_empty_step_range_is_an_empty_answer_that_says_so(replayed: str, capsys: pytest.CaptureFixture[str]) -> None:
     have = {
         "steps": f"; the run has reduced steps 0..{STEPS - 1}",
         "step-times": f"; the run has step times for steps 0..{STEPS - 1}",
@@ -393,6 +391,21 @@ def test_serve_on_a_port_in_use_is_one_line_before_anything_starts(
     assert not (tmp_path / "tv.db").exists()  # nothing migrated, no analysis child started
     assert main(["serve", "--db", f"sqlite:///{tmp_path}/tv.db", "--host", "no-such-host.invalid"]) == 2
     assert "cannot listen on 'no-such-host.invalid' (" in _one_line_error(capsys)
+
+
+def test_serve_with_an_unusable_journal_directory_is_one_line_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "a-file").write_text("")
+    journal = tmp_path / "a-file" / "journal"  # under a file: no directory can be made there
+    code = main(
+        ["serve", "--db", f"sqlite:///{tmp_path}/tv.db", "--ingest-journal", str(journal), "--insecure-no-auth"]
+    )
+    assert code == 2
+    line = _one_line_error(capsys)
+    assert line.startswith(f"trainvitals: ingest journal directory {str(journal)!r} is not usable (")
+    assert "set TRAINVITALS_INGEST_JOURNAL_DIR (--ingest-journal) to a writable directory, or leave it unset" in line
+    assert not (tmp_path / "tv.db").exists()  # nothing migrated, no analysis child started
 
 
 # --------------------------------------------------------------------------- settings, schema, files
@@ -474,9 +487,7 @@ def test_replay_of_a_missing_file_creates_nothing(tmp_path: Path, capsys: pytest
     assert not (tmp_path / "tv.db").exists()
 
 
-def test_a_database_on_another_schema_revision_is_one_line(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_database_on_another_schema_revision_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """An older database failed on the first missing column (a wrong fix on SQLite, a traceback on
     PostgreSQL); one migrated by a newer trainvitals, and a misspelt --revision, were tracebacks."""
     url = f"sqlite:///{tmp_path}/tv.db"
