@@ -88,6 +88,10 @@ JOURNAL_ACK_RECORDS = 65_536
 batches, two thirds of a second at 100k records/s, so a crash of the host loses at most that."""
 _RETRY_S = 1.0
 """A journaled batch whose write failed for the database's sake is tried again after this."""
+_STORED_KEYS_MAX = 100_000
+"""(run key, incarnation) pairs remembered as stored, at most: each rank's process is an incarnation,
+so a collector that lives through many large jobs would otherwise keep every one of them. Past this
+the memory is emptied (about 10 MB), and each pair's next batch waits for its commit once more."""
 
 
 class WriterBusyError(RuntimeError):
@@ -323,6 +327,8 @@ class BatchWriter:
         for item, outcome in zip(group, outcomes, strict=True):
             key = (item.batch.run, item.batch.incarnation)
             if isinstance(outcome, BatchAck):
+                if len(self._stored_keys) >= _STORED_KEYS_MAX and key not in self._stored_keys:
+                    self._stored_keys.clear()
                 self._stored_keys.add(key)
             else:
                 self._stored_keys.discard(key)  # its next batches are answered by the database

@@ -15,8 +15,9 @@ trade as `ingest_synchronous_commit` off, so the directory belongs on a disk tha
 collector's process (not a container's scratch layer).
 
 Several collector processes (`serve --workers N`, replicas on one host) share a directory: each
-takes a slot of its own (`slot-K/`, held by an exclusive lock on `slot-K/lock` for the process's
-life), and on start replays every slot no live process holds, its own first.
+takes a slot of its own (`slot-K/`, the lowest free one, held by an exclusive lock on `slot-K/lock`
+for the process's life), and on start replays its own slot and every other that no live process
+holds and that still has files (a crashed process's), holding those only while it replays them.
 
 Entry format: a header (`<QiI`: entry number, project's byte length or -1 for none, body's byte
 length), the project's UTF-8, the body as received. A torn last entry (the process died inside the
@@ -80,11 +81,15 @@ class IngestJournal:
                 (p for p in root.iterdir() if p.name.startswith("slot-") and p.name[5:].isdigit()),
                 key=lambda p: int(p.name[5:]),
             )
-            held: list[tuple[Path, int]] = []
+            held: list[tuple[Path, int]] = []  # the first is this process's own slot
             for slot in slots:
                 fd = _try_lock(slot)
-                if fd is not None:
+                if fd is None:
+                    continue
+                if not held or any(cls._segments(slot)):  # its own, or another's to replay
                     held.append((slot, fd))
+                else:  # free and empty: left for the next process (clean stops leave every slot so)
+                    os.close(fd)
             if not held:
                 number = int(slots[-1].name[5:]) + 1 if slots else 0
                 slot = root / f"slot-{number}"

@@ -83,8 +83,13 @@ def test_refusals_are_counted_by_reason_and_requests_timed_per_route(client: Tes
 def test_the_list_of_per_process_families_is_what_it_exports() -> None:
     """FAMILIES is how the scale-out check tells per-process families from the shared database's:
     a family missing from it made two replicas' /metrics "differ"."""
-    exported = ProcessMetrics(queue_records=lambda: 0, queue_limit=1, writer_threads=1).collect()
+    exported = ProcessMetrics(
+        queue_records=lambda: 0, queue_limit=1, writer_threads=1, journal_acks=lambda: 3
+    ).collect()
     assert sorted(f.name for f in exported) == sorted(self_metrics.FAMILIES)
+    # Without an ingest journal there is no journal family (not a counter that stays 0).
+    plain = ProcessMetrics(queue_records=lambda: 0, queue_limit=1, writer_threads=1).collect()
+    assert sorted(f.name for f in plain) == sorted(set(self_metrics.FAMILIES) - {"trainvitals_ingest_journal_acks"})
 
 
 def test_the_writers_busy_ratio_is_the_last_minutes_share_of_their_time() -> None:

@@ -72,14 +72,22 @@ def test_a_closed_segment_goes_once_each_of_its_batches_is_committed(
 
 def test_processes_sharing_a_directory_take_slots_of_their_own(tmp_path: Path) -> None:
     one, two = IngestJournal.open(tmp_path), IngestJournal.open(tmp_path)  # two lock holders, as two processes
-    assert {one.slot.name, two.slot.name} == {"slot-0", "slot-1"}
+    assert (one.slot.name, two.slot.name) == ("slot-0", "slot-1")
     two.append("p", b"left by two")
-    two.close()
-    # A later process finds slot-1 free and replays it beside its own.
+    two.close()  # as if it died: its batch never committed
+    one.close()  # a clean stop: nothing left
+    # The next process takes the lowest free slot and replays slot-1 beside it, holding it meanwhile.
     three = IngestJournal.open(tmp_path)
-    assert three.slot.name == "slot-1" and [b for _, b in three.leftovers()] == [b"left by two"]
-    one.close()
-    three.close()
+    assert three.slot.name == "slot-0" and [b for _, b in three.leftovers()] == [b"left by two"]
+    four = IngestJournal.open(tmp_path)  # starting meanwhile: both slots held, so a new one
+    assert four.slot.name == "slot-2" and not list(four.leftovers())
+    three.forget_leftovers()  # replayed: slot-1 is free again, and empty
+    five = IngestJournal.open(tmp_path)
+    assert five.slot.name == "slot-1" and not list(five.leftovers())
+    for journal in (three, four, five):
+        journal.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["slot-0", "slot-1", "slot-2"]
+    assert _segments(tmp_path) == []  # clean stops leave no files
 
 
 def test_an_unusable_directory_is_one_line_naming_the_setting(tmp_path: Path) -> None:
@@ -241,3 +249,28 @@ def test_a_journal_that_cannot_be_written_leaves_batches_to_wait_for_their_commi
         journal.close()
     assert caplog.text.count("No space left on device") == 1  # said once, not once a batch
     assert _count(sessions, StepRow) == 6
+
+
+def test_the_memory_of_stored_runs_is_bounded(sessions, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank's process is an incarnation: a long-lived collector forgets them past a bound, and a
+    forgotten one's next batch is answered after its commit again (then journaled as before)."""
+    from trainvitals.service.ingest import batch_writer
+
+    monkeypatch.setattr(batch_writer, "_STORED_KEYS_MAX", 2)
+    journal = IngestJournal.open(tmp_path)
+    writer = BatchWriter(sessions, journal=journal)
+    try:
+        for incarnation in (1, 2, 3):  # the third forgets the first two
+            first = _batch(0, 0, incarnation=incarnation)
+            assert writer.submit(first, project=None, body=_body(first)).result(10).accepted == 2
+        assert writer.journal_acks == 0
+        again = _batch(0, 1, incarnation=1)
+        assert writer.submit(again, project=None, body=_body(again)).result(10).accepted == 2
+        assert writer.journal_acks == 0  # forgotten: it waited for its commit
+        latest = _batch(0, 1, incarnation=3)
+        assert writer.submit(latest, project=None, body=_body(latest)).done()  # remembered: journaled
+        assert writer.journal_acks == 1
+    finally:
+        writer.stop()
+        journal.close()
+    assert _count(sessions, StepRow) == 10
