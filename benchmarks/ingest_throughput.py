@@ -623,6 +623,8 @@ class IngestResult:
     """What the batch writers did over the window, from the collector's /metrics (one process only)."""
     span_s: float = 0.0
     """The measured window's length, s."""
+    backlog_growth: float = 0.0
+    """--journal: records the writers' backlog grew by over the window (acknowledged, not committed)."""
 
 
 @dataclass(frozen=True)
@@ -677,7 +679,7 @@ def writer_counters(exposition: str) -> tuple[float, ...]:
     from prometheus_client.parser import text_string_to_metric_families
 
     values = {s.name: s.value for f in text_string_to_metric_families(exposition) for s in f.samples}
-    optional = {"trainvitals_ingest_journal_acks_total": 0.0}
+    optional = {"trainvitals_ingest_queue_records": 0.0, "trainvitals_ingest_journal_acks_total": 0.0}
     return tuple(values[name] if name in values or name not in optional else optional[name] for name in WRITER_SAMPLES)
 
 
@@ -938,11 +940,16 @@ def _drive(
         if timeline is not None:
             _write_timeline(f"{timeline}-{backend}.csv", [t for *_, timed in results for t in timed], schedule)
     # With the journal a batch is acknowledged before its commit: what the writers' backlog grew by
-    # in the window was acknowledged and not stored, so records/s counts what was committed.
+    # in the window was acknowledged and not stored. A closed loop's records/s (its throughput)
+    # counts what was committed; an open loop's, what was acknowledged, and keeping up also needs
+    # the backlog to have grown by less than a second of the rate (a batch or two in flight at
+    # either scrape is not falling behind).
     backlog_growth = writers1[4] - writers0[4] if journal and writers0 and writers1 else 0.0
+    acknowledged = sum(s[2] for s in window)
     return IngestResult(
         backend=backend,
-        records_per_s=(sum(s[2] for s in window) - backlog_growth) / span,
+        records_per_s=(acknowledged - (backlog_growth if schedule is None else 0.0)) / span,
+        backlog_growth=backlog_growth,
         batches_per_s=len(window) / span,
         records_per_batch=n_records,
         body_kb=len(template) / 1024,
@@ -1217,6 +1224,9 @@ def _open_loop_verdict(r: IngestResult) -> list[str]:
     """Whether the collector kept up with the offered rate, and whether the clients could."""
     ratio = r.records_per_s / r.offered_per_s
     verdict = "KEPT UP" if open_loop_kept_up(r) else "DID NOT KEEP UP: the p99 above is queueing behind a backlog"
+    if r.backlog_growth > r.offered_per_s:
+        behind = f"{r.backlog_growth:,.0f} records"
+        verdict = f"DID NOT KEEP UP: acknowledged from the journal, but the writers fell {behind} behind"
     lines = [
         f"[{r.backend}] open loop: {r.records_per_s:,.0f} of {r.offered_per_s:,.0f} records/s offered "
         f"({ratio:.2f}); sends up to {r.late_max_ms:.1f} ms behind schedule (first quarter of the window "
@@ -1241,8 +1251,9 @@ def _open_loop_verdict(r: IngestResult) -> list[str]:
 
 
 def open_loop_kept_up(r: IngestResult) -> bool:
-    """The collector acknowledged at least 97% of the offered rate and every batch due was sent."""
-    return r.records_per_s / r.offered_per_s >= 0.97 and r.unsent == 0
+    """The collector acknowledged at least 97% of the offered rate, every batch due was sent, and
+    (with the journal) its writers' backlog grew by less than a second of the rate."""
+    return r.records_per_s / r.offered_per_s >= 0.97 and r.unsent == 0 and r.backlog_growth <= r.offered_per_s
 
 
 def headline(r: IngestResult, floor: BracketedFloor | None, cores: int) -> dict[str, Any]:
@@ -1455,7 +1466,13 @@ def main() -> None:
         "\nCPU columns: cores busy on average (the collector's processes: serve, its --workers and its analysis "
         "child; PostgreSQL backends of the scratch database; all load generators); RSS and HWM: summed over the "
         "collector's processes. us/rec: the collector's CPU microseconds per acknowledged record. "
-        "records/s counts acknowledged records in the window. "
+        "records/s counts acknowledged records in the window"
+        + (
+            " (with --journal, a closed loop's counts those committed: acknowledged, less what the writers' "
+            "backlog grew by). "
+            if args.journal
+            else ". "
+        )
         + (
             "Open loop: offered is --rate; p50/p99 run from each batch's scheduled send time to its answer, over "
             "the batches due in the window ('>': a lower bound, some were never sent); late ms: how far behind "

@@ -160,3 +160,21 @@ def test_the_writers_line_reads_the_collectors_own_families() -> None:
         "[postgresql] batch writers (2 threads): busy 15% of the window, 4.0 batches a group, 100.0 ms a group, "
         "3 groups/s"
     )
+
+
+def test_the_writers_line_counts_the_batches_acknowledged_from_the_journal() -> None:
+    from prometheus_client import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    from trainvitals.service.self_metrics import ProcessMetrics
+
+    acks = [5]
+    metrics = ProcessMetrics(writer_threads=1, queue_records=lambda: 0, journal_acks=lambda: acks[0])
+    registry = CollectorRegistry()
+    registry.register(metrics)
+    start = bench.writer_counters(generate_latest(registry).decode())
+    metrics.observe_group(3, 0.1)
+    acks[0] = 8
+    delta = bench.writer_delta(start, bench.writer_counters(generate_latest(registry).decode()))
+    assert delta.journal_acks == 3
+    assert delta.line("sqlite", 1.0).endswith("1 groups/s; 3 batches acknowledged from the journal")
