@@ -53,6 +53,7 @@ import logging
 import os
 import queue
 import socket
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -88,6 +89,8 @@ JOURNAL_ACK_RECORDS = 65_536
 batches, two thirds of a second at 100k records/s, so a crash of the host loses at most that."""
 _RETRY_S = 1.0
 """A journaled batch whose write failed for the database's sake is tried again after this."""
+_MAX_ATTEMPTS = 10
+"""Failed writes of one journaled batch, the database reachable each time, before it is refused."""
 _STORED_KEYS_MAX = 100_000
 """(run key, incarnation) pairs remembered as stored, at most: each rank's process is an incarnation,
 so a collector that lives through many large jobs would otherwise keep every one of them. Past this
@@ -109,6 +112,7 @@ class _Pending:
     loop: asyncio.AbstractEventLoop | None  # the submitter's, when it submitted on one
     future: Answer | None  # None: acknowledged from the journal, nobody waits
     segment: int | None = None  # its journal segment, when journaled
+    attempts: int = 0  # failed writes of a journaled batch
 
 
 class BatchWriter:
@@ -276,8 +280,9 @@ class BatchWriter:
             with self._lock:
                 self._pending_records -= records
 
-    def _write(self, group: list[_Pending], name: str) -> bool:
-        """Store the group and answer it; False when the database failed (not a batch's value)."""
+    def _write(self, group: list[_Pending], name: str) -> Exception | None:
+        """Store the group and answer it; the database's failure, when it failed for its own sake
+        (not a batch's value)."""
         try:
             with self._sessions() as session:
                 outcomes = batches.store_batches(
@@ -293,28 +298,40 @@ class BatchWriter:
                 # One transaction for all of them failed; store them one by one so a single
                 # batch the database rejects does not take the others down with it.
                 for i, item in enumerate(group):
-                    if not self._write([item], name):  # the database, not a batch: the rest would fail alike
-                        self._retry_or_fail(group[i + 1 :], exc)
-                        return False
-                return True
+                    failure = self._write([item], name)
+                    if failure is not None and _unavailable(failure):  # the rest would wait and fail alike
+                        self._retry_or_fail(group[i + 1 :], failure)
+                        return failure
+                return None
             if _refused_value(exc):  # this batch's values, not the database's state
-                self._settled(group, [batches.UnstorableBatchError(database_reason(exc))])
-                with contextlib.suppress(Exception), self._sessions() as session:
-                    batches.count_unstorable(session, group[0].batch, writer=name, project=group[0].project)
-                return True
+                self._refused(group[0], batches.UnstorableBatchError(database_reason(exc)), name)
+                return None
             log.exception("storing batch %s failed", _describe(group[0].batch))
-            self._retry_or_fail(group, exc)
-            return False
+            self._retry_or_fail(group, exc, name)
+            return exc
         self._last_group_committed = True
         self._settled(group, outcomes)
-        return True
+        return None
 
-    def _retry_or_fail(self, group: list[_Pending], exc: Exception) -> None:
+    def _refused(self, item: _Pending, outcome: batches.UnstorableBatchError, name: str) -> None:
+        self._settled([item], [outcome])
+        with contextlib.suppress(Exception), self._sessions() as session:
+            batches.count_unstorable(session, item.batch, writer=name, project=item.project)
+
+    def _retry_or_fail(self, group: list[_Pending], exc: Exception, name: str = "") -> None:
         """The database failed these batches: those acknowledged from the journal go back in the
-        queue (written again after `_RETRY_S`), the others are answered with the failure (503)."""
+        queue (written again after `_RETRY_S`), the others are answered with the failure (503). A
+        journaled batch that keeps failing while the database is reachable (`_MAX_ATTEMPTS`) is
+        refused instead, so one batch no retry can store does not come back for ever."""
         self._last_group_committed = False
         self._retry_at = time.monotonic() + _RETRY_S
-        again = [p for p in group if p.segment is not None]
+        again: list[_Pending] = []
+        for item in (p for p in group if p.segment is not None):
+            item.attempts += 1
+            if name and item.attempts >= _MAX_ATTEMPTS and not _unavailable(exc):
+                self._refused(item, batches.UnstorableBatchError(database_reason(exc)), name)
+            else:
+                again.append(item)
         with self._lock:
             self._pending_records += sum(len(p.batch.records) for p in again)  # _run counts them done once more
         for item in again:
@@ -378,6 +395,16 @@ def _settle(answers: list[_Answered]) -> None:
 # raised by binary COPY), SQLAlchemy's wrapper of it, sqlite3 binding an int beyond 64 bits, and a
 # string no UTF-8 holds (a lone surrogate, which a large body's lax decode lets through).
 _DATA_ERRORS = (psycopg.DataError, sqlalchemy.exc.DataError, OverflowError, UnicodeEncodeError)
+
+
+# The database cannot be reached or is locked: nothing about one batch (psycopg's, SQLAlchemy's
+# wrapper of it, and sqlite3's "database is locked").
+_UNAVAILABLE = (psycopg.OperationalError, sqlalchemy.exc.OperationalError, sqlite3.OperationalError)
+
+
+def _unavailable(exc: BaseException) -> bool:
+    """Whether a failed write says the database is down or locked, not that a batch cannot be stored."""
+    return isinstance(exc, _UNAVAILABLE) or isinstance(getattr(exc, "orig", None), _UNAVAILABLE)
 
 
 def _refused_value(exc: BaseException) -> bool:

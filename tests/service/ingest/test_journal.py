@@ -274,3 +274,41 @@ def test_the_memory_of_stored_runs_is_bounded(sessions, tmp_path: Path, monkeypa
         writer.stop()
         journal.close()
     assert _count(sessions, StepRow) == 10
+
+
+def test_a_journaled_batch_no_retry_can_store_is_refused_and_the_others_are_stored(
+    sessions, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A failure that is neither a value the database refuses nor the database being down (here a
+    fault put into the real store for one batch) must not come back for ever, nor hold the batches
+    queued beside it."""
+    import sqlalchemy.exc
+
+    from trainvitals.service.ingest import batch_writer
+
+    monkeypatch.setattr(batch_writer, "_MAX_ATTEMPTS", 3)
+    monkeypatch.setattr(batch_writer, "_RETRY_S", 0.05)
+    real_store = batches.store_batches
+
+    def store(session, items, **kwargs):
+        if any(batch.seq == 2 for batch, _ in items):
+            raise sqlalchemy.exc.ProgrammingError("INSERT ...", {}, Exception("a fault only batch 2 meets"))
+        return real_store(session, items, **kwargs)
+
+    monkeypatch.setattr(batches, "store_batches", store)
+    journal = IngestJournal.open(tmp_path)
+    writer = BatchWriter(sessions, journal=journal)
+    try:
+        assert writer.submit(_batch(0, 0), project=None, body=_body(_batch(0, 0))).result(10).accepted == 2
+        acked = [writer.submit(_batch(0, seq), project=None, body=_body(_batch(0, seq))) for seq in (1, 2, 3)]
+        assert all(f.done() for f in acked)
+        for _ in range(200):
+            if not writer.pending_records:
+                break
+            threading.Event().wait(0.05)
+    finally:
+        writer.stop()
+        journal.close()
+    assert _count(sessions, DeliveredBatch) == 3  # seq 0, 1 and 3; seq 2 refused after 3 attempts
+    assert "seq=2, acknowledged from the ingest journal, was refused" in caplog.text
+    assert _segments(tmp_path) == []
