@@ -340,7 +340,12 @@ class BatchWriter:
         _answer(waiting, [None] * len(waiting), failure=exc)
 
     def _settled(self, group: list[_Pending], outcomes: Sequence[batches.BatchOutcome]) -> None:
-        """Answer the group, learn which runs' batches are stored, close its journal entries."""
+        """Answer the group; with a journal, first learn which runs' batches are stored (so a
+        sender's next batch, sent on this answer, finds its run known), and close the group's
+        journal entries."""
+        if self._journal is None:
+            _answer(group, outcomes)
+            return
         for item, outcome in zip(group, outcomes, strict=True):
             key = (item.batch.run, item.batch.incarnation)
             if isinstance(outcome, BatchAck):
@@ -355,7 +360,7 @@ class BatchWriter:
                         "trainvitals_ingest_batches_total)", _describe(item.batch), outcome,
                     )  # fmt: skip
         _answer(group, outcomes)
-        if self._journal is not None and (segments := [p.segment for p in group if p.segment is not None]):
+        if segments := [p.segment for p in group if p.segment is not None]:
             self._journal.committed(segments)
 
 

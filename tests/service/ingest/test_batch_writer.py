@@ -40,17 +40,6 @@ def _batch(rank: int, seq: int, *, run: str = "r1") -> Batch:
     return Batch.model_validate({"run": run, "rank": rank, "incarnation": 1, "seq": seq, "records": records})
 
 
-@pytest.fixture
-def sessions(db_url: str):
-    engine = db.make_engine(db_url)
-    factory = db.make_sessionmaker(engine)
-    with factory() as s:
-        batches.register_run(s, RunRegistration(run="r1", project="a", parallelism={"world_size": 8}))
-        batches.register_run(s, RunRegistration(run="r2", project="b"))
-    yield factory
-    engine.dispose()
-
-
 def _count(factory, model) -> int:
     with factory() as s:
         return int(s.scalar(select(func.count()).select_from(model)) or 0)

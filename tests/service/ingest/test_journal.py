@@ -14,9 +14,9 @@ from trainvitals.service.ingest import journal as journal_module
 from trainvitals.service.ingest.batch_writer import BatchWriter
 from trainvitals.service.ingest.journal import IngestJournal, JournalError
 from trainvitals.service.ingest.journal_replay import replay_journal
-from trainvitals.service.store import batches, db, run_keys
+from trainvitals.service.store import batches, run_keys
 from trainvitals.service.store.models import DeliveredBatch, RefusedIncarnation, StepRow
-from trainvitals.wire import Batch, BatchAck, RunRegistration
+from trainvitals.wire import Batch, BatchAck
 
 
 def _batch(rank: int, seq: int, *, incarnation: int = 1) -> Batch:
@@ -97,16 +97,6 @@ def test_an_unusable_directory_is_one_line_naming_the_setting(tmp_path: Path) ->
     assert problem is not None and "TRAINVITALS_INGEST_JOURNAL_DIR" in problem and "\n" not in problem
     with pytest.raises(JournalError, match="not usable"):
         IngestJournal.open(blocker / "journal")
-
-
-@pytest.fixture
-def sessions(db_url: str):
-    engine = db.make_engine(db_url)
-    factory = db.make_sessionmaker(engine)
-    with factory() as s:
-        batches.register_run(s, RunRegistration(run="r1", project="a", parallelism={"world_size": 8}))
-    yield factory
-    engine.dispose()
 
 
 def _count(factory, model) -> int:
