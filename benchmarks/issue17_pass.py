@@ -1,9 +1,9 @@
 """Issue 17's measurements in one command, and where each of its targets stands on this machine.
 
     python benchmarks/issue17_pass.py [--out DIR] [--db-prefix tv_bench] [--port P]
-        [--only agent,closed,open-sqlite,open-postgresql,latency-sqlite,latency-postgresql,16k]
+        [--only agent,closed,open-sqlite,open-postgresql,...,16k]  (--help lists every name)
 
-Runs, one after another, the commands docs/performance.md quotes for each target (about 35
+Runs, one after another, the commands docs/performance.md quotes for each target (about 40
 minutes on a 2-core machine; run nothing else beside it, the numbers are the machine's):
 
     agent_overhead.py --rounds 1 --long-steps 600 --configs default
@@ -11,6 +11,7 @@ minutes on a 2-core machine; run nothing else beside it, the numbers are the mac
     ingest_throughput.py --backends B --rate 100000 --seconds 90 --warmup 30 --floor-seconds 0 --clients 16
     the same three ingest runs with --journal (the collector's ingest journal on)
     latency.py --backend B
+    latency.py --backend B --journal
     analysis_16k.py --cycles 2 --modes kept,restart
 
 (B: sqlite, then postgresql.) Each one's report goes to DIR/<name>.log, and to the terminal without
@@ -68,6 +69,8 @@ BENCHMARKS = (
     Benchmark("open-postgresql-journal", "ingest_throughput.py", f"--backends postgresql {OPEN_LOOP} --journal"),
     Benchmark("latency-sqlite", "latency.py", "--backend sqlite"),
     Benchmark("latency-postgresql", "latency.py", "--backend postgresql"),
+    Benchmark("latency-sqlite-journal", "latency.py", "--backend sqlite --journal"),
+    Benchmark("latency-postgresql-journal", "latency.py", "--backend postgresql --journal"),
     Benchmark("16k", "analysis_16k.py", "--cycles 2 --modes kept,restart", takes_port=False),
 )
 
@@ -117,6 +120,12 @@ def _fmt(value: float | None, spec: str, unit: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{unit}"
 
 
+def _ratio(value: float) -> str:
+    """Two decimals, or three where two would round a miss up to the target (0.696 is not 0.70)."""
+    two = f"{value:.2f}"
+    return f"{value:.3f}" if value < INGEST_RATIO and float(two) >= INGEST_RATIO else two
+
+
 def _backend(results: dict[str, Any] | None, backend: str) -> dict[str, Any] | None:
     if results is None:
         return None
@@ -158,8 +167,9 @@ def ingest_verdicts(
             out.append(Verdict(item, target, "not measured", None))
             continue
         measured = (
-            f"{r['ratio_to_floor']:.2f} ({r['records_per_s']:,.0f} of a floor of {r['floor']['records_per_s']:,.0f} "
-            f"records/s; CPU ceiling {r['cpu_ceiling_of_floor']:.2f}, cores {r['busy']:.0%} busy)"
+            f"{_ratio(r['ratio_to_floor'])} ({r['records_per_s']:,.0f} of a floor of "
+            f"{r['floor']['records_per_s']:,.0f} records/s; CPU ceiling {r['cpu_ceiling_of_floor']:.2f}, "
+            f"cores {r['busy']:.0%} busy)"
         )
         out.append(Verdict(item, target, measured, r["ratio_to_floor"] >= INGEST_RATIO))
     for backend in ("sqlite", "postgresql"):
@@ -196,11 +206,12 @@ def analysis_verdict(analysis: dict[str, Any] | None) -> Verdict:
     )
 
 
-def latency_verdicts(latency: dict[str, dict[str, Any] | None]) -> list[Verdict]:
+def latency_verdicts(latency: dict[str, dict[str, Any] | None], label: str = "") -> list[Verdict]:
+    """Item 5's rows; `label` follows each row's name (", ingest journal")."""
     out = []
     for backend in ("sqlite", "postgresql"):
         r = latency.get(backend)
-        item = f"5. step to screen, {backend}"
+        item = f"5. step to screen, {backend}{label}"
         target = "a reduced complete step within the send interval + one analysis cycle"
         complete = r["complete_step"] if r else None
         if complete is None or complete["max_s"] is None:
@@ -228,16 +239,21 @@ def verdicts(files: dict[str, dict[str, Any] | None]) -> list[Verdict]:
         payload = files.get(name)
         return None if payload is None else payload["results"]
 
-    journal: list[Verdict] = []
-    if any(name.endswith("-journal") for name in files):  # run (or tried) in this pass
-        loops = {b: results(f"open-{b}-journal") for b in ("sqlite", "postgresql")}
-        journal = ingest_verdicts(results("closed-journal"), loops, ", ingest journal")
+    backends = ("sqlite", "postgresql")
+    journal_ingest: list[Verdict] = []
+    if any(name in files for name in ("closed-journal", *(f"open-{b}-journal" for b in backends))):  # run or tried
+        loops = {b: results(f"open-{b}-journal") for b in backends}
+        journal_ingest = ingest_verdicts(results("closed-journal"), loops, ", ingest journal")
+    journal_latency: list[Verdict] = []
+    if any(f"latency-{b}-journal" in files for b in backends):
+        journal_latency = latency_verdicts({b: results(f"latency-{b}-journal") for b in backends}, ", ingest journal")
     return [
         *agent_verdicts(results("agent")),
-        *ingest_verdicts(results("closed"), {b: results(f"open-{b}") for b in ("sqlite", "postgresql")}),
-        *journal,
+        *ingest_verdicts(results("closed"), {b: results(f"open-{b}") for b in backends}),
+        *journal_ingest,
         analysis_verdict(results("16k")),
-        *latency_verdicts({b: results(f"latency-{b}") for b in ("sqlite", "postgresql")}),
+        *latency_verdicts({b: results(f"latency-{b}") for b in backends}),
+        *journal_latency,
     ]
 
 

@@ -2,9 +2,10 @@
 and in /metrics, and how long until it is a reduced complete step.
 
     python benchmarks/latency.py [--backend sqlite|postgresql] [--ranks 4] [--step-seconds 0.5]
-        [--seconds 60] [--port P] [--db-prefix tv_bench] [--json PATH]
+        [--seconds 60] [--journal] [--port P] [--db-prefix tv_bench] [--json PATH]
 
-Starts `trainvitals serve` (auth on, analysis on, every default) on a scratch database and
+Starts `trainvitals serve` (auth on, analysis on, every default; with --journal, the ingest journal
+in a scratch directory, so batches are answered before their commit) on a scratch database and
 `--ranks` processes that each attach the real agent (`trainvitals.agent.attach`, its default 2 s
 send interval, no model) and call `agent.step()` on a shared clock: step k ends at t0 +
 (k + 1) x --step-seconds on every rank. Meanwhile this process polls the run overview
@@ -23,6 +24,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -75,6 +77,9 @@ def main() -> None:
     parser.add_argument("--step-seconds", type=float, default=0.5)
     parser.add_argument("--seconds", type=float, default=60.0, help="steps made for this long")
     parser.add_argument("--warmup", type=float, default=10.0, help="steps of the first seconds are not counted")
+    parser.add_argument(
+        "--journal", action="store_true", help="serve --ingest-journal (a scratch directory): answered once journaled"
+    )
     add_shared_args(parser)
     add_json_arg(parser)
     parser.add_argument("--rank-child", nargs=6, help=argparse.SUPPRESS)
@@ -85,10 +90,14 @@ def main() -> None:
         return
     print("$ python benchmarks/latency.py " + " ".join(sys.argv[1:]), flush=True)
     steps = int(args.seconds / args.step_seconds)
-    with scratch_db(args.backend, f"{args.db_prefix}_latency") as url:
+    with (
+        scratch_db(args.backend, f"{args.db_prefix}_latency") as url,
+        tempfile.TemporaryDirectory(prefix=f"{args.db_prefix}_journal_") as journal_dir,
+    ):
         ingest = create_token(url, project="bench", scope="ingest")
         read = create_token(url, project="bench", scope="read")
-        with collector(url, port=args.port) as col:
+        extra = ("--ingest-journal", journal_dir) if args.journal else ()
+        with collector(url, port=args.port, extra_args=extra) as col:
             print(f"collector: {col.command}", flush=True)
             t0 = time.time() + 8.0  # the ranks import torch and attach meanwhile
             ranks = [
@@ -100,6 +109,7 @@ def main() -> None:
             latest: dict[int, float] = {}
             complete: dict[int, float] = {}
             cycle_max = 0.0
+            journal_acks = 0.0  # batches answered before their commit (--journal)
             try:
                 deadline = t0 + steps * args.step_seconds + 60.0
                 while time.time() < deadline and (not complete or max(complete) < steps - 1):
@@ -115,6 +125,8 @@ def main() -> None:
                     for line in text.splitlines():
                         if line.startswith("trainvitals_analysis_last_cycle_seconds "):
                             cycle_max = max(cycle_max, float(line.split()[1]))
+                        elif line.startswith("trainvitals_ingest_journal_acks_total "):
+                            journal_acks = float(line.split()[1])
                     time.sleep(max(0.0, POLL_S - (time.time() - at)))
             finally:
                 for p in ranks:
@@ -125,8 +137,10 @@ def main() -> None:
                         p.wait()
             interval = _analysis_interval()
     first = int(args.warmup / args.step_seconds)
+    journal = f"; {journal_acks:.0f} batches acknowledged from the ingest journal" if args.journal else ""
     print(f"\n{args.ranks} ranks, a step every {args.step_seconds} s, send interval {SEND_INTERVAL_S} s, "
-          f"{args.backend}; steps {first}..{steps - 1} counted (after {args.warmup:.0f} s of warm-up)")  # fmt: skip
+          f"{args.backend}; steps {first}..{steps - 1} counted (after {args.warmup:.0f} s of warm-up)"
+          + journal)  # fmt: skip
     print(f"{'shown in':<34}{'median s':>10}{'max s':>10}{'steps':>8}")
     shown: dict[str, dict[str, float | int | None]] = {}
     for key, label, seen in (
@@ -145,7 +159,8 @@ def main() -> None:
     print(f"\nbound: send interval {SEND_INTERVAL_S} s + one analysis cycle (interval {interval} s + longest "
           f"cycle seen {cycle_max:.2f} s) = {bound:.2f} s")  # fmt: skip
     write_results(args.json, benchmark="latency", command=sys.argv,
-                  results={"backend": args.backend, "ranks": args.ranks, "bound_s": bound, **shown})  # fmt: skip
+                  results={"backend": args.backend, "ranks": args.ranks, "bound_s": bound,
+                           "journal_acks": journal_acks if args.journal else None, **shown})  # fmt: skip
 
 
 def _analysis_interval() -> float:
