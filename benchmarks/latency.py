@@ -19,6 +19,7 @@ interval plus the longest cycle the collector recorded, trainvitals_analysis_las
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -90,13 +91,11 @@ def main() -> None:
         return
     print("$ python benchmarks/latency.py " + " ".join(sys.argv[1:]), flush=True)
     steps = int(args.seconds / args.step_seconds)
-    with (
-        scratch_db(args.backend, f"{args.db_prefix}_latency") as url,
-        tempfile.TemporaryDirectory(prefix=f"{args.db_prefix}_journal_") as journal_dir,
-    ):
+    journal_scratch = tempfile.TemporaryDirectory(prefix=f"{args.db_prefix}_journal_") if args.journal else None
+    with scratch_db(args.backend, f"{args.db_prefix}_latency") as url, journal_scratch or contextlib.nullcontext():
         ingest = create_token(url, project="bench", scope="ingest")
         read = create_token(url, project="bench", scope="read")
-        extra = ("--ingest-journal", journal_dir) if args.journal else ()
+        extra = ("--ingest-journal", journal_scratch.name) if journal_scratch else ()
         with collector(url, port=args.port, extra_args=extra) as col:
             print(f"collector: {col.command}", flush=True)
             t0 = time.time() + 8.0  # the ranks import torch and attach meanwhile

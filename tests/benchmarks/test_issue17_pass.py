@@ -179,7 +179,7 @@ def test_the_pass_runs_each_benchmark_with_its_own_names_and_writes_the_table(tm
     assert "| 4. first analysis cycle after a restart, 16,384 ranks | < 10 s | not measured | not measured |" in summary
     assert "| 3. p99 at 100,000 records/s, postgresql, ingest journal | < 50 ms | 30.0 ms, kept up" in summary
     assert "| 5. step to screen, postgresql, ingest journal | a reduced complete step within" in summary
-    # Items 3's four rows and 5's two twice: acknowledged at commit, and from the journal.
+    # Item 3's four rows and item 5's two, twice: acknowledged at commit, and from the journal.
     assert summary.count("| MET |") == 14
 
 
