@@ -43,6 +43,7 @@ INGEST_RATIO = 0.7
 OPEN_LOOP_RATE = 100_000
 OPEN_LOOP_P99_MS = 50.0
 FIRST_CYCLE_S = 10.0
+BACKENDS = ("sqlite", "postgresql")
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ def ingest_verdicts(
 ) -> list[Verdict]:
     """Item 3's rows; `label` follows each row's name (", ingest journal")."""
     out = []
-    for backend in ("sqlite", "postgresql"):
+    for backend in BACKENDS:
         item, target = f"3. ingest / raw-insert floor, {backend}, closed loop of 16{label}", f">= {INGEST_RATIO}"
         r = _backend(closed, backend)
         if r is None or r.get("ratio_to_floor") is None:
@@ -172,7 +173,7 @@ def ingest_verdicts(
             f"cores {r['busy']:.0%} busy)"
         )
         out.append(Verdict(item, target, measured, r["ratio_to_floor"] >= INGEST_RATIO))
-    for backend in ("sqlite", "postgresql"):
+    for backend in BACKENDS:
         item, target = f"3. p99 at {OPEN_LOOP_RATE:,} records/s, {backend}{label}", f"< {OPEN_LOOP_P99_MS:.0f} ms"
         r = _backend(open_loops.get(backend), backend)
         if r is None:
@@ -209,7 +210,7 @@ def analysis_verdict(analysis: dict[str, Any] | None) -> Verdict:
 def latency_verdicts(latency: dict[str, dict[str, Any] | None], label: str = "") -> list[Verdict]:
     """Item 5's rows; `label` follows each row's name (", ingest journal")."""
     out = []
-    for backend in ("sqlite", "postgresql"):
+    for backend in BACKENDS:
         r = latency.get(backend)
         item = f"5. step to screen, {backend}{label}"
         target = "a reduced complete step within the send interval + one analysis cycle"
@@ -239,20 +240,19 @@ def verdicts(files: dict[str, dict[str, Any] | None]) -> list[Verdict]:
         payload = files.get(name)
         return None if payload is None else payload["results"]
 
-    backends = ("sqlite", "postgresql")
     journal_ingest: list[Verdict] = []
-    if any(name in files for name in ("closed-journal", *(f"open-{b}-journal" for b in backends))):  # run or tried
-        loops = {b: results(f"open-{b}-journal") for b in backends}
+    if any(name in files for name in ("closed-journal", *(f"open-{b}-journal" for b in BACKENDS))):  # run or tried
+        loops = {b: results(f"open-{b}-journal") for b in BACKENDS}
         journal_ingest = ingest_verdicts(results("closed-journal"), loops, ", ingest journal")
     journal_latency: list[Verdict] = []
-    if any(f"latency-{b}-journal" in files for b in backends):
-        journal_latency = latency_verdicts({b: results(f"latency-{b}-journal") for b in backends}, ", ingest journal")
+    if any(f"latency-{b}-journal" in files for b in BACKENDS):
+        journal_latency = latency_verdicts({b: results(f"latency-{b}-journal") for b in BACKENDS}, ", ingest journal")
     return [
         *agent_verdicts(results("agent")),
-        *ingest_verdicts(results("closed"), {b: results(f"open-{b}") for b in backends}),
+        *ingest_verdicts(results("closed"), {b: results(f"open-{b}") for b in BACKENDS}),
         *journal_ingest,
         analysis_verdict(results("16k")),
-        *latency_verdicts({b: results(f"latency-{b}") for b in backends}),
+        *latency_verdicts({b: results(f"latency-{b}") for b in BACKENDS}),
         *journal_latency,
     ]
 

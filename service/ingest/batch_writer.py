@@ -300,7 +300,7 @@ class BatchWriter:
                 for i, item in enumerate(group):
                     failure = self._write([item], name)
                     if failure is not None and _unavailable(failure):  # the rest would wait and fail alike
-                        self._retry_or_fail(group[i + 1 :], failure)
+                        self._retry_or_fail(group[i + 1 :], failure, name)
                         return failure
                 return None
             if _refused_value(exc):  # this batch's values, not the database's state
@@ -318,7 +318,7 @@ class BatchWriter:
         with contextlib.suppress(Exception), self._sessions() as session:
             batches.count_unstorable(session, item.batch, writer=name, project=item.project)
 
-    def _retry_or_fail(self, group: list[_Pending], exc: Exception, name: str = "") -> None:
+    def _retry_or_fail(self, group: list[_Pending], exc: Exception, name: str) -> None:
         """The database failed these batches: those acknowledged from the journal go back in the
         queue (written again after `_RETRY_S`), the others are answered with the failure (503). A
         journaled batch that keeps failing while the database is reachable (`_MAX_ATTEMPTS`) is
@@ -328,7 +328,7 @@ class BatchWriter:
         again: list[_Pending] = []
         for item in (p for p in group if p.segment is not None):
             item.attempts += 1
-            if name and item.attempts >= _MAX_ATTEMPTS and not _unavailable(exc):
+            if item.attempts >= _MAX_ATTEMPTS and not _unavailable(exc):
                 self._refused(item, batches.UnstorableBatchError(database_reason(exc)), name)
             else:
                 again.append(item)
