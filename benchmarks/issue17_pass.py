@@ -240,19 +240,22 @@ def verdicts(files: dict[str, dict[str, Any] | None]) -> list[Verdict]:
         payload = files.get(name)
         return None if payload is None else payload["results"]
 
+    def by_backend(name: str) -> dict[str, dict[str, Any] | None]:
+        """Each backend's results of the benchmark named `name` with "{b}" for the backend."""
+        return {b: results(name.format(b=b)) for b in BACKENDS}
+
     journal_ingest: list[Verdict] = []
     if any(name in files for name in ("closed-journal", *(f"open-{b}-journal" for b in BACKENDS))):  # run or tried
-        loops = {b: results(f"open-{b}-journal") for b in BACKENDS}
-        journal_ingest = ingest_verdicts(results("closed-journal"), loops, ", ingest journal")
+        journal_ingest = ingest_verdicts(results("closed-journal"), by_backend("open-{b}-journal"), ", ingest journal")
     journal_latency: list[Verdict] = []
     if any(f"latency-{b}-journal" in files for b in BACKENDS):
-        journal_latency = latency_verdicts({b: results(f"latency-{b}-journal") for b in BACKENDS}, ", ingest journal")
+        journal_latency = latency_verdicts(by_backend("latency-{b}-journal"), ", ingest journal")
     return [
         *agent_verdicts(results("agent")),
-        *ingest_verdicts(results("closed"), {b: results(f"open-{b}") for b in BACKENDS}),
+        *ingest_verdicts(results("closed"), by_backend("open-{b}")),
         *journal_ingest,
         analysis_verdict(results("16k")),
-        *latency_verdicts({b: results(f"latency-{b}") for b in BACKENDS}),
+        *latency_verdicts(by_backend("latency-{b}")),
         *journal_latency,
     ]
 
