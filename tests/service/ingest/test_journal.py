@@ -8,8 +8,9 @@ import threading
 from pathlib import Path
 
 import pytest
-from sqlalchemy import func, select, text
+from sqlalchemy import text
 
+from tests.service.ingest.test_batch_writer import _count
 from trainvitals.service.ingest import journal as journal_module
 from trainvitals.service.ingest.batch_writer import BatchWriter
 from trainvitals.service.ingest.journal import IngestJournal, JournalError
@@ -97,11 +98,6 @@ def test_an_unusable_directory_is_one_line_naming_the_setting(tmp_path: Path) ->
     assert problem is not None and "TRAINVITALS_INGEST_JOURNAL_DIR" in problem and "\n" not in problem
     with pytest.raises(JournalError, match="not usable"):
         IngestJournal.open(blocker / "journal")
-
-
-def _count(factory, model) -> int:
-    with factory() as s:
-        return int(s.scalar(select(func.count()).select_from(model)) or 0)
 
 
 def test_a_known_runs_batch_is_acknowledged_from_the_journal_and_stored(sessions, tmp_path: Path) -> None:
