@@ -46,7 +46,7 @@ class Settings(BaseSettings):
     ingest_group_wait_ms: float | None = Field(
         None, ge=0, le=1000, description="how long a group-commit writer that found a small group waits for more "
         "batches before it writes (larger transactions cost the database less a record); default 5 on PostgreSQL, "
-        "0 on SQLite",
+        "0 on SQLite; with the ingest journal, at least 50 for a group of batches acknowledged from it",
     )
     ingest_synchronous_commit: bool = Field(
         False,

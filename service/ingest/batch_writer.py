@@ -43,6 +43,14 @@ refuses later (its incarnation fenced meanwhile, a value it cannot store) is cou
 ingest_counts as it would have been, and logged; one that fails for the database's sake (down,
 locked) is retried every second until stored, or replayed from the journal by the next start. Its
 acknowledgement says `duplicate: false`; the database still decides, and counts, duplicates.
+
+Nobody waits for the commit of a group of batches acknowledged from the journal, so its writer
+waits for a fuller group (`journal_group_wait_s`, 50 ms, to `full_group_records`) whatever the
+backend: below capacity the writers otherwise commit a batch or two at a time, and a
+transaction's fixed work is most of what they spend (SQLite at 100k records/s offered on a 2-core
+EPYC: groups of 1.6-3.8 batches and the writer 88-95% busy without the wait, 19-20 batches and
+52-64% busy with it). The first batch in the group that waits for its commit ends that wait as
+`group_wait_s` would (docs/performance.md, session 69).
 """
 
 from __future__ import annotations
@@ -84,6 +92,10 @@ FULL_GROUP_RECORDS = 4096
 """A group this large is written at once, without waiting for more: about 19 of the benchmark's
 batches (a rank's 4 steps of 48 FP8 tensors), past the 16 at which a group's fixed work is about a
 fifth of what the server spends on it."""
+JOURNAL_GROUP_WAIT_S = 0.05
+"""How long a writer whose group holds only batches acknowledged from the journal waits for more (the
+module docstring): a step reaches the database, the analysis and the screen up to this much later,
+against the agents' 2 s send interval."""
 JOURNAL_ACK_RECORDS = 65_536
 """Default backlog under which a batch is acknowledged from the journal: about 300 of the benchmark's
 batches, two thirds of a second at 100k records/s, so a crash of the host loses at most that."""
@@ -138,6 +150,7 @@ class BatchWriter:
         observe_group: Callable[[int, float], None] | None = None,
         journal: IngestJournal | None = None,
         journal_ack_records: int = JOURNAL_ACK_RECORDS,
+        journal_group_wait_s: float = JOURNAL_GROUP_WAIT_S,
     ) -> None:
         self._sessions = sessions
         self._observe_group = observe_group  # (batches, seconds) of each group written: /metrics
@@ -149,6 +162,7 @@ class BatchWriter:
         self._max_pending_records = max_pending_records
         self._journal = journal  # the module docstring, "Acknowledged from the journal"
         self._journal_ack_records = journal_ack_records
+        self._journal_group_wait_s = max(journal_group_wait_s, group_wait_s)
         self._stored_keys: set[tuple[str, int]] = set()  # (run key, incarnation) this process stored a batch of
         self._last_group_committed = True
         self._retry_at = 0.0  # monotonic time before which no group is written (after a database failure)
@@ -256,11 +270,16 @@ class BatchWriter:
             if first is None:
                 break
             group, records = [first], len(first.batch.records)
-            deadline = time.monotonic() + self._group_wait_s
+            gathering = time.monotonic()
+            # The module docstring, "Waiting for a group"; longer while nobody waits for this commit.
+            acked = first.future is None  # every batch so far acknowledged from the journal
+            deadline = gathering + (self._journal_group_wait_s if acked else self._group_wait_s)
             while records < self._max_group_records:
                 wait = 0.0
                 if records < self._full_group_records:  # wait while batches keep coming, to the deadline
-                    wait = min(deadline - time.monotonic(), self._group_wait_s * _NEXT_BATCH_WAIT)
+                    wait = deadline - time.monotonic()
+                    if not acked:
+                        wait = min(wait, self._group_wait_s * _NEXT_BATCH_WAIT)
                 try:
                     item = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
                 except queue.Empty:
@@ -270,6 +289,9 @@ class BatchWriter:
                     break
                 group.append(item)
                 records += len(item.batch.records)
+                if acked and item.future is not None:  # someone waits for this commit now
+                    acked = False
+                    deadline = min(deadline, gathering + self._group_wait_s)
             if (backoff := self._retry_at - time.monotonic()) > 0:  # the database failed a moment ago
                 time.sleep(backoff)
             started = time.perf_counter()

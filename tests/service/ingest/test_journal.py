@@ -120,6 +120,32 @@ def test_a_known_runs_batch_is_acknowledged_from_the_journal_and_stored(sessions
     assert _segments(tmp_path) == []  # every entry committed: nothing left to replay
 
 
+def test_batches_acknowledged_from_the_journal_wait_for_a_fuller_group_until_one_that_waits_comes(
+    sessions, tmp_path: Path
+) -> None:
+    """Nobody waits for the commit of batches acknowledged from the journal: the writer holds them
+    (here for up to 30 s) for a fuller group instead of committing each as it comes, which without a
+    group wait (group_wait_s 0, SQLite's default) it would. A batch that waits for its commit ends
+    that wait: it is stored at once, in the same transaction as the ones held."""
+    journal = IngestJournal.open(tmp_path)
+    writer = BatchWriter(sessions, journal=journal, group_wait_s=0.0, journal_group_wait_s=30.0)
+    try:
+        assert writer.submit(_batch(0, 0), project=None, body=_body(_batch(0, 0))).result(10).accepted == 2
+        assert writer.groups == 1
+        for seq in range(1, 4):
+            assert writer.submit(_batch(0, seq), project=None, body=_body(_batch(0, seq))).done()
+            threading.Event().wait(0.1)
+        threading.Event().wait(0.3)
+        assert _count(sessions, StepRow) == 2 and writer.groups == 1  # held: none of the three committed
+        waits = writer.submit(_batch(1, 0), project=None)  # another rank's first batch: answered after its commit
+        assert waits.result(10) == BatchAck(accepted=2, duplicate=False)  # long before the 30 s
+        assert writer.groups == 2  # the three held batches and this one, one transaction
+    finally:
+        writer.stop()
+        journal.close()
+    assert _count(sessions, StepRow) == 10 and _segments(tmp_path) == []
+
+
 def test_a_journaled_batch_survives_a_database_failure_and_is_stored_after_it(
     sessions, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
