@@ -797,7 +797,8 @@ def _collector_process(board: dash_b.Dashboard) -> dash_b.Dashboard:
             unit=p.SECONDS,
             description="Time to answer agent batches (POST /v1/batches), p50 and p99 over every collector process, "
             "from the request-duration histogram: a batch is answered after the commit that stores it, so this is "
-            "ingest latency including the database.",
+            "ingest latency including the database; with an ingest journal, a batch acknowledged from it is "
+            "answered before its commit (the panel \"Acknowledged before their commit\").",
             targets=[
                 p.prom(
                     f"histogram_quantile({q}, sum by (le) (rate(trainvitals_http_request_duration_seconds_bucket"
@@ -817,7 +818,9 @@ def _collector_process(board: dash_b.Dashboard) -> dash_b.Dashboard:
             "Write queue",
             unit=p.RECORDS,
             description="Records accepted and not yet committed, per collector process, against the limit past which "
-            "it answers 503 busy: a queue that stays near the limit means the database cannot keep up.",
+            "it answers 503 busy: a queue that stays near the limit means the database cannot keep up. With an "
+            "ingest journal, batches are acknowledged from it only while this queue is under "
+            "TRAINVITALS_INGEST_JOURNAL_ACK_RECORDS (65,536 by default): what a crash of the host can lose.",
             targets=[
                 p.prom("max by (instance) (trainvitals_ingest_queue_records)", legend="queued {{instance}}", ref="A"),
                 p.prom("max(trainvitals_ingest_queue_limit_records)", legend="limit", ref="B"),
@@ -888,6 +891,35 @@ def _collector_process(board: dash_b.Dashboard) -> dash_b.Dashboard:
             targets=[p.prom("max by (instance) (trainvitals_ingest_writers_busy_ratio)", legend="busy {{instance}}")],
             min_value=0,
             threshold=("green", 0.9, "orange"),
+            w=6,
+        )
+    )
+    board = board.with_panel(
+        p.timeseries(
+            812,
+            "Acknowledged before their commit",
+            unit=p.BATCHES_PER_SECOND,
+            description="With an ingest journal (serve --ingest-journal): batches per second each collector process "
+            "acknowledged once appended to its journal, before their commit, against all batch requests it "
+            "answered. Until their commit (the write queue panel) a crash of the host loses them; a crash of the "
+            "collector does not (the next start replays the journal). Journaled falling to 0 under load: the "
+            "writers' backlog is over TRAINVITALS_INGEST_JOURNAL_ACK_RECORDS, the database failed, or the "
+            "journal's disk refused a write (the collector logs it). No journaled line: no journal configured, "
+            "every batch is answered after its commit.",
+            targets=[
+                p.prom(
+                    "sum by (instance) (rate(trainvitals_ingest_journal_acks_total[$__rate_interval]))",
+                    legend="journaled {{instance}}",
+                    ref="A",
+                ),
+                p.prom(
+                    'sum by (instance) (rate(trainvitals_http_requests_total{route="/v1/batches", method="POST"}'
+                    "[$__rate_interval]))",
+                    legend="answered {{instance}}",
+                    ref="B",
+                ),
+            ],
+            min_value=0,
             w=6,
         )
     )

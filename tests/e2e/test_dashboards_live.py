@@ -1,11 +1,12 @@
 """Every dashboard panel and annotation, run for real: a real Prometheus, started with the project's
-scrape config and alert rules, scrapes a real collector (auth on, PostgreSQL) that real torchrun
-jobs feed, with faults injected: a straggler (a job of its own), and FP8 clipping from loss spikes,
-checkpoints with a declared MTBF, a declared plan (hardware) and a crash with a relaunch. Each query
-of each panel and annotation is sent to Prometheus's HTTP API with the dashboard's variables
-substituted, and must parse and return data; the expected alerts fire; the heatmap's SQL runs
-against the same run in PostgreSQL. The results are drawn as the preview pictures of
-docs/dashboards.md ($TRAINVITALS_PREVIEW_DIR: where to write them; a temporary directory otherwise).
+scrape config and alert rules, scrapes a real collector (auth on, PostgreSQL, an ingest journal)
+that real torchrun jobs feed, with faults injected: a straggler (a job of its own), and FP8 clipping
+from loss spikes, checkpoints with a declared MTBF, a declared plan (hardware) and a crash with a
+relaunch. Each query of each panel and annotation is sent to Prometheus's HTTP API with the
+dashboard's variables substituted, and must parse and return data; the expected alerts fire; the
+heatmap's SQL runs against the same run in PostgreSQL. The results are drawn as the preview pictures
+of docs/dashboards.md ($TRAINVITALS_PREVIEW_DIR: where to write them; a temporary directory
+otherwise).
 """
 
 from __future__ import annotations
@@ -150,7 +151,10 @@ def test_every_panel_and_annotation_returns_data_from_a_real_prometheus(
     empty_pg_url: str, tmp_path: Path, serve: Any
 ) -> None:
     port = _free_port()
-    collector = serve.start(empty_pg_url, port, tmp_path / "collector.log", auth=True, env=COLLECTOR_ENV)
+    # With an ingest journal, as a production collector may run: the panel of batches acknowledged
+    # from it has data, and every other panel must hold with it too.
+    env = {**COLLECTOR_ENV, "TRAINVITALS_INGEST_JOURNAL_DIR": str(tmp_path / "journal")}
+    collector = serve.start(empty_pg_url, port, tmp_path / "collector.log", auth=True, env=env)
     prom = None
     try:
         ingest = _cli("token", "create", "--db", empty_pg_url, "--project", PROJECT, "--scope", "ingest")
