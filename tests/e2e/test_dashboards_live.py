@@ -153,8 +153,8 @@ def test_every_panel_and_annotation_returns_data_from_a_real_prometheus(
     port = _free_port()
     # With an ingest journal, as a production collector may run: the panel of batches acknowledged
     # from it has data, and every other panel must hold with it too.
-    env = {**COLLECTOR_ENV, "TRAINVITALS_INGEST_JOURNAL_DIR": str(tmp_path / "journal")}
-    collector = serve.start(empty_pg_url, port, tmp_path / "collector.log", auth=True, env=env)
+    collector_env = {**COLLECTOR_ENV, "TRAINVITALS_INGEST_JOURNAL_DIR": str(tmp_path / "journal")}
+    collector = serve.start(empty_pg_url, port, tmp_path / "collector.log", auth=True, env=collector_env)
     prom = None
     try:
         ingest = _cli("token", "create", "--db", empty_pg_url, "--project", PROJECT, "--scope", "ingest")
