@@ -45,12 +45,12 @@ locked) is retried every second until stored, or replayed from the journal by th
 acknowledgement says `duplicate: false`; the database still decides, and counts, duplicates.
 
 Nobody waits for the commit of a group of batches acknowledged from the journal, so its writer
-waits for a fuller group (`journal_group_wait_s`, 50 ms, to `full_group_records`) whatever the
-backend: below capacity the writers otherwise commit a batch or two at a time, and a
-transaction's fixed work is most of what they spend (SQLite at 100k records/s offered on a 2-core
-EPYC: groups of 1.6-3.8 batches and the writer 88-95% busy without the wait, 19-20 batches and
-52-64% busy with it). The first batch in the group that waits for its commit ends that wait as
-`group_wait_s` would (docs/performance.md, session 69).
+waits for a fuller group (`journal_group_wait_s`, 50 ms, to `full_group_records`, as long as each
+next batch comes within half of it) whatever the backend: below capacity the writers otherwise
+commit a batch or two at a time, and a transaction's fixed work is most of what they spend (SQLite
+at 100k records/s offered on a 2-core EPYC: groups of 1.6-3.8 batches and the writer 88-95% busy
+without the wait, 19-20 batches and 52-64% busy with it). The first batch in the group that waits
+for its commit ends that wait as `group_wait_s` would (docs/performance.md, session 69).
 """
 
 from __future__ import annotations
@@ -84,18 +84,20 @@ log = logging.getLogger(__name__)
 
 _INLINE_ROWS_MAX = 4096
 _NEXT_BATCH_WAIT = 0.5
-"""Of group_wait_s: the longest a waiting writer waits for the next batch. A flow that pauses this
-long (a closed loop whose senders all wait for answers) is written at once instead of idling to the
-end of the wait, which cost such a loop 12% of its throughput; 0.5 kept most of the wait's saving
-at 100k records/s offered (docs/performance.md, session 51)."""
+"""Of the group wait (group_wait_s; journal_group_wait_s for batches acknowledged from the journal):
+the longest a waiting writer waits for the next batch. A flow that pauses this long (a closed loop
+whose senders all wait for answers) is written at once instead of idling to the end of the wait,
+which cost such a loop 12% of its throughput; 0.5 kept most of the wait's saving at 100k records/s
+offered (docs/performance.md, session 51). Journaled batches at a low rate (a few ranks every 2 s)
+reach the database 25 ms after the last of them instead of 50 ms after the first (session 73)."""
 FULL_GROUP_RECORDS = 4096
 """A group this large is written at once, without waiting for more: about 19 of the benchmark's
 batches (a rank's 4 steps of 48 FP8 tensors), past the 16 at which a group's fixed work is about a
 fifth of what the server spends on it."""
 JOURNAL_GROUP_WAIT_S = 0.05
 """How long a writer whose group holds only batches acknowledged from the journal waits for more (the
-module docstring): a step reaches the database, the analysis and the screen up to this much later,
-against the agents' 2 s send interval."""
+module docstring), while each next batch comes within half of it: a step reaches the database, the
+analysis and the screen up to this much later, against the agents' 2 s send interval."""
 JOURNAL_ACK_RECORDS = 65_536
 """Default backlog under which a batch is acknowledged from the journal: about 300 of the benchmark's
 batches, two thirds of a second at 100k records/s, so a crash of the host loses at most that."""
@@ -277,9 +279,7 @@ class BatchWriter:
             while records < self._max_group_records:
                 wait = 0.0
                 if records < self._full_group_records:  # wait while batches keep coming, to the deadline
-                    wait = deadline - time.monotonic()
-                    if not acked:
-                        wait = min(wait, self._group_wait_s * _NEXT_BATCH_WAIT)
+                    wait = min(deadline - time.monotonic(), self._next_batch_wait_s(acked))
                 try:
                     item = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
                 except queue.Empty:
@@ -301,6 +301,11 @@ class BatchWriter:
                     self._observe_group(len(group), time.perf_counter() - started)
             with self._lock:
                 self._pending_records -= records
+
+    def _next_batch_wait_s(self, acked: bool) -> float:
+        """How long a gathering writer waits for the next batch (the module docstring, "Waiting for a
+        group"): a flow that pauses longer is written, whether or not anyone waits for the commit."""
+        return (self._journal_group_wait_s if acked else self._group_wait_s) * _NEXT_BATCH_WAIT
 
     def _write(self, group: list[_Pending], name: str) -> Exception | None:
         """Store the group and answer it; the database's failure, when it failed for its own sake

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -144,6 +145,31 @@ def test_batches_acknowledged_from_the_journal_wait_for_a_fuller_group_until_one
         writer.stop()
         journal.close()
     assert _count(sessions, StepRow) == 10 and _segments(tmp_path) == []
+
+
+def test_batches_acknowledged_from_the_journal_are_written_once_the_flow_pauses_for_half_the_wait(
+    sessions, tmp_path: Path
+) -> None:
+    """The fuller group is worth waiting for only while batches keep coming: when none comes within
+    half the group wait (here 2 of 4 s) the held ones are written, as a lone batch at a low rate is,
+    rather than held to the end of the wait (which delayed every step to screen by all of it)."""
+    journal = IngestJournal.open(tmp_path)
+    writer = BatchWriter(sessions, journal=journal, group_wait_s=0.0, journal_group_wait_s=4.0)
+    try:
+        assert writer.submit(_batch(0, 0), project=None, body=_body(_batch(0, 0))).result(10).accepted == 2
+        submitted = time.monotonic()
+        assert writer.submit(_batch(0, 1), project=None, body=_body(_batch(0, 1))).done()
+        threading.Event().wait(1.0)
+        assert _count(sessions, StepRow) == 2  # held for a fuller group: the next batch may still come
+        while _count(sessions, StepRow) < 4 and time.monotonic() - submitted < 10:
+            threading.Event().wait(0.05)
+        written = time.monotonic() - submitted
+        assert writer.groups == 2
+        assert 1.9 < written < 3.5  # after the 2 s pause, well before the 4 s wait's end
+    finally:
+        writer.stop()
+        journal.close()
+    assert _segments(tmp_path) == []
 
 
 def test_a_journaled_batch_survives_a_database_failure_and_is_stored_after_it(
